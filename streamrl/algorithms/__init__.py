@@ -1,0 +1,63 @@
+"""The algorithm core: pure, vectorised tensor functions for the GRPO family, DAPO and VAPO.
+
+No I/O, no models, no distributed state beyond an optional process group for global
+statistics. Every formula follows ALGORITHMS.md; each module's docstring names its paper.
+"""
+
+from streamrl.algorithms.advantages import (
+    broadcast_to_tokens,
+    dr_grpo_advantages,
+    gae,
+    gpg_advantages,
+    groups_with_signal,
+    grpo_advantages,
+    length_adaptive_lambda,
+    outcome_token_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    vapo_advantages,
+)
+from streamrl.algorithms.kl import ema_update_, kl_estimate
+from streamrl.algorithms.logits import entropy_from_logits, token_logprobs
+from streamrl.algorithms.losses import (
+    aggregate,
+    explained_variance,
+    importance_weights,
+    pg_loss,
+    positive_nll_loss,
+    ppo_policy_loss,
+    value_loss,
+)
+from streamrl.algorithms.masked import masked_mean, masked_sum, masked_whiten
+from streamrl.algorithms.shaping import overlong_filter_mask, overlong_penalty, scale_rule_reward
+
+__all__ = [
+    "aggregate",
+    "broadcast_to_tokens",
+    "dr_grpo_advantages",
+    "ema_update_",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "gpg_advantages",
+    "groups_with_signal",
+    "grpo_advantages",
+    "importance_weights",
+    "kl_estimate",
+    "length_adaptive_lambda",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "outcome_token_rewards",
+    "overlong_filter_mask",
+    "overlong_penalty",
+    "pg_loss",
+    "positive_nll_loss",
+    "ppo_policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "scale_rule_reward",
+    "token_logprobs",
+    "value_loss",
+    "vapo_advantages",
+]

@@ -1,0 +1,325 @@
+"""Policy, value and auxiliary losses with importance correction and exact aggregation.
+
+Policy loss (PPO, Schulman et al. 1707.06347, with DAPO's Clip-Higher, arXiv 2503.14476 §3.1,
+and the dual clip of Ye et al. 1912.09729), per token, to be minimised:
+
+    r      = exp(logp_θ − logp_prox)
+    ℓ_clip = −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)
+    ℓ_clip = min(ℓ_clip, −c·A)                         where A < 0 (dual clip)
+    w      = exp(logp_prox − logp_behav), detached       (behaviour mismatch and staleness)
+             tis: w ← min(w, C);  mask: m ← m·[w ≤ C];  none: w ← 1
+    ℓ      = w · ℓ_clip
+
+logp_prox is the learner's log-prob under the weights at the start of the step; with one
+optimiser update per batch it may be logp_θ.detach() (r = 1, same gradient).
+
+Aggregation over the optimiser (mini-)batch:
+
+* token-mean: Σ_{i,t} m·ℓ / (tokens in the whole mini-batch, all micro-batches and ranks)
+* seq-mean-token-mean: Σ_i (Σ_t m·ℓ / Σ_t m) / (responses in the whole mini-batch)
+* seq-mean-token-sum-norm: Σ_{i,t} m·ℓ / (responses in the whole mini-batch · L_max)
+
+Pass the global counts (`num_tokens`, `num_seqs`) and every micro-batch loss is an exact share
+of the full-batch loss: summing the micro-batch losses (and the ranks' gradients) reproduces
+it. Without them the counts of the tensors at hand are used.
+
+Denominator convention for `importance="mask"`: tokens rejected by the IS mask contribute 0
+to the numerator but still count in the denominator (they are rejected samples of the batch,
+known only after the forward pass, while the denominator must be fixed before it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from streamrl.algorithms.masked import masked_mean
+
+__all__ = [
+    "Aggregation",
+    "ImportanceMode",
+    "aggregate",
+    "explained_variance",
+    "importance_weights",
+    "pg_loss",
+    "positive_nll_loss",
+    "ppo_policy_loss",
+    "value_loss",
+]
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ImportanceMode = Literal["tis", "mask", "none"]
+Metrics = dict[str, Tensor]
+
+
+def aggregate(
+    loss: Tensor,
+    mask: Tensor,
+    mode: Aggregation,
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    max_len: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss `[N, T]` to a scalar.
+
+    Args:
+        loss: `[N, T]` per-token loss ℓ.
+        mask: `[N, T]` tokens that count.
+        mode: see the module docstring.
+        num_tokens: token-mean denominator — valid tokens in the whole optimiser mini-batch,
+            all micro-batches and ranks. Default: `mask.sum()`.
+        num_seqs: sequence denominator — responses in the whole mini-batch. Default: rows of
+            `mask` with at least one valid token (seq-mean-token-mean) or all rows (sum-norm).
+        max_len: L_max for seq-mean-token-sum-norm (the generator's max_tokens); default T.
+    """
+    mask = mask.float()
+    weighted = loss.float() * mask
+    if mode == "token-mean":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return weighted.sum() / torch.as_tensor(denom, dtype=torch.float32).clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        tokens_per_seq = mask.sum(-1)
+        seq_means = weighted.sum(-1) / tokens_per_seq.clamp(min=1.0)
+        denom = (tokens_per_seq > 0).sum() if num_seqs is None else num_seqs
+        return seq_means.sum() / torch.as_tensor(denom, dtype=torch.float32).clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        denom_seqs = mask.shape[0] if num_seqs is None else num_seqs
+        length = mask.shape[-1] if max_len is None else max_len
+        denom = torch.as_tensor(denom_seqs, dtype=torch.float32).clamp(min=1.0) * length
+        return weighted.sum() / denom
+    raise ValueError(
+        f"unknown aggregation {mode!r}; use token-mean, seq-mean-token-mean or "
+        "seq-mean-token-sum-norm"
+    )
+
+
+def importance_weights(
+    logp_prox: Tensor,
+    logp_behav: Tensor | None,
+    mask: Tensor,
+    mode: ImportanceMode,
+    cap: float,
+) -> tuple[Tensor, Tensor, Metrics]:
+    """Behaviour-mismatch correction w = exp(logp_prox − logp_behav), detached.
+
+    Args:
+        logp_prox, logp_behav: `[N, T]` log-probs of the sampled tokens under the proximal
+            (learner) and behaviour (generator) policies. `logp_behav=None` means on-policy.
+        mask: `[N, T]` response mask.
+        mode: "tis" truncates w at `cap`; "mask" drops tokens with w > cap from the loss;
+            "none" uses w = 1.
+
+    Returns `(w [N, T], mask [N, T], metrics)` with the mask possibly narrowed.
+    Metrics: actor/is_weight_mean (raw w, token mean) and actor/is_clip_frac (share of tokens
+    with w > cap).
+    """
+    mask = mask.float()
+    if logp_behav is None:
+        raw = torch.ones_like(mask)
+    else:
+        raw = torch.exp(logp_prox.detach().float() - logp_behav.detach().float())
+    over_cap = (raw > cap).float()
+    metrics = {
+        "actor/is_weight_mean": masked_mean(raw, mask).detach(),
+        "actor/is_clip_frac": masked_mean(over_cap, mask).detach(),
+    }
+    if mode == "tis":
+        return raw.clamp(max=cap), mask, metrics
+    if mode == "mask":
+        return raw, mask * (1.0 - over_cap), metrics
+    if mode == "none":
+        return torch.ones_like(raw), mask, metrics
+    raise ValueError(f"unknown importance mode {mode!r}; use tis, mask or none")
+
+
+def ppo_policy_loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    logp_behav: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    importance: ImportanceMode = "tis",
+    importance_cap: float = 2.0,
+    aggregation: Aggregation = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Decoupled-clip (Clip-Higher) PPO loss with dual clip and importance correction.
+
+    Args:
+        logp: `[N, T]` log π_θ of the sampled tokens, with grad.
+        logp_prox: `[N, T]` log π_prox (weights at the start of the step), no grad.
+        logp_behav: `[N, T]` log π_behav stored by the generator, or None (on-policy).
+        advantages: `[N, T]` per-token advantages.
+        mask: `[N, T]` response mask (overlong filtering already applied).
+        clip_low, clip_high: ε_low, ε_high.
+        dual_clip: c > 1 bounds the loss of negative-advantage tokens at −c·A; None disables.
+        importance, importance_cap: behaviour-mismatch correction and its cap C.
+        aggregation, num_tokens, num_seqs, max_len: see `aggregate`.
+
+    Returns `(loss, metrics)`; metrics are token means over this micro-batch's mask:
+    actor/pg_loss, actor/clip_frac (tokens where the clipped branch is taken),
+    actor/dual_clip_frac, actor/ppo_kl (logp_prox − logp_θ), actor/is_weight_mean,
+    actor/is_clip_frac.
+    """
+    mask = mask.float()
+    weights, loss_mask, metrics = importance_weights(
+        logp_prox, logp_behav, mask, importance, importance_cap
+    )
+    advantages = advantages.float()
+    log_ratio = logp.float() - logp_prox.detach().float()
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clip_taken = clipped > unclipped
+    per_token = torch.where(clip_taken, clipped, unclipped)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_taken = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_taken, bound, per_token)
+    else:
+        dual_taken = torch.zeros_like(clip_taken)
+    per_token = weights * per_token
+    loss = aggregate(
+        per_token,
+        loss_mask,
+        aggregation,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_len=max_len,
+    )
+    metrics.update(
+        {
+            "actor/pg_loss": loss.detach(),
+            "actor/clip_frac": masked_mean(clip_taken.float(), mask).detach(),
+            "actor/dual_clip_frac": masked_mean(dual_taken.float(), mask).detach(),
+            "actor/ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        }
+    )
+    return loss, metrics
+
+
+def pg_loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    logp_behav: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    importance: ImportanceMode = "tis",
+    importance_cap: float = 2.0,
+    aggregation: Aggregation = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Plain policy-gradient loss (GPG): ℓ = −w · A · logp_θ, no ratio, no clip.
+
+    GPG itself is on-policy; w = exp(logp_prox − logp_behav) (capped per `importance`) is the
+    streaming system's correction for stale behaviour data, 1 when `logp_behav` is None.
+    Shapes and aggregation as in `ppo_policy_loss`.
+    """
+    mask = mask.float()
+    weights, loss_mask, metrics = importance_weights(
+        logp_prox, logp_behav, mask, importance, importance_cap
+    )
+    per_token = -weights * advantages.float() * logp.float()
+    loss = aggregate(
+        per_token,
+        loss_mask,
+        aggregation,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_len=max_len,
+    )
+    metrics["actor/pg_loss"] = loss.detach()
+    metrics["actor/ppo_kl"] = masked_mean(logp_prox.float() - logp.float(), mask).detach()
+    return loss, metrics
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    *,
+    clip: float = 0.5,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Clipped value loss (PPO / VAPO), token-mean:
+
+        ½ · max((V − V_tgt)², (V_old + clip(V − V_old, −ε_v, ε_v) − V_tgt)²)
+
+    Args:
+        values: `[N, T]` current critic values, with grad.
+        old_values: `[N, T]` critic values when the batch was scored (no grad).
+        targets: `[N, T]` value targets V_tgt.
+        clip: ε_v.
+        num_tokens: tokens in the whole mini-batch (all micro-batches and ranks).
+
+    Returns `(loss, metrics)`: critic/vf_loss, critic/vf_clip_frac, critic/explained_var.
+    """
+    values = values.float()
+    old_values = old_values.detach().float()
+    targets = targets.detach().float()
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    plain = (values - targets) ** 2
+    clipped = (clipped_values - targets) ** 2
+    per_token = 0.5 * torch.maximum(plain, clipped)
+    loss = aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)
+    metrics = {
+        "critic/vf_loss": loss.detach(),
+        "critic/vf_clip_frac": masked_mean((clipped > plain).float(), mask).detach(),
+        "critic/explained_var": explained_variance(values.detach(), targets, mask),
+    }
+    return loss, metrics
+
+
+def positive_nll_loss(
+    logp: Tensor,
+    mask: Tensor,
+    positive: Tensor,
+    *,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """VAPO positive-example LM loss: token-mean of −logp_θ over responses with a correct answer.
+
+    Args:
+        logp: `[N, T]` log π_θ of the sampled tokens, with grad.
+        mask: `[N, T]` response mask.
+        positive: `[N]` bool, the response's answer is correct.
+        num_tokens: valid tokens of *positive* responses in the whole mini-batch.
+
+    Returns `(loss, {"actor/nll_loss": ...})`; 0 when no response is positive.
+    """
+    positive_mask = mask.float() * positive.float().unsqueeze(-1)
+    loss = aggregate(-logp.float(), positive_mask, "token-mean", num_tokens=num_tokens)
+    return loss, {"actor/nll_loss": loss.detach()}
+
+
+def explained_variance(values: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """1 − Var(V_tgt − V) / Var(V_tgt) over masked tokens (detached scalar).
+
+    1 is a perfect critic, 0 no better than a constant, negative worse. Returns 0 when the
+    targets have no variance (the ratio is undefined there).
+    """
+    mask = mask.float()
+    values = values.detach().float()
+    targets = targets.detach().float()
+
+    def var(x: Tensor) -> Tensor:
+        mean = masked_mean(x, mask)
+        return masked_mean((x - mean) ** 2, mask)
+
+    var_targets = var(targets)
+    defined = var_targets > 1e-12
+    ratio = var(targets - values) / var_targets.clamp(min=1e-12)
+    return torch.where(defined, 1.0 - ratio, torch.zeros_like(ratio))

@@ -1,0 +1,97 @@
+"""Masked and grouped reductions shared by advantages and losses.
+
+Layout used throughout `streamrl.algorithms`:
+
+* A batch holds N responses, right-padded to T tokens: per-token tensors are `[N, T]` and a
+  `mask: [N, T]` (bool or 0/1 float) marks the tokens that count.
+* Responses belong to groups (one prompt, G samples). `group_index: [N] int64` gives each
+  response's group as a dense id in `0 .. num_groups - 1`. Groups need not be contiguous or of
+  equal size, so a batch may mix group sizes and G = 1 is legal.
+
+Everything here is vectorised (scatter/index_add over groups, no Python loops over samples)
+and computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "group_count",
+    "group_mean",
+    "group_std",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+]
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Σ x·mask over all elements. `x, mask: [N, T]` → scalar float32."""
+    return (x.float() * mask.float()).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Σ x·mask / Σ mask (0 when the mask is empty, never NaN). `x, mask: [N, T]` → scalar."""
+    mask = mask.float()
+    return masked_sum(x, mask) / mask.sum().clamp(min=1.0)
+
+
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    eps: float = 1e-8,
+    process_group: torch.distributed.ProcessGroup | None = None,
+) -> Tensor:
+    """(x − μ) / sqrt(σ² + eps) with μ, σ² the mean and unbiased variance over masked elements.
+
+    Args:
+        x: `[N, T]` values.
+        mask: `[N, T]` which elements enter the statistics and the output.
+        process_group: when given (and torch.distributed is initialised), μ and σ² are taken
+            over the masked elements of *all ranks* — "normalised over the whole global batch".
+            Two all-reduces of tiny tensors; the result is identical to whitening the
+            concatenated batch.
+
+    Returns `[N, T]` float32, zero where `mask` is 0.
+    """
+    mask = mask.float()
+    x = x.float()
+    # Two passes (mean, then squared deviations) for accuracy; two tiny all-reduces when global.
+    first = torch.stack([(x * mask).sum(), mask.sum()])
+    if process_group is not None:
+        torch.distributed.all_reduce(first, group=process_group)
+    total, count = first.unbind()
+    mean = total / count.clamp(min=1.0)
+    sq_dev = (((x - mean) ** 2) * mask).sum()
+    if process_group is not None:
+        torch.distributed.all_reduce(sq_dev, group=process_group)
+    var = sq_dev / (count - 1.0).clamp(min=1.0)
+    return (x - mean) * torch.rsqrt(var.clamp(min=0.0) + eps) * mask
+
+
+def group_count(group_index: Tensor, num_groups: int) -> Tensor:
+    """Responses per group. `group_index: [N] int64` → `[num_groups]` float32."""
+    ones = torch.ones_like(group_index, dtype=torch.float32)
+    return torch.zeros(num_groups, device=group_index.device).index_add_(0, group_index, ones)
+
+
+def group_mean(values: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+    """Mean of `values: [N]` over each group → `[num_groups]` float32 (0 for empty groups)."""
+    values = values.float()
+    sums = torch.zeros(num_groups, device=values.device).index_add_(0, group_index, values)
+    return sums / group_count(group_index, num_groups).clamp(min=1.0)
+
+
+def group_std(values: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+    """Unbiased (N − 1) standard deviation of `values: [N]` per group → `[num_groups]`.
+
+    Matches `torch.std` per group; groups of one response get 0 (not NaN).
+    """
+    values = values.float()
+    mean = group_mean(values, group_index, num_groups)
+    sq_dev = (values - mean[group_index]) ** 2
+    sums = torch.zeros(num_groups, device=values.device).index_add_(0, group_index, sq_dev)
+    dof = (group_count(group_index, num_groups) - 1.0).clamp(min=1.0)
+    return torch.sqrt(sums / dof)

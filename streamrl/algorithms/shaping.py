@@ -1,0 +1,77 @@
+"""Reward shaping: rule-reward scaling, DAPO overlong reward shaping and overlong filtering.
+
+DAPO (Yu et al., arXiv 2503.14476), §3.4:
+
+* The rule reward is +1 for a correct final answer and −1 otherwise; 0/1 is also offered.
+* Soft overlong punishment (eq. 13), added to the rule reward, with L_max the maximum response
+  length and L_cache the soft buffer:
+
+      R_len(|o|) = 0                                   if |o| ≤ L_max − L_cache
+                 = ((L_max − L_cache) − |o|) / L_cache  if L_max − L_cache < |o| ≤ L_max
+                 = −1                                  if |o| > L_max
+
+* Overlong filtering: truncated responses are masked out of the loss (they still count in
+  rollout metrics).
+
+The generator applies these when it scores a group; the learner only sees shaped rewards.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["RewardScale", "overlong_filter_mask", "overlong_penalty", "scale_rule_reward"]
+
+RewardScale = Literal["plus_minus_one", "zero_one"]
+
+
+def scale_rule_reward(correct: Tensor, scale: RewardScale = "plus_minus_one") -> Tensor:
+    """Map a verifier's correctness to the rule reward.
+
+    Args:
+        correct: `[N]` bool, or float in [0, 1] (a partial score is mapped linearly).
+        scale: "plus_minus_one" → correct +1 / incorrect −1 (DAPO); "zero_one" → 1 / 0.
+
+    Returns `[N]` float32.
+    """
+    score = correct.float()
+    if scale == "plus_minus_one":
+        return 2.0 * score - 1.0
+    if scale == "zero_one":
+        return score
+    raise ValueError(f"unknown reward scale {scale!r}; use 'plus_minus_one' or 'zero_one'")
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+    """DAPO soft overlong punishment R_len (eq. 13), to be *added* to the rule reward.
+
+    Args:
+        lengths: `[N]` response lengths |o| in tokens (int or float).
+        max_len: L_max, the maximum response length (the generator's max_tokens).
+        cache_len: L_cache, the soft buffer; 0 < L_cache ≤ L_max.
+
+    Returns `[N]` float32 in [−1, 0].
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"overlong cache_len must be in (0, max_len={max_len}], got {cache_len}")
+    lengths = lengths.float()
+    soft_start = max_len - cache_len
+    ramp = (soft_start - lengths) / cache_len
+    penalty = torch.where(lengths <= soft_start, torch.zeros_like(lengths), ramp)
+    return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), penalty)
+
+
+def overlong_filter_mask(mask: Tensor, truncated: Tensor) -> Tensor:
+    """Drop truncated responses from the loss: m ← m · (1 − truncated).
+
+    Args:
+        mask: `[N, T]` response-token mask.
+        truncated: `[N]` bool, True where generation hit max_tokens without finishing.
+
+    Returns `[N, T]` mask of the same dtype as `mask`.
+    """
+    keep = (~truncated.bool()).unsqueeze(-1)
+    return mask * keep.to(mask.dtype)

@@ -1,0 +1,610 @@
+"""Typed run configuration: one pydantic model per component, composed into `RunConfig`.
+
+A configuration is built in layers, later layers winning key by key (`deep_merge`):
+
+1. the field defaults below (a DAPO run of the bundled SmolLM2 model on CPU);
+2. presets, by name (`streamrl/presets/<name>.yaml`) or path, in the order given; a preset may
+   itself `extends:` others;
+3. a user YAML file (which may also say `extends: [dapo, tiny-cpu]`);
+4. dotted command-line overrides: `learner.lr=1e-6 algorithm.name=grpo`.
+
+Validation runs once on the merged result. Every problem is reported together, each naming the
+field (`learner.lr`) and what to do about it; see `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from streamrl._dicts import deep_merge
+from streamrl.algorithms.config import (
+    ALGORITHM_CLASSES,
+    ALGORITHM_NAMES,
+    AlgorithmConfig,
+    DAPOConfig,
+)
+
+__all__ = [
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "GeneratorConfig",
+    "LearnerConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RunConfig",
+    "StorageConfig",
+    "available_presets",
+    "load_config",
+    "parse_overrides",
+    "validate_config",
+]
+
+
+class _Component(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Components
+# --------------------------------------------------------------------------------------------
+
+
+class CriticConfig(_Component):
+    """The value model (VAPO): the policy's backbone with a scalar head."""
+
+    init_from: str = Field(
+        "policy",
+        min_length=1,
+        description="'policy' to start from the policy's weights, or a path to a reward model.",
+    )
+
+
+class ModelConfig(_Component):
+    """The policy model, shared by generators and the learner."""
+
+    path: str = Field(
+        "smollm2-135m-instruct",
+        min_length=1,
+        description="Hugging Face model directory (local or fsspec URL), or a bundled model "
+        "prepared by `streamrl models prepare`: tiny-qwen2, smollm2-135m-instruct.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory when it differs from `path`."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16",
+        description="Parameter dtype for generation and the learner's compute. float32 makes "
+        "generator and learner log-probs agree exactly on CPU.",
+    )
+    max_model_len: int = Field(
+        2048, gt=0, description="Longest prompt + response in tokens (vLLM max_model_len)."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow model code from the model directory (transformers/vLLM)."
+    )
+    critic: CriticConfig | None = Field(
+        None, description="Value model; required by vapo, unused (and rejected) otherwise."
+    )
+
+
+class DataConfig(_Component):
+    """The prompt dataset."""
+
+    path: str = Field(
+        "builtin:arithmetic",
+        min_length=1,
+        description="JSONL or Parquet file (local or fsspec URL, e.g. s3://...), or a bundled "
+        "dataset: builtin:arithmetic, builtin:math.",
+    )
+    format: Literal["auto", "jsonl", "parquet"] = Field(
+        "auto", description="File format; auto infers it from the extension."
+    )
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="Field with the prompt: a string or a list of chat messages (verl layout). "
+        "Dotted paths reach into nested fields.",
+    )
+    answer_field: str = Field(
+        "reward_model.ground_truth",
+        min_length=1,
+        description="Field with the ground-truth answer (dotted path; verl/DAPO-Math-17k layout "
+        "by default).",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message prepended to every prompt, if any."
+    )
+    apply_chat_template: bool = Field(
+        True, description="Format prompts with the tokenizer's chat template."
+    )
+    max_prompt_len: int = Field(
+        512, gt=0, description="Prompts longer than this many tokens are dropped and counted."
+    )
+    shuffle_seed: int = Field(
+        0, ge=0, description="Seed of the per-epoch shuffle (deterministic across restarts)."
+    )
+    val_path: str | None = Field(
+        None, description="Held-out validation set (same layout), for evaluation."
+    )
+
+
+class RewardConfig(_Component):
+    """The verifiable reward function a generator scores responses with."""
+
+    fn: str = Field(
+        "math",
+        description="A registered reward name (math, format, ...) or a user function by import "
+        "path 'package.module:function'.",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0.0, description="Per-call time limit; a response that exceeds it scores wrong."
+    )
+    workers: int = Field(2, ge=1, description="Processes scoring responses in parallel.")
+
+    @field_validator("fn")
+    @classmethod
+    def _fn_is_name_or_import_path(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?", value):
+            raise ValueError(
+                f"{value!r} is neither a reward name (e.g. 'math') nor an import path "
+                "'package.module:function'"
+            )
+        return value
+
+
+class GeneratorConfig(_Component):
+    """vLLM generators: sampling, scoring and writing to the replay stream."""
+
+    group_size: int = Field(8, ge=1, description="G: responses sampled per prompt (vLLM n).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    max_tokens: int = Field(
+        1024, gt=0, description="L_max: the longest response in tokens; longer ones truncate."
+    )
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings.")
+    seed: int = Field(0, ge=0, description="Engine seed (per generator: seed + index).")
+    count: int = Field(1, ge=1, description="Number of generators a run starts.")
+    prompts_in_flight: int = Field(
+        32, ge=1, description="Prompts submitted to the engine and not yet finished."
+    )
+    segment_groups: int = Field(
+        16, ge=1, description="Write a stream segment after this many scored groups..."
+    )
+    segment_seconds: float = Field(
+        30.0, gt=0.0, description="...or after this many seconds, whichever comes first."
+    )
+    weight_poll_s: float = Field(
+        10.0, gt=0.0, description="How often to look for newly published weights."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto picks CUDA when available, else vLLM's CPU build."
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=1.0, description="Share of GPU memory vLLM may take (CUDA)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per generator engine (CUDA).")
+    cpu_kv_cache_gib: int = Field(
+        1, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."
+    )
+    enforce_eager: bool = Field(
+        False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="The reward function and its sandbox."
+    )
+
+
+class LearnerConfig(_Component):
+    """The FSDP2 learner: batching, optimiser, staleness, publishing and checkpoints."""
+
+    total_steps: int = Field(100, ge=1, description="Step budget; the run ends after it.")
+    batch_groups: int = Field(
+        16, ge=1, description="B: accepted groups (prompts) per training batch."
+    )
+    mini_batch_groups: int = Field(
+        16,
+        ge=1,
+        description="Groups per optimiser update; batch_groups / mini_batch_groups updates "
+        "per batch.",
+    )
+    micro_batch_tokens: int = Field(
+        8192, gt=0, description="Token budget of one forward/backward micro-batch per rank."
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Drop groups sampled more than this many weight versions ago; 0 is "
+        "synchronous on-policy RL.",
+    )
+    lr: float = Field(1e-6, gt=0.0, description="Actor peak learning rate (AdamW).")
+    critic_lr: float = Field(2e-6, gt=0.0, description="Critic peak learning rate (vapo).")
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW β1, β2.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW ε.")
+    warmup_steps: int = Field(10, ge=0, description="Linear learning-rate warm-up steps.")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after warm-up."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of the peak lr."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this; null disables."
+    )
+    publish_every: int = Field(
+        1, ge=1, description="Publish weights every K steps (each publication is a version)."
+    )
+    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every M steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Committed checkpoints retained.")
+    stream_timeout_s: float = Field(
+        600.0, gt=0.0, description="Fail when the stream yields no data for this long."
+    )
+    nproc_per_node: int = Field(1, ge=1, description="Learner processes (ranks) per node.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto picks CUDA when available."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="FSDP2 compute dtype; auto is bf16 on CUDA (fp32 reduce), fp32 on CPU."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute decoder-layer activations in the backward pass."
+    )
+    logprob_chunk_tokens: int = Field(
+        1024, gt=0, description="Tokens per chunk for log-prob/entropy over the vocabulary."
+    )
+    seed: int = Field(0, ge=0, description="Seed for parameter init and data order.")
+
+    @model_validator(mode="after")
+    def _mini_batches_divide_the_batch(self) -> LearnerConfig:
+        if self.batch_groups % self.mini_batch_groups:
+            raise ValueError(
+                f"batch_groups ({self.batch_groups}) must be a multiple of mini_batch_groups "
+                f"({self.mini_batch_groups}); e.g. set learner.mini_batch_groups="
+                f"{self.batch_groups}"
+            )
+        return self
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimiser updates taken on each training batch."""
+        return self.batch_groups // self.mini_batch_groups
+
+
+_SECRET_KEYS = frozenset(
+    {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key"}
+)
+
+
+class StorageConfig(_Component):
+    """Where the run lives: a local directory or an s3:// prefix."""
+
+    run_uri: str = Field(
+        "./runs/default",
+        min_length=1,
+        description="Root of the run: ./runs/<name> or s3://bucket/prefix/<name>.",
+    )
+    endpoint_url: str | None = Field(
+        None,
+        description="S3 endpoint for S3-compatible stores (SeaweedFS, MinIO); default AWS or "
+        "AWS_ENDPOINT_URL.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra fsspec/s3fs options (not credentials: those come from the "
+        "environment, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or an AWS profile).",
+    )
+    compression: Literal["zstd", "blosc", "none"] = Field(
+        "zstd", description="Codec for replay-stream segments."
+    )
+    compression_level: int = Field(3, ge=0, le=22, description="Codec level.")
+    weight_shard_bytes: int = Field(
+        2 * 1024**3, gt=0, description="Largest safetensors shard of a published version."
+    )
+    keep_weight_versions: int = Field(
+        3, ge=1, description="Published versions retained (LATEST is never deleted)."
+    )
+    sweep_grace_s: float = Field(
+        3600.0, gt=0.0, description="Uncommitted segments older than this are garbage."
+    )
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
+        leaked = sorted(k for k in options if k.lower() in _SECRET_KEYS)
+        if leaked:
+            raise ValueError(
+                f"credentials in storage_options ({', '.join(leaked)}) would be written into "
+                "run.json; pass them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS "
+                "profile instead"
+            )
+        return options
+
+
+class LoggingConfig(_Component):
+    """Metrics and logs: wandb, a JSONL file in the run, the console."""
+
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="auto: online when WANDB_API_KEY is set, else offline."
+    )
+    wandb_project: str = Field("streamrl", min_length=1, description="wandb project.")
+    wandb_entity: str | None = Field(None, description="wandb entity (team or user).")
+    run_name: str | None = Field(
+        None, description="Display name; default: the last component of storage.run_uri."
+    )
+    log_every: int = Field(1, ge=1, description="Log metrics every N learner steps.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Console log level."
+    )
+
+
+class RunConfig(_Component):
+    """Everything one streamrl run needs; written once to `<run>/run.json`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt dataset.")
+    generator: GeneratorConfig = Field(
+        default_factory=GeneratorConfig, description="Sampling, scoring, stream writing."
+    )
+    learner: LearnerConfig = Field(
+        default_factory=LearnerConfig, description="Training, publishing, checkpoints."
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=DAPOConfig, description="The RL algorithm (discriminated by name)."
+    )
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Run location and storage options."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm_name(cls, data: Any) -> Any:
+        """`algorithm: {clip_high: 0.3}` without a name refines the default algorithm (dapo)."""
+        if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
+            data = {**data, "algorithm": {"name": DAPOConfig().name, **data["algorithm"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _value_model_matches_algorithm(self) -> RunConfig:
+        name = self.algorithm.name
+        if self.algorithm.uses_value_model and self.model.critic is None:
+            raise ValueError(
+                f"algorithm '{name}' trains a value model but model.critic is not set; set "
+                "model.critic.init_from=policy (or a reward-model path)"
+            )
+        if not self.algorithm.uses_value_model and self.model.critic is not None:
+            raise ValueError(
+                f"model.critic is set but algorithm '{name}' uses no value model; remove "
+                "model.critic or use algorithm.name=vapo"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_are_large_enough(self) -> RunConfig:
+        alg = self.algorithm
+        if (alg.needs_groups or alg.dynamic_sampling) and self.generator.group_size < 2:
+            why = "its advantage compares responses within a group"
+            if not alg.needs_groups:
+                why = "dynamic sampling needs groups of several responses"
+            raise ValueError(
+                f"generator.group_size must be ≥ 2 for algorithm '{alg.name}' ({why}); "
+                f"got {self.generator.group_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> RunConfig:
+        longest = self.data.max_prompt_len + self.generator.max_tokens
+        if longest > self.model.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_len ({self.data.max_prompt_len}) + generator.max_tokens "
+                f"({self.generator.max_tokens}) = {longest} exceeds model.max_model_len "
+                f"({self.model.max_model_len}); raise model.max_model_len or shorten one of them"
+            )
+        if self.learner.micro_batch_tokens < longest:
+            raise ValueError(
+                f"learner.micro_batch_tokens ({self.learner.micro_batch_tokens}) must hold the "
+                f"longest sequence (data.max_prompt_len + generator.max_tokens = {longest}); "
+                f"set learner.micro_batch_tokens ≥ {longest}"
+            )
+        cache = self.algorithm.overlong.cache_len
+        if cache is not None and cache > self.generator.max_tokens:
+            raise ValueError(
+                f"algorithm.overlong.cache_len ({cache}) must be ≤ generator.max_tokens "
+                f"({self.generator.max_tokens})"
+            )
+        return self
+
+    @property
+    def overlong_cache_len(self) -> int:
+        """L_cache in tokens: as configured, else L_max / 5 (DAPO), at least 1."""
+        configured = self.algorithm.overlong.cache_len
+        return configured if configured is not None else max(1, self.generator.max_tokens // 5)
+
+    @property
+    def run_name(self) -> str:
+        """Display name of the run."""
+        return self.logging.run_name or self.storage.run_uri.rstrip("/").rsplit("/", 1)[-1]
+
+    def to_yaml(self) -> str:
+        """The full, resolved configuration as YAML (loads back to an equal RunConfig)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: presets, files, overrides, errors
+# --------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix. `problems` holds one line per problem."""
+
+    def __init__(self, problems: Sequence[str], source: str = "configuration") -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid {source}:\n{lines}")
+
+
+def available_presets() -> list[str]:
+    """Names of the presets shipped with streamrl."""
+    folder = resources.files("streamrl") / "presets"
+    return sorted(
+        p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")
+    )
+
+
+def _read_yaml(path: Path | Any, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{what} is not valid YAML: {exc}"]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{what} must hold a mapping of sections, got {type(data).__name__}"])
+    return data
+
+
+def _load_layer(ref: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A preset name or YAML path, with its `extends:` chain resolved (parents first)."""
+    if ref in seen:
+        raise ConfigError([f"presets extend each other in a cycle: {' -> '.join((*seen, ref))}"])
+    path = Path(ref)
+    if path.suffix in {".yaml", ".yml"} or path.exists():
+        if not path.is_file():
+            raise ConfigError([f"config file {ref} does not exist"])
+        data = _read_yaml(path, f"config file {ref}")
+    else:
+        preset = resources.files("streamrl") / "presets" / f"{ref}.yaml"
+        if not preset.is_file():
+            close = difflib.get_close_matches(ref, available_presets(), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                [f"unknown preset '{ref}'{hint} Available: {', '.join(available_presets())}"]
+            )
+        data = _read_yaml(preset, f"preset {ref}")
+    parents = data.pop("extends", []) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = deep_merge(merged, _load_layer(parent, (*seen, ref)))
+    return deep_merge(merged, data)
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """`["learner.lr=1e-6", "generator.stop=[A, B]"]` → nested dict; values parsed as YAML."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+            raise ConfigError(
+                [f"override {item!r} must look like section.field=value, e.g. learner.lr=1e-6"]
+            )
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([f"override {item!r} conflicts with an earlier one for {part}"])
+            node = child
+        node[leaf] = value
+    return nested
+
+
+def load_config(
+    presets: Sequence[str] = (),
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> RunConfig:
+    """Build and validate a RunConfig: defaults ← presets ← YAML file ← dotted overrides.
+
+    Raises `ConfigError` listing every problem, each with the field's dotted name.
+    """
+    merged: dict[str, Any] = {}
+    for name in presets:
+        merged = deep_merge(merged, _load_layer(name))
+    if path is not None:
+        merged = deep_merge(merged, _load_layer(str(path)))
+    merged = deep_merge(merged, parse_overrides(overrides))
+    return validate_config(merged)
+
+
+def validate_config(data: Mapping[str, Any], source: str = "configuration") -> RunConfig:
+    """Validate a (merged) config mapping; raise `ConfigError` with user-facing messages."""
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError([_describe(err) for err in exc.errors()], source) from None
+
+
+def _model_at(
+    loc: Sequence[str | int], root: type[BaseModel] | None = None
+) -> type[BaseModel] | None:
+    """The pydantic model holding the field at `loc`, for 'did you mean' suggestions."""
+    model: type[BaseModel] = root or RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    return model
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    """One pydantic error → 'section.field: what is wrong; how to fix it'."""
+    loc = list(err["loc"])
+    owner: type[BaseModel] | None
+    # The algorithm union puts its tag in the location: ('algorithm', 'dapo', 'clip_high').
+    if len(loc) >= 2 and loc[0] == "algorithm" and loc[1] in ALGORITHM_NAMES:
+        tag = str(loc.pop(1))
+        owner = _model_at(loc[1:], ALGORITHM_CLASSES[tag])
+        context = f" (algorithm '{tag}')"
+    else:
+        owner = _model_at(loc) if loc else None
+        context = ""
+    # Drop pydantic's internal location parts (function-after[...], union members).
+    loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function")))]
+    where = ".".join(str(p) for p in loc) or "configuration"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        field = str(loc[-1]) if loc else where
+        valid = sorted(owner.model_fields) if owner is not None else []
+        close = difflib.get_close_matches(field, valid, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        listing = f" Valid fields: {', '.join(valid)}." if valid else ""
+        return f"{where}: unknown field{context}.{hint}{listing}"
+    if kind == "union_tag_invalid":
+        tag = err.get("ctx", {}).get("tag")
+        close = difflib.get_close_matches(str(tag), ALGORITHM_NAMES, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        return f"{where}.name: unknown algorithm {tag!r}.{hint} Choose one of: " + ", ".join(
+            ALGORITHM_NAMES
+        )
+    if kind == "union_tag_not_found":
+        return f"{where}: missing 'name'; choose one of: {', '.join(ALGORITHM_NAMES)}"
+    message = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error" and where == "configuration":
+        return message
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) or kind == "missing" else f" (got {value!r})"
+    return f"{where}: {message}{context}{shown}"
