@@ -1,6 +1,6 @@
 # streamrl — one-command setup, tests and lint.
 #   make setup   create .venv and install streamrl[cpu,test,dev] (idempotent)
-#   make test    set up if needed, then run the default test suite (THE test command)
+#   make test    set up if needed, lint, then run the default test suite (THE test command)
 #   make lint    ruff check + format check
 SHELL := /bin/bash
 PYTHON ?= python3.11
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $(STAMP)
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest
 
 test-all: setup

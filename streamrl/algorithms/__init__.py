@@ -1,7 +1,7 @@
 """The algorithm core: pure, vectorised tensor functions for the GRPO family, DAPO and VAPO.
 
 No I/O, no models, no distributed state beyond an optional process group for global
-statistics. Every formula follows ALGORITHMS.md; each module's docstring names its paper.
+statistics. Each module states its formulas in its docstring and names its paper.
 """
 
 from streamrl.algorithms.advantages import (

@@ -1,6 +1,6 @@
 """Algorithm configuration: one pydantic model per algorithm, joined as a discriminated union.
 
-Each class's defaults are its paper's (ALGORITHMS.md, "Presets"); `name` selects the variant.
+Each class's defaults are its paper's; `name` selects the variant.
 Fields an algorithm does not use do not exist on its class, so setting one is an error that
 names the field (GPG has no clip range, GRPO no value model).
 """

@@ -1,0 +1,200 @@
+"""The `streamrl` command line.
+
+Every command takes the same configuration arguments: `--preset NAME` (repeatable, applied in
+order), `--config FILE`, and trailing dotted overrides such as `learner.lr=1e-6`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from importlib import resources
+
+from pydantic import BaseModel
+
+from streamrl.algorithms.config import ALGORITHM_CLASSES
+from streamrl.config import (
+    ConfigError,
+    CriticConfig,
+    RewardConfig,
+    RunConfig,
+    available_presets,
+    load_config,
+)
+
+EXAMPLES_SHOW = """\
+examples:
+  streamrl config show --preset dapo --preset tiny-cpu
+  streamrl config show --preset vapo learner.lr=2e-6 generator.group_size=16
+  streamrl config show --config my-run.yaml algorithm.clip_high=0.3
+"""
+
+EXAMPLES_VALIDATE = """\
+examples:
+  streamrl config validate --config my-run.yaml
+  streamrl config validate --preset qwen2.5-7b-dapo learner.total_steps=500
+exit status: 0 when valid, 2 with one line per problem otherwise.
+"""
+
+EXAMPLES_FIELDS = """\
+examples:
+  streamrl config fields              every section
+  streamrl config fields learner      one section
+  streamrl config fields algorithm.vapo
+"""
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        "-p",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="preset to apply (repeatable, in order): an algorithm (dapo, vapo, grpo, ...) "
+        "and/or a size (tiny-cpu, smollm2-cpu, ...)",
+    )
+    parser.add_argument("--config", "-c", metavar="FILE", help="YAML configuration file")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. learner.lr=1e-6"
+    )
+
+
+def _config_from(args: argparse.Namespace) -> RunConfig:
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    print(_config_from(args).to_yaml(), end="")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    config = _config_from(args)
+    print(
+        f"ok: algorithm {config.algorithm.name}, model {config.model.path}, run {config.run_name}"
+    )
+    return 0
+
+
+def _preset_summary(name: str) -> str:
+    text = (resources.files("streamrl") / "presets" / f"{name}.yaml").read_text()
+    comments = [line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")]
+    return comments[0] if comments else ""
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    names = available_presets()
+    width = max(len(n) for n in names)
+    for name in names:
+        print(f"{name:<{width}}  {_preset_summary(name)}")
+    return 0
+
+
+def _describe_model(model: type[BaseModel], prefix: str) -> list[str]:
+    lines = []
+    instance = model() if prefix.startswith("algorithm") else None
+    for name, field in model.model_fields.items():
+        default = (
+            getattr(instance, name)
+            if instance is not None
+            else field.get_default(call_default_factory=True)
+        )
+        if isinstance(default, BaseModel):
+            default = default.model_dump()
+        lines.append(f"{prefix}.{name} = {default!r}")
+        if field.description:
+            lines.append(f"    {field.description}")
+    return lines
+
+
+def _cmd_fields(args: argparse.Namespace) -> int:
+    sections: dict[str, type[BaseModel]] = {}
+    for name, field in RunConfig.model_fields.items():
+        if name == "algorithm":
+            sections.update({f"algorithm.{k}": v for k, v in ALGORITHM_CLASSES.items()})
+        else:
+            sections[name] = field.annotation  # type: ignore[assignment]
+    sections["generator.reward"] = RewardConfig
+    sections["model.critic"] = CriticConfig
+    wanted = [s for s in sections if args.section is None or s.startswith(args.section)]
+    if not wanted:
+        raise ConfigError(
+            [f"unknown section {args.section!r}; choose one of: {', '.join(sections)}"]
+        )
+    for section in wanted:
+        print(f"[{section}]")
+        print("\n".join(_describe_model(sections[section], section)))
+        print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrl",
+        description="Asynchronous streaming RL from verifiable rewards.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  streamrl config presets\n  streamrl config show --preset dapo",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = commands.add_parser(
+        "config",
+        help="show, validate and document configurations",
+        description="Show, validate and document run configurations.",
+    )
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    raw = argparse.RawDescriptionHelpFormatter
+
+    show = config_commands.add_parser(
+        "show",
+        help="print the resolved configuration as YAML",
+        epilog=EXAMPLES_SHOW,
+        formatter_class=raw,
+    )
+    _add_config_args(show)
+    show.set_defaults(func=_cmd_show)
+
+    validate = config_commands.add_parser(
+        "validate",
+        help="check a configuration and report every problem",
+        epilog=EXAMPLES_VALIDATE,
+        formatter_class=raw,
+    )
+    _add_config_args(validate)
+    validate.set_defaults(func=_cmd_validate)
+
+    presets = config_commands.add_parser(
+        "presets",
+        help="list the bundled presets",
+        epilog="example:\n  streamrl config presets",
+        formatter_class=raw,
+    )
+    presets.set_defaults(func=_cmd_presets)
+
+    fields = config_commands.add_parser(
+        "fields",
+        help="document every field with its default",
+        epilog=EXAMPLES_FIELDS,
+        formatter_class=raw,
+    )
+    fields.add_argument("section", nargs="?", help="section prefix, e.g. learner or algorithm.dapo")
+    fields.set_defaults(func=_cmd_fields)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if hasattr(signal, "SIGPIPE"):  # `streamrl config show | head` exits quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"streamrl: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""RunConfig: presets, layering, overrides, paper defaults and user-facing errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streamrl.algorithms.config import (
+    ALGORITHM_NAMES,
+    DAPOConfig,
+    GPGConfig,
+    GRPOConfig,
+    ReinforcePPConfig,
+    VAPOConfig,
+)
+from streamrl.config import (
+    ConfigError,
+    RunConfig,
+    available_presets,
+    load_config,
+    parse_overrides,
+    validate_config,
+)
+
+ALGORITHM_PRESETS = ["grpo", "dr_grpo", "dapo", "vapo", "rloo", "reinforce_pp", "gpg"]
+SIZE_PRESETS = ["tiny-cpu", "smollm2-cpu", "qwen2.5-7b-dapo", "qwen2.5-32b-dapo"]
+
+
+def problems(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
+    return "\n".join(excinfo.value.problems)
+
+
+# --- presets -------------------------------------------------------------------------------
+
+
+def test_every_documented_preset_ships() -> None:
+    assert set(ALGORITHM_PRESETS + SIZE_PRESETS) <= set(available_presets())
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHM_PRESETS)
+@pytest.mark.parametrize("size", ["tiny-cpu", "smollm2-cpu"])
+def test_algorithm_and_size_presets_combine(algorithm: str, size: str) -> None:
+    """Every algorithm preset composes with every CPU size preset into a valid config."""
+    config = load_config([algorithm, size])
+    assert config.algorithm.name == algorithm
+    assert config.model.path in {"tiny-qwen2", "smollm2-135m-instruct"}
+    assert (config.model.critic is not None) == (algorithm == "vapo")
+
+
+def test_paper_defaults_of_each_algorithm() -> None:
+    """The preset table: clip ranges, dual clip, aggregation and extras per algorithm."""
+    grpo = load_config(["grpo"]).algorithm
+    assert (grpo.clip_low, grpo.clip_high, grpo.dual_clip) == (0.2, 0.2, None)
+    assert grpo.aggregation == "seq-mean-token-mean"
+    assert grpo.kl is not None
+    assert (grpo.kl.estimator, grpo.kl.coef, grpo.kl.reference) == ("k3", 0.001, "frozen")
+
+    dr = load_config(["dr_grpo"]).algorithm
+    assert (dr.clip_low, dr.clip_high, dr.kl) == (0.2, 0.2, None)
+    assert dr.aggregation == "seq-mean-token-sum-norm"
+
+    dapo = load_config(["dapo"])
+    alg = dapo.algorithm
+    assert (alg.clip_low, alg.clip_high, alg.dual_clip) == (0.2, 0.28, 10.0)
+    assert alg.aggregation == "token-mean"
+    assert alg.dynamic_sampling
+    assert alg.overlong.shaping
+    assert alg.kl is None
+    assert dapo.overlong_cache_len == dapo.generator.max_tokens // 5
+    assert dapo.learner.max_staleness == 4
+
+    vapo = load_config(["vapo"])
+    v = vapo.algorithm
+    assert isinstance(v, VAPOConfig)
+    assert (v.clip_low, v.clip_high, v.dual_clip, v.aggregation) == (0.2, 0.28, 10.0, "token-mean")
+    assert (v.gamma, v.lam_critic, v.length_alpha, v.nll_coef, v.value_clip) == (
+        1.0,
+        1.0,
+        0.05,
+        0.1,
+        0.5,
+    )
+    assert v.value_pretrain_steps == 50
+    assert v.kl is None
+    assert (vapo.learner.lr, vapo.learner.critic_lr) == (1e-6, 2e-6)
+    assert vapo.generator.group_size == 16
+    assert vapo.learner.max_staleness == 4
+
+    for name in ("rloo", "reinforce_pp", "gpg"):
+        assert load_config([name]).algorithm.aggregation == "token-mean"
+    rpp = load_config(["reinforce_pp"]).algorithm
+    assert isinstance(rpp, ReinforcePPConfig)
+    assert rpp.kl is not None
+    assert rpp.kl.placement == "reward"
+    assert isinstance(load_config(["gpg"]).algorithm, GPGConfig)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b-dapo", "qwen2.5-32b-dapo"])
+def test_large_scale_examples_carry_the_dapo_recipe(name: str) -> None:
+    config = load_config([name])
+    assert config.algorithm.name == "dapo"
+    assert config.learner.batch_groups == 512
+    assert config.generator.group_size == 16
+    assert config.learner.mini_batch_groups == 32
+    assert config.learner.updates_per_batch == 16
+    assert config.learner.lr == 1e-6
+    assert config.learner.warmup_steps == 10
+    assert config.learner.weight_decay == 0.1
+    assert config.learner.grad_clip == 1.0
+    assert config.generator.temperature == 1.0
+    assert config.generator.top_p == 1.0
+    assert config.generator.max_tokens == 20480
+    assert config.overlong_cache_len == 4096
+    assert config.storage.run_uri.startswith("s3://")
+
+
+def test_class_defaults_equal_preset_defaults() -> None:
+    """Building a variant in code gives the same paper defaults as its preset."""
+    assert DAPOConfig() == load_config(["dapo"]).algorithm
+    assert GRPOConfig() == load_config(["grpo"]).algorithm
+    assert RunConfig().algorithm == DAPOConfig()
+
+
+# --- layering and overrides ------------------------------------------------------------------
+
+
+def test_layers_apply_in_order(tmp_path: Path) -> None:
+    """defaults ← presets ← file ← overrides, key by key."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"extends": ["tiny-cpu"], "learner": {"lr": 3e-5, "total_steps": 7}, "data": {}}
+        )
+    )
+    config = load_config(["grpo"], path, ["learner.lr=1e-6", "generator.stop=[END, STOP]"])
+    assert config.algorithm.name == "grpo"
+    assert config.model.path == "tiny-qwen2"  # from the preset the file extends
+    assert config.learner.total_steps == 7  # file
+    assert config.learner.lr == 1e-6  # override beats file
+    assert config.generator.stop == ["END", "STOP"]
+
+
+def test_nested_override_keeps_paper_defaults() -> None:
+    """Overriding one nested field keeps the algorithm's other paper defaults."""
+    alg = load_config(["dapo"], overrides=["algorithm.overlong.filter=true"]).algorithm
+    assert alg.overlong.filter
+    assert alg.overlong.shaping
+    grpo = load_config(["grpo"], overrides=["algorithm.kl.coef=0.01"]).algorithm
+    assert grpo.kl is not None
+    assert (grpo.kl.coef, grpo.kl.estimator) == (0.01, "k3")
+    assert load_config(["grpo"], overrides=["algorithm.kl=null"]).algorithm.kl is None
+
+
+def test_algorithm_fields_without_name_refine_the_default() -> None:
+    config = load_config(overrides=["algorithm.clip_high=0.3"])
+    assert config.algorithm.name == "dapo"
+    assert config.algorithm.clip_high == 0.3
+
+
+def test_switching_algorithm_by_override() -> None:
+    config = load_config(["dapo"], overrides=["algorithm.name=rloo"])
+    assert config.algorithm.name == "rloo"
+    assert config.algorithm.clip_high == 0.2  # RLOO's own default, not DAPO's
+
+
+def test_parse_overrides_types() -> None:
+    parsed = parse_overrides(["a.b=1", "a.c=1e-6", "a.d=true", "e=null", "f.g=text", "f.h="])
+    assert parsed == {"a": {"b": 1, "c": "1e-6", "d": True}, "e": None, "f": {"g": "text", "h": ""}}
+    # "1e-6" stays a string in YAML 1.1 and is coerced by the float field:
+    assert load_config(overrides=["learner.lr=1e-6"]).learner.lr == 1e-6
+
+
+def test_yaml_round_trip() -> None:
+    config = load_config(["vapo", "tiny-cpu"], overrides=["learner.lr=5e-5"])
+    again = validate_config(yaml.safe_load(config.to_yaml()))
+    assert again == config
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_key_suggests_the_field() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=["learner.learning_rate=1e-6", "modle.path=x"])
+    text = problems(excinfo)
+    assert "learner.learning_rate: unknown field" in text
+    assert "Valid fields:" in text
+    assert "lr" in text
+    assert "modle: unknown field" in text
+    assert "Did you mean 'model'?" in text
+
+
+def test_unknown_algorithm_field_names_the_algorithm() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(["gpg"], overrides=["algorithm.clip_high=0.3"])
+    assert "algorithm.clip_high: unknown field (algorithm 'gpg')" in problems(excinfo)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(["dapo"], overrides=["algorithm.importance.cpa=3"])
+    assert "algorithm.importance.cpa" in problems(excinfo)
+    assert "Did you mean 'cap'?" in problems(excinfo)
+
+
+def test_unknown_algorithm_name() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=["algorithm.name=dapoo"])
+    text = problems(excinfo)
+    assert "unknown algorithm 'dapoo'" in text
+    assert "Did you mean 'dapo'?" in text
+    for name in ALGORITHM_NAMES:
+        assert name in text
+
+
+def test_wrong_type_and_out_of_range_are_all_reported() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(
+            overrides=[
+                "learner.lr=-1",
+                "generator.group_size=many",
+                "generator.top_p=1.5",
+                "algorithm.importance.cap=0.5",
+            ]
+        )
+    text = problems(excinfo)
+    assert len(excinfo.value.problems) == 4
+    assert "learner.lr: Input should be greater than 0 (got -1)" in text
+    assert "generator.group_size: Input should be a valid integer" in text
+    assert "generator.top_p: Input should be less than or equal to 1" in text
+    assert "algorithm.importance.cap" in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["algorithm.name=vapo"], "set model.critic.init_from=policy"),
+        (["model.critic.init_from=policy"], "remove model.critic or use algorithm.name=vapo"),
+        (["algorithm.name=grpo", "generator.group_size=1"], "generator.group_size must be ≥ 2"),
+        (["generator.group_size=1"], "generator.group_size must be ≥ 2"),  # dynamic sampling
+        (["generator.max_tokens=4000"], "exceeds model.max_model_len"),
+        (["learner.micro_batch_tokens=100"], "learner.micro_batch_tokens (100) must hold"),
+        (["learner.batch_groups=10", "learner.mini_batch_groups=3"], "multiple of"),
+        (["algorithm.overlong.cache_len=5000"], "cache_len (5000) must be ≤ generator.max_tokens"),
+        (["algorithm.name=grpo", "algorithm.kl.placement=reward"], "only defined for reinforce_pp"),
+        (["storage.storage_options={secret: x}"], "AWS_SECRET_ACCESS_KEY"),
+        (["generator.reward.fn=not a name"], "neither a reward name"),
+    ],
+)
+def test_incompatible_combinations(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=overrides)
+    assert expected in problems(excinfo)
+
+
+def test_valid_single_response_algorithms() -> None:
+    """G = 1 is fine where no group baseline is needed (VAPO, REINFORCE++ without baseline)."""
+    assert load_config(["vapo"], overrides=["generator.group_size=1"]).generator.group_size == 1
+    config = load_config(["reinforce_pp"], overrides=["generator.group_size=1"])
+    assert config.generator.group_size == 1
+    with pytest.raises(ConfigError, match="group_size must be ≥ 2"):
+        load_config(
+            ["reinforce_pp"], overrides=["generator.group_size=1", "algorithm.baseline=true"]
+        )
+
+
+def test_bad_files_and_presets(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(path=tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path=bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(path=listing)
+    with pytest.raises(ConfigError, match="did you mean 'tiny-cpu'"):
+        load_config(["tiny-cpus"])
+    cyc_a, cyc_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    cyc_a.write_text(f"extends: [{cyc_b}]\n")
+    cyc_b.write_text(f"extends: [{cyc_a}]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(path=cyc_a)
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
+        load_config(overrides=["learner.lr"])
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_cli_show_prints_loadable_yaml() -> None:
+    result = run_cli(
+        "config", "show", "--preset", "vapo", "--preset", "tiny-cpu", "learner.lr=7e-6"
+    )
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["algorithm"]["name"] == "vapo"
+    assert shown["learner"]["lr"] == 7e-6
+    assert validate_config(shown).model.critic is not None
+
+
+def test_cli_validate_reports_problems_with_exit_2() -> None:
+    result = run_cli("config", "validate", "--preset", "dapo", "learner.lr=-1")
+    assert result.returncode == 2
+    assert "learner.lr" in result.stderr
+    assert "Traceback" not in result.stderr
+    ok = run_cli("config", "validate", "--preset", "qwen2.5-32b-dapo")
+    assert ok.returncode == 0
+    assert ok.stdout.startswith("ok: algorithm dapo")
+
+
+def test_cli_documents_every_field() -> None:
+    result = run_cli("config", "fields")
+    assert result.returncode == 0
+    for name, field in RunConfig.model_fields.items():
+        if name != "algorithm":
+            for sub in field.annotation.model_fields:  # type: ignore[union-attr]
+                assert f"{name}.{sub} = " in result.stdout
+    for alg in ALGORITHM_NAMES:
+        assert f"[algorithm.{alg}]" in result.stdout
+
+
+def test_every_field_is_documented() -> None:
+    """Each field of every config model carries a description."""
+    from pydantic import BaseModel
+
+    from streamrl.algorithms.config import (
+        ALGORITHM_CLASSES,
+        ImportanceConfig,
+        KLConfig,
+        OverlongConfig,
+    )
+    from streamrl.config import CriticConfig, RewardConfig
+
+    models: list[type[BaseModel]] = [
+        *(f.annotation for n, f in RunConfig.model_fields.items() if n != "algorithm"),  # type: ignore[misc]
+        *ALGORITHM_CLASSES.values(),
+        ImportanceConfig,
+        KLConfig,
+        OverlongConfig,
+        RewardConfig,
+        CriticConfig,
+    ]
+    undocumented = [
+        f"{model.__name__}.{name}"
+        for model in models
+        for name, field in model.model_fields.items()
+        if not field.description and name != "name"
+    ]
+    assert undocumented == []
