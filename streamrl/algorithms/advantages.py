@@ -66,12 +66,14 @@ def grpo_advantages(
         group_index: `[N]` int64 group ids in `0 .. num_groups − 1`.
 
     Returns `[N]` float32. A group whose rewards are all equal gets exactly 0, as does a group
-    of one response.
+    of one response: float32 rounding leaves such a group a std of ~1e-8, not 0, and dividing
+    that residue by std + eps would turn it into an advantage of order 1.
     """
     rewards = rewards.float()
     mean = group_mean(rewards, group_index, num_groups)[group_index]
     std = group_std(rewards, group_index, num_groups)[group_index]
-    return (rewards - mean) / (std + eps)
+    signal = groups_with_signal(rewards, group_index, num_groups)[group_index]
+    return torch.where(signal, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
 
 
 def dr_grpo_advantages(rewards: Tensor, group_index: Tensor, num_groups: int) -> Tensor:

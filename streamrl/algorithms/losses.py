@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from streamrl.algorithms.masked import masked_mean
+from streamrl.algorithms.masked import masked_mean, zero_outside
 
 __all__ = [
     "Aggregation",
@@ -76,7 +76,7 @@ def aggregate(
         max_len: L_max for seq-mean-token-sum-norm (the generator's max_tokens); default T.
     """
     mask = mask.float()
-    weighted = loss.float() * mask
+    weighted = zero_outside(loss, mask)
     if mode == "token-mean":
         denom = mask.sum() if num_tokens is None else num_tokens
         return weighted.sum() / torch.as_tensor(denom, dtype=torch.float32).clamp(min=1.0)
@@ -135,6 +135,16 @@ def importance_weights(
     raise ValueError(f"unknown importance mode {mode!r}; use tis, mask or none")
 
 
+def _weights_in_loss(weights: Tensor, loss_mask: Tensor) -> Tensor:
+    """w where the token enters the loss, exactly 0 elsewhere.
+
+    Rejected tokens (importance="mask") and padding then add 0 to the numerator, while the
+    aggregation still counts them in the denominator through the unnarrowed mask. Selecting
+    instead of multiplying keeps an overflowed w = inf from turning the loss or grad into NaN.
+    """
+    return zero_outside(weights, loss_mask)
+
+
 def ppo_policy_loss(
     logp: Tensor,
     logp_prox: Tensor,
@@ -174,8 +184,10 @@ def ppo_policy_loss(
     weights, loss_mask, metrics = importance_weights(
         logp_prox, logp_behav, mask, importance, importance_cap
     )
-    advantages = advantages.float()
-    log_ratio = logp.float() - logp_prox.detach().float()
+    weights = _weights_in_loss(weights, loss_mask)
+    advantages = zero_outside(advantages, mask)
+    # Padding may hold any value; selecting (not multiplying) keeps exp() and its grad finite.
+    log_ratio = zero_outside(logp.float() - logp_prox.detach().float(), mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -190,7 +202,7 @@ def ppo_policy_loss(
     per_token = weights * per_token
     loss = aggregate(
         per_token,
-        loss_mask,
+        mask,
         aggregation,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -231,17 +243,18 @@ def pg_loss(
     weights, loss_mask, metrics = importance_weights(
         logp_prox, logp_behav, mask, importance, importance_cap
     )
-    per_token = -weights * advantages.float() * logp.float()
+    weights = _weights_in_loss(weights, loss_mask)
+    per_token = -weights * zero_outside(advantages, mask) * zero_outside(logp, mask)
     loss = aggregate(
         per_token,
-        loss_mask,
+        mask,
         aggregation,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         max_len=max_len,
     )
     metrics["actor/pg_loss"] = loss.detach()
-    metrics["actor/ppo_kl"] = masked_mean(logp_prox.float() - logp.float(), mask).detach()
+    metrics["actor/ppo_kl"] = masked_mean(logp_prox.float() - logp.detach().float(), mask).detach()
     return loss, metrics
 
 

@@ -24,12 +24,22 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "zero_outside",
 ]
 
 
+def zero_outside(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask ≠ 0, else exactly 0 — by selection, so inf/NaN padding cannot leak.
+
+    `x·mask` would turn an infinite padding value into NaN (inf · 0). `x, mask: [N, T]` →
+    `[N, T]` float32.
+    """
+    return torch.where(mask != 0, x.float(), 0.0)
+
+
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """Σ x·mask over all elements. `x, mask: [N, T]` → scalar float32."""
-    return (x.float() * mask.float()).sum()
+    """Σ x over elements where mask ≠ 0. `x, mask: [N, T]` → scalar float32."""
+    return zero_outside(x, mask).sum()
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
