@@ -1,0 +1,187 @@
+"""Replay-stream segments: many `ScoredGroup`s as one immutable Zarr v3 group.
+
+A segment is built entirely in memory (`encode_segment` → {object key: bytes}) and uploaded
+as plain objects, so it is either complete or, before its commit record exists, invisible.
+Arrays are plain numeric, one chunk each; ragged data is stored flat with lengths:
+
+    per group     [n_groups]     prompt_lengths i32, group_sizes i32, policy_versions i64,
+                                 created_at f64, finished_at f64
+    flat prompts  [Σ P]          prompt_tokens i32
+    per response  [n_responses]  response_lengths i32, rewards f32, raw_scores f32,
+                                 truncated bool, finish_reasons u8 (codes into an attribute
+                                 vocabulary)
+    flat tokens   [Σ L]          response_tokens i32, behaviour_logprobs f32
+
+Strings (prompt ids, ground truths, generator ids, the finish-reason vocabulary) live in the
+group attributes, next to a CRC32 of every array's uncompressed bytes (`crc32`), checked on
+decode. (The commit record separately carries a CRC32 of every stored object, checked before
+decoding, so storage corruption is caught even where it breaks decompression.)
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import MemoryStore
+
+from storage.records import ScoredGroup
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Compression",
+    "CorruptSegmentError",
+    "decode_segment",
+    "encode_segment",
+]
+
+FORMAT_VERSION = 1
+Compression = Literal["zstd", "blosc", "none"]
+
+
+class CorruptSegmentError(RuntimeError):
+    """A committed segment cannot be decoded or fails its checksums."""
+
+
+def _compressors(compression: Compression, level: int) -> Any:
+    if compression == "zstd":
+        return ZstdCodec(level=level)
+    if compression == "blosc":
+        return BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")
+    if compression == "none":
+        return None
+    raise ValueError(f"unknown compression {compression!r}; use zstd, blosc or none")
+
+
+def _crc(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
+
+
+def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Flatten groups into the segment's arrays and string attributes."""
+    vocab: dict[str, int] = {}
+    reasons = [vocab.setdefault(r, len(vocab)) for g in groups for r in g.finish_reasons]
+    if len(vocab) > 255:
+        raise ValueError("more than 255 distinct finish reasons in one segment")
+
+    def flat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+    responses = [t for g in groups for t in g.response_tokens]
+    arrays = {
+        "prompt_lengths": np.array([len(g.prompt_tokens) for g in groups], np.int32),
+        "group_sizes": np.array([g.group_size for g in groups], np.int32),
+        "policy_versions": np.array([g.policy_version for g in groups], np.int64),
+        "created_at": np.array([g.created_at for g in groups], np.float64),
+        "finished_at": np.array([g.finished_at for g in groups], np.float64),
+        "prompt_tokens": flat([np.asarray(g.prompt_tokens) for g in groups], np.int32),
+        "response_lengths": np.array([len(t) for t in responses], np.int32),
+        "rewards": flat([np.asarray(g.rewards) for g in groups], np.float32),
+        "raw_scores": flat([np.asarray(g.raw_scores) for g in groups], np.float32),
+        "truncated": flat([np.asarray(g.truncated) for g in groups], np.bool_),
+        "finish_reasons": np.array(reasons, np.uint8),
+        "response_tokens": flat([np.asarray(t) for t in responses], np.int32),
+        "behaviour_logprobs": flat(
+            [np.asarray(lp) for g in groups for lp in g.behaviour_logprobs], np.float32
+        ),
+    }
+    attrs = {
+        "format_version": FORMAT_VERSION,
+        "prompt_ids": [g.prompt_id for g in groups],
+        "ground_truths": [g.ground_truth for g in groups],
+        "generator_ids": [g.generator_id for g in groups],
+        "finish_reason_vocab": list(vocab),
+    }
+    return arrays, attrs
+
+
+def encode_segment(
+    groups: Sequence[ScoredGroup], compression: Compression = "zstd", level: int = 3
+) -> dict[str, bytes]:
+    """Validate `groups` and build their segment: {object key relative to the segment: bytes}."""
+    if not groups:
+        raise ValueError("a segment needs at least one group")
+    for group in groups:
+        group.validate()
+    arrays, attrs = _columns(groups)
+    store = MemoryStore()
+    root = zarr.open_group(store, mode="w", zarr_format=3)
+    compressors = _compressors(compression, level)
+    for name, values in arrays.items():
+        array = root.create_array(
+            name,
+            shape=values.shape,
+            dtype=values.dtype,
+            chunks=(max(len(values), 1),),
+            compressors=compressors,
+        )
+        if len(values):
+            array[:] = values
+    root.attrs.update({**attrs, "crc32": {k: _crc(v) for k, v in arrays.items()}})
+    return {key: buffer.to_bytes() for key, buffer in store._store_dict.items()}
+
+
+def decode_segment(objects: Mapping[str, bytes]) -> list[ScoredGroup]:
+    """Rebuild the groups of a segment, verifying every array's CRC32 and every invariant.
+
+    Raises `CorruptSegmentError` when anything does not decode or check out.
+    """
+    try:
+        prototype = default_buffer_prototype()
+        store = MemoryStore({k: prototype.buffer.from_bytes(v) for k, v in objects.items()})
+        root = zarr.open_group(store, mode="r", zarr_format=3)
+        attrs = dict(root.attrs)
+        if attrs.get("format_version") != FORMAT_VERSION:
+            raise CorruptSegmentError(f"unknown segment format {attrs.get('format_version')}")
+        arrays = {name: np.asarray(root[name][:]) for name in attrs["crc32"]}
+    except CorruptSegmentError:
+        raise
+    except Exception as exc:
+        raise CorruptSegmentError(f"segment does not decode: {type(exc).__name__}: {exc}") from exc
+    for name, expected in attrs["crc32"].items():
+        if _crc(arrays[name]) != expected:
+            raise CorruptSegmentError(f"array {name!r} fails its CRC32 check")
+    try:
+        return _groups(arrays, attrs)
+    except (ValueError, IndexError, KeyError) as exc:
+        raise CorruptSegmentError(f"segment is inconsistent: {exc}") from exc
+
+
+def _split(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    if int(lengths.sum()) != len(values):
+        raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(values)} values stored")
+    return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
+
+
+def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[ScoredGroup]:
+    sizes = arrays["group_sizes"]
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    vocab = attrs["finish_reason_vocab"]
+    prompts = _split(arrays["prompt_tokens"], arrays["prompt_lengths"])
+    tokens = _split(arrays["response_tokens"], arrays["response_lengths"])
+    logprobs = _split(arrays["behaviour_logprobs"], arrays["response_lengths"])
+    groups = []
+    for i in range(len(sizes)):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        group = ScoredGroup(
+            prompt_id=attrs["prompt_ids"][i],
+            prompt_tokens=prompts[i],
+            ground_truth=attrs["ground_truths"][i],
+            response_tokens=tokens[lo:hi],
+            behaviour_logprobs=logprobs[lo:hi],
+            rewards=arrays["rewards"][lo:hi],
+            raw_scores=arrays["raw_scores"][lo:hi],
+            truncated=arrays["truncated"][lo:hi],
+            finish_reasons=[vocab[c] for c in arrays["finish_reasons"][lo:hi]],
+            policy_version=int(arrays["policy_versions"][i]),
+            generator_id=attrs["generator_ids"][i],
+            created_at=float(arrays["created_at"][i]),
+            finished_at=float(arrays["finished_at"][i]),
+        )
+        groups.append(group.validate())
+    return groups
