@@ -20,14 +20,17 @@ decoding, so storage corruption is caught even where it breaks decompression.)
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import zarr
+import zarr.api.asynchronous
 from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 from zarr.storage import MemoryStore
 
 from storage.records import ScoredGroup
@@ -51,7 +54,7 @@ class CorruptSegmentError(RuntimeError):
 def _compressors(compression: Compression, level: int) -> Any:
     if compression == "zstd":
         return ZstdCodec(level=level)
-    if compression == "blosc":
+    if compression == "blosc":  # byte shuffle groups the high bytes of ids and log-probs
         return BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")
     if compression == "none":
         return None
@@ -101,7 +104,7 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
 
 
 def encode_segment(
-    groups: Sequence[ScoredGroup], compression: Compression = "zstd", level: int = 3
+    groups: Sequence[ScoredGroup], compression: Compression = "blosc", level: int = 3
 ) -> dict[str, bytes]:
     """Validate `groups` and build their segment: {object key relative to the segment: bytes}."""
     if not groups:
@@ -109,11 +112,22 @@ def encode_segment(
     for group in groups:
         group.validate()
     arrays, attrs = _columns(groups)
+    attrs["crc32"] = {name: _crc(values) for name, values in arrays.items()}
     store = MemoryStore()
-    root = zarr.open_group(store, mode="w", zarr_format=3)
-    compressors = _compressors(compression, level)
-    for name, values in arrays.items():
-        array = root.create_array(
+    sync(_write_arrays(store, arrays, attrs, _compressors(compression, level)))
+    return {key: buffer.to_bytes() for key, buffer in store._store_dict.items()}
+
+
+async def _write_arrays(
+    store: MemoryStore, arrays: dict[str, np.ndarray], attrs: dict[str, Any], compressors: Any
+) -> None:
+    """All arrays in one event-loop call, compressed concurrently."""
+    root = await zarr.api.asynchronous.open_group(
+        store=store, mode="w", zarr_format=3, attributes=attrs
+    )
+
+    async def write(name: str, values: np.ndarray) -> None:
+        array = await root.create_array(
             name,
             shape=values.shape,
             dtype=values.dtype,
@@ -121,9 +135,24 @@ def encode_segment(
             compressors=compressors,
         )
         if len(values):
-            array[:] = values
-    root.attrs.update({**attrs, "crc32": {k: _crc(v) for k, v in arrays.items()}})
-    return {key: buffer.to_bytes() for key, buffer in store._store_dict.items()}
+            await array.setitem(slice(None), values)
+
+    await asyncio.gather(*(write(name, values) for name, values in arrays.items()))
+
+
+async def _read_arrays(store: MemoryStore) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    root = await zarr.api.asynchronous.open_group(store=store, mode="r", zarr_format=3)
+    attrs = dict(root.attrs)
+    if attrs.get("format_version") != FORMAT_VERSION:
+        raise CorruptSegmentError(f"unknown segment format {attrs.get('format_version')}")
+
+    async def read(name: str) -> np.ndarray:
+        array = await root.getitem(name)
+        return np.asarray(await array.getitem(slice(None)))
+
+    names = list(attrs["crc32"])
+    values = await asyncio.gather(*(read(name) for name in names))
+    return dict(zip(names, values, strict=True)), attrs
 
 
 def decode_segment(objects: Mapping[str, bytes]) -> list[ScoredGroup]:
@@ -134,11 +163,7 @@ def decode_segment(objects: Mapping[str, bytes]) -> list[ScoredGroup]:
     try:
         prototype = default_buffer_prototype()
         store = MemoryStore({k: prototype.buffer.from_bytes(v) for k, v in objects.items()})
-        root = zarr.open_group(store, mode="r", zarr_format=3)
-        attrs = dict(root.attrs)
-        if attrs.get("format_version") != FORMAT_VERSION:
-            raise CorruptSegmentError(f"unknown segment format {attrs.get('format_version')}")
-        arrays = {name: np.asarray(root[name][:]) for name in attrs["crc32"]}
+        arrays, attrs = sync(_read_arrays(store))
     except CorruptSegmentError:
         raise
     except Exception as exc:

@@ -87,7 +87,7 @@ class StreamWriter:
         run: Location,
         writer_id: str,
         *,
-        compression: Compression = "zstd",
+        compression: Compression = "blosc",
         level: int = 3,
     ) -> None:
         if not _WRITER_ID.fullmatch(writer_id):
