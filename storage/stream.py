@@ -24,13 +24,16 @@ quarantined — recorded under `quarantine/`, logged and counted — and the rea
 from __future__ import annotations
 
 import logging
+import queue
 import re
 import secrets
+import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import TypeVar
 
 from storage.fs import Location, put_if_absent
 from storage.records import CommitRecord, Cursor, InvalidRecordError, ScoredGroup
@@ -47,6 +50,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
 
@@ -266,20 +270,22 @@ class StreamReader:
         *,
         records_per_round: int = 16,
         max_poll_s: float = 1.0,
+        prefetch_rounds: int = 2,
     ) -> None:
         self.stream = run.child("stream")
         self.cursor = cursor or Cursor()
         self.records_per_round = records_per_round
         self.max_poll_s = max_poll_s
+        self.prefetch_rounds = prefetch_rounds
         self.stats = ReaderStats()
-        self._buffer: list[tuple[Cursor, ScoredGroup | None]] = []
 
-    def poll(self) -> list[tuple[Cursor, ScoredGroup | None]]:
-        """One round: the groups committed after the cursor, each with the cursor past it.
+    def poll(self, start: Cursor | None = None) -> list[tuple[Cursor, ScoredGroup | None]]:
+        """One round: the groups committed after `start` (default: the cursor), each paired
+        with the cursor just past it.
 
         An entry with group None only moves the cursor past a quarantined segment. Does not
-        move `self.cursor` itself (the caller decides what it has consumed)."""
-        start = self.cursor
+        move `self.cursor` (the caller decides what it has consumed)."""
+        start = start or self.cursor
         records = _fetch_records(self.stream, start.seq, self.records_per_round)
         if not records:
             return []
@@ -304,35 +310,49 @@ class StreamReader:
     def groups(self, timeout_s: float | None = None) -> Iterator[ScoredGroup]:
         """Yield groups forever, in commit order; `cursor` moves past each one as it is yielded.
 
+        With `prefetch_rounds > 0` a background thread fetches and decodes up to that many
+        rounds ahead, so storage latency hides behind the consumer's work.
         Raises `StreamTimeoutError` when no group arrives for `timeout_s` seconds.
         """
-        wait = 0.05
-        idle_since = time.monotonic()
-        while True:
-            if not self._buffer:
-                try:
-                    self._buffer = self.poll()
-                except (OSError, TimeoutError) as exc:  # transient storage error: retry
-                    self.stats.transient_errors += 1
-                    log.warning("stream read failed (%s); retrying", exc)
-                    self._buffer = []
-            if not self._buffer:
-                if timeout_s is not None and time.monotonic() - idle_since > timeout_s:
-                    raise StreamTimeoutError(
-                        f"no new group in {self.stream.uri} for {timeout_s:.0f}s "
-                        f"(cursor {self.cursor.seq}:{self.cursor.offset})"
-                    )
-                time.sleep(wait)
-                wait = min(wait * 2, self.max_poll_s)
+        stop = threading.Event()
+        rounds = self._rounds(self.cursor, timeout_s, stop)
+        if self.prefetch_rounds > 0:
+            rounds = _prefetched(rounds, self.prefetch_rounds, stop)
+        try:
+            for items in rounds:
+                for after, group in items:
+                    self.cursor = after
+                    if group is not None:
+                        self.stats.groups += 1
+                        yield group
+        finally:
+            stop.set()
+            rounds.close()
+
+    def _rounds(
+        self, start: Cursor, timeout_s: float | None, stop: threading.Event
+    ) -> Generator[list[tuple[Cursor, ScoredGroup | None]], None, None]:
+        """Successive non-empty rounds from `start`, waiting with back-off in between, until
+        `stop` is set."""
+        position, wait, idle_since = start, 0.05, time.monotonic()
+        while not stop.is_set():
+            try:
+                items = self.poll(position)
+            except (OSError, TimeoutError) as exc:  # transient storage error: counted, retried
+                self.stats.transient_errors += 1
+                log.warning("stream read failed (%s); retrying", exc)
+                items = []
+            if items:
+                yield items
+                position, wait, idle_since = items[-1][0], 0.05, time.monotonic()
                 continue
-            wait = 0.05
-            while self._buffer:
-                after, group = self._buffer.pop(0)
-                self.cursor = after
-                if group is not None:
-                    self.stats.groups += 1
-                    idle_since = time.monotonic()
-                    yield group
+            if timeout_s is not None and time.monotonic() - idle_since > timeout_s:
+                raise StreamTimeoutError(
+                    f"no new group in {self.stream.uri} for {timeout_s:.0f}s "
+                    f"(cursor {position.seq}:{position.offset})"
+                )
+            stop.wait(wait)
+            wait = min(wait * 2, self.max_poll_s)
 
     def _fetch_objects(self, records: Sequence[CommitRecord]) -> dict[str, bytes | Exception]:
         paths = [self.stream.join("segments", r.segment, key) for r in records for key in r.objects]
@@ -375,6 +395,48 @@ class StreamReader:
             self.stream.join("quarantine", f"{record.seq:012d}.json"),
             note.encode(),
         )
+
+
+def _prefetched(
+    source: Generator[T, None, None], depth: int, stop: threading.Event
+) -> Generator[T, None, None]:
+    """Run `source` in a background thread, at most `depth` items ahead of the consumer.
+
+    Exceptions of the source reach the consumer. Closing the consumer sets `stop`, which the
+    source (and the thread) must watch."""
+    items: queue.Queue[tuple[str, object]] = queue.Queue(maxsize=depth)
+
+    def produce() -> None:
+        try:
+            for item in source:
+                while not stop.is_set():
+                    try:
+                        items.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            items.put(("end", None))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            items.put(("error", exc))
+        finally:
+            source.close()
+
+    thread = threading.Thread(target=produce, name="stream-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = items.get()
+            if kind == "item":
+                yield value  # type: ignore[misc]
+            elif kind == "error":
+                raise value  # type: ignore[misc]
+            else:
+                return
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def quarantined(run: Location) -> list[int]:

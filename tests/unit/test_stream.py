@@ -86,12 +86,13 @@ def _take(reader: StreamReader, n: int, timeout_s: float = 10.0):
         yield next(iterator)
 
 
-def test_reader_resumes_mid_segment_from_a_saved_cursor(run_location: Location):
+@pytest.mark.parametrize("prefetch_rounds", [0, 2])
+def test_reader_resumes_mid_segment_from_a_saved_cursor(run_location: Location, prefetch_rounds):
     writer = StreamWriter(run_location, "gen0")
     groups = _groups(6)
     writer.write(groups[:4])
     writer.write(groups[4:])
-    reader = StreamReader(run_location)
+    reader = StreamReader(run_location, records_per_round=1, prefetch_rounds=prefetch_rounds)
     list(_take(reader, 3))
     saved = reader.cursor
     assert saved == Cursor(0, 3)
