@@ -25,24 +25,26 @@ def test_local_put_if_absent_leaves_no_temporary_files(tmp_path):
 def test_relative_local_uri_becomes_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     location = open_location("runs/demo")
-    assert location.is_local and location.path == str(tmp_path / "runs" / "demo")
+    assert location.is_local
+    assert location.path == str(tmp_path / "runs" / "demo")
     assert (tmp_path / "runs" / "demo").is_dir()
 
 
 def test_location_repr_hides_credentials(seaweedfs: SeaweedFS):
     location = open_location("s3://streamrl/x", storage_options=seaweedfs.storage_options)
     assert seaweedfs.secret_key not in repr(location)
-    assert location.is_s3 and location.uri == "s3://streamrl/x"
+    assert location.is_s3
+    assert location.uri == "s3://streamrl/x"
 
 
 def test_bucket_that_does_not_exist(seaweedfs: SeaweedFS):
-    with pytest.raises(StorageError, match="bucket 'no-such-bucket' .* does not exist; create it"):
+    with pytest.raises(StorageError, match=r"bucket .no-such-bucket. .* does not exist; create it"):
         open_location("s3://no-such-bucket/run", storage_options=seaweedfs.storage_options)
 
 
 def test_wrong_credentials(seaweedfs: SeaweedFS):
     options = {**seaweedfs.storage_options, "secret": "wrong"}
-    with pytest.raises(StorageError, match="denied.*AWS_ACCESS_KEY_ID"):
+    with pytest.raises(StorageError, match=r"denied.*AWS_ACCESS_KEY_ID"):
         open_location("s3://streamrl/run", storage_options=options)
 
 
@@ -52,7 +54,7 @@ def test_missing_credentials(seaweedfs: SeaweedFS, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(StorageError, match="no S3 credentials .* AWS_ACCESS_KEY_ID"):
+    with pytest.raises(StorageError, match=r"no S3 credentials .* AWS_ACCESS_KEY_ID"):
         open_location("s3://streamrl/run", endpoint_url=seaweedfs.endpoint_url)
 
 

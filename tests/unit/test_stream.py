@@ -71,7 +71,8 @@ def test_writer_and_reader_round_trip(run_location: Location):
     assert writer.flush() is None  # nothing buffered
     second = writer.write(groups[4:])
     assert (first.seq, second.seq) == (0, 1)
-    assert first.num_groups == 4 and second.num_groups == 3
+    assert first.num_groups == 4
+    assert second.num_groups == 3
 
     reader = StreamReader(run_location)
     got = list(_take(reader, 7))
@@ -127,7 +128,8 @@ def test_commit_recognises_its_own_record_after_a_retried_request(run_location: 
     landed = CommitRecord(**{**uploaded.record.__dict__, "seq": 0, "committed_at": 1.0})
     assert put_if_absent(stream.fs, stream.join("log", f"{0:012d}.json"), landed.to_json())
     record = writer.commit(uploaded)
-    assert record.seq == 0 and record.committed_at == 1.0
+    assert record.seq == 0
+    assert record.committed_at == 1.0
     assert len(list(read_log(run_location))) == 1
     assert writer.stats.commit_conflicts == 0
 
@@ -161,9 +163,8 @@ def test_sweeper_removes_only_old_uncommitted_segments(run_location: Location):
     assert removed == [orphan.record.segment]
     assert sweep_orphans(run_location, grace_s=3600, now=time.time() + 7200) == []
     stored = run_location.fs.find(run_location.join("stream", "segments"))
-    assert stored and {p.split("/segments/")[1].split("/")[0] for p in stored} == {
-        committed.segment
-    }
+    assert stored
+    assert {p.split("/segments/")[1].split("/")[0] for p in stored} == {committed.segment}
     assert len(list(_take(StreamReader(run_location), 1))) == 1
 
 
