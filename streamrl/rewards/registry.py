@@ -1,0 +1,176 @@
+"""Reward functions by name: the registered ones, or a user's by import path.
+
+`generator.reward.fn` is either a registered name (`REWARD_FUNCTIONS`: math, format,
+math_format) or `package.module:function`. A user function must be importable in a fresh
+process — scorer workers are spawned and resolve the name again — so it has to live at module
+level in a module on the Python path; there is deliberately no runtime `register()`, whose
+entries a spawned worker would never see.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Protocol
+
+from streamrl.rewards.math import format_reward, math_format_reward, math_reward
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "RewardFn",
+    "RewardResolutionError",
+    "registered_rewards",
+    "resolve_reward",
+]
+
+_SIGNATURE = "def reward(response: str, ground_truth: str, *, prompt: str | None = None) -> float"
+
+
+class RewardFn(Protocol):
+    """A verifiable reward: one response against its ground truth.
+
+    Returns a score in [0, 1] (1 = correct) or a bool. It must be deterministic, must not rely
+    on state shared between calls, and may take at most `reward.timeout_s` seconds; raising,
+    timing out or returning anything else scores 0.0 and is counted as a failure. A function
+    without the `prompt` keyword is accepted too and called without it.
+    """
+
+    def __call__(
+        self, response: str, ground_truth: str, *, prompt: str | None = None
+    ) -> float | bool: ...
+
+
+REWARD_FUNCTIONS: Mapping[str, RewardFn] = MappingProxyType(
+    {"math": math_reward, "format": format_reward, "math_format": math_format_reward}
+)
+
+
+class RewardResolutionError(ValueError):
+    """`reward.fn` names no usable reward function; the message says what to change."""
+
+
+def registered_rewards() -> list[str]:
+    """The registered reward names, sorted."""
+    return sorted(REWARD_FUNCTIONS)
+
+
+def resolve_reward(name_or_path: str) -> RewardFn:
+    """The reward function `name_or_path` names: a registered name or `package.module:function`.
+
+    Raises:
+        RewardResolutionError: unknown name (the message lists the registered names and the
+            closest one), a module that cannot be imported, a missing attribute, an object that
+            is not callable, or a function whose parameters do not fit `RewardFn`.
+    """
+    if ":" not in name_or_path:
+        return _registered(name_or_path)
+    module_name, _, attribute = name_or_path.partition(":")
+    if not module_name or not attribute:
+        raise RewardResolutionError(
+            f"reward import path {name_or_path!r} must look like 'package.module:function'"
+        )
+    module = _import(module_name, name_or_path)
+    target: object = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_"))
+            close = difflib.get_close_matches(attribute, public, n=1)
+            hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
+            raise RewardResolutionError(
+                f"reward {name_or_path!r}: module '{module_name}' has no attribute "
+                f"'{attribute}'{hint}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise RewardResolutionError(
+            f"reward {name_or_path!r} is not callable (it is the {type(target).__name__} "
+            f"{_short_repr(target)}); point reward.fn at a function `{_SIGNATURE}`"
+        )
+    return _adapt_signature(target, name_or_path)
+
+
+def _short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _registered(name: str) -> RewardFn:
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    names = registered_rewards()
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    dotted = (
+        f" An import path separates the function with a colon: '{name.rpartition('.')[0]}:"
+        f"{name.rpartition('.')[2]}'."
+        if "." in name
+        else ""
+    )
+    raise RewardResolutionError(
+        f"unknown reward {name!r}; {hint}registered rewards: {', '.join(names)}, or a user "
+        f"function as 'package.module:function'.{dotted}"
+    )
+
+
+def _import(module_name: str, name_or_path: str) -> object:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or module_name
+        if module_name == missing or module_name.startswith(f"{missing}."):
+            raise RewardResolutionError(
+                f"reward {name_or_path!r}: no module named '{missing}'; check the spelling and "
+                "that its package is installed or on PYTHONPATH (reward workers import it in a "
+                "fresh process)"
+            ) from e
+        raise RewardResolutionError(
+            f"reward {name_or_path!r}: importing '{module_name}' failed because it imports "
+            f"'{missing}', which is not installed"
+        ) from e
+    except Exception as e:
+        raise RewardResolutionError(
+            f"reward {name_or_path!r}: importing '{module_name}' raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def _call_without_prompt(
+    fn: Callable[[str, str], float | bool],
+    response: str,
+    ground_truth: str,
+    *,
+    prompt: str | None = None,
+) -> float | bool:
+    del prompt
+    return fn(response, ground_truth)
+
+
+def _binds(signature: inspect.Signature, *args: object, **kwargs: object) -> bool:
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _adapt_signature(fn: Callable[..., object], name_or_path: str) -> RewardFn:
+    """`fn` itself when it takes `prompt=`, else a wrapper that leaves `prompt` out."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: trust them
+        return fn  # type: ignore[return-value]
+    if _binds(signature, "response", "ground truth", prompt="prompt"):
+        return fn  # type: ignore[return-value]
+    if not _binds(signature, "response", "ground truth"):
+        shown = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        raise RewardResolutionError(
+            f"reward {name_or_path!r} has parameters {shown}; a reward function is called "
+            f"as fn(response, ground_truth, prompt=...): `{_SIGNATURE}`"
+        )
+    return functools.partial(_call_without_prompt, fn)  # type: ignore[return-value]

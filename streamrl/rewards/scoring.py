@@ -1,0 +1,294 @@
+"""Scoring responses in isolated worker processes, each call under a time limit.
+
+`RewardScorer` runs the reward function in a `ProcessPoolExecutor` of `workers` spawned
+processes. A reward function is user code over model output: it may raise, return garbage,
+loop forever or crash its interpreter. None of that reaches the caller: such a call scores 0.0
+(incorrect), is counted in `RewardScorer.stats` and is logged.
+
+How the time limit is kept. A running task cannot be cancelled in a ProcessPoolExecutor, so:
+
+* at most `workers` calls are in the pool at once and every worker is started and idle before
+  a batch begins, so a call starts the moment it is submitted and its deadline is
+  submit time + `timeout_s`, never inflated by queueing behind other calls;
+* when a deadline passes, every worker of the pool is killed (SIGKILL: a stuck call cannot
+  ignore it) and a fresh pool is started; the overdue calls score 0.0, and calls that were
+  still within their limit are submitted again to the new pool (rewards are pure functions);
+* a worker that dies by itself (segfault, `os._exit`, the OOM killer) breaks the pool; the
+  calls in flight at that moment cannot be told apart, so all of them score 0.0 as errors and
+  the pool is replaced.
+
+Workers are spawned, not forked: the generator process holds vLLM/torch threads, and a fork
+would copy their locks mid-flight. Each worker resolves the reward by name again (so a user
+function must be importable, see `streamrl.rewards.registry`).
+
+`score()` may be called from several threads; batches are then scored one after another.
+Scores are raw, in [0, 1]; `streamrl.algorithms.shaping.scale_rule_reward` maps them to the
+rule reward (±1 or 1/0) in the generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from streamrl.rewards.registry import resolve_reward
+from streamrl.rewards.worker import (
+    STARTUP_TIMEOUT_S,
+    RewardValueError,
+    call_reward,
+    init_worker,
+    wait_until_all_started,
+)
+
+if TYPE_CHECKING:
+    from streamrl.config import RewardConfig
+
+__all__ = ["RewardScorer", "ScoringStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoringStats:
+    """Counters since the scorer opened. Every call ends as exactly one of: scored (its value,
+    possibly 0.0), `timeouts`, `errors`."""
+
+    calls: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    pool_restarts: int = 0
+
+
+class RewardScorer:
+    """Scores batches of responses with one reward function in `workers` worker processes.
+
+    Use as a context manager: the workers start on entry (fails fast if they cannot) and are
+    shut down on exit.
+
+        with RewardScorer("math", workers=2, timeout_s=10.0) as scorer:
+            scores = scorer.score(responses, ground_truths)
+    """
+
+    def __init__(self, fn: str, *, workers: int = 2, timeout_s: float = 10.0) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be ≥ 1, got {workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        resolve_reward(fn)  # unknown names and bad import paths fail here, in the caller
+        self.fn = fn
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.stats = ScoringStats()
+        self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._worker_pids: list[int] = []
+        self._tracebacks_logged: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: RewardConfig) -> RewardScorer:
+        """A scorer for `generator.reward`."""
+        return cls(config.fn, workers=config.workers, timeout_s=config.timeout_s)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (they change when a pool is replaced)."""
+        return list(self._worker_pids)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> RewardScorer:
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._start_pool()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers, after a batch another thread is scoring has finished.
+
+        Between batches the workers are idle and hold nothing worth keeping, so they are
+        killed rather than asked to exit: a reward that left a non-daemon thread running in
+        its worker cannot hang the exit.
+        """
+        with self._lock:
+            if self._pool is not None:
+                _kill_workers(self._pool)
+                self._pool, self._worker_pids = None, []
+
+    def _start_pool(self) -> ProcessPoolExecutor:
+        context = multiprocessing.get_context("spawn")
+        barrier = context.Barrier(self.workers)
+        pool = ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=context,
+            initializer=init_worker,
+            initargs=(self.fn, barrier),
+        )
+        # The pool spawns one process per submit while none is idle, so `workers` submits
+        # start all of them; the barrier returns only once each one is running.
+        started = [pool.submit(wait_until_all_started) for _ in range(self.workers)]
+        done, _ = wait(started, timeout=STARTUP_TIMEOUT_S + 10.0)
+        try:
+            if len(done) < len(started):
+                raise TimeoutError(f"not all workers started within {STARTUP_TIMEOUT_S:.0f}s")
+            self._worker_pids = sorted(f.result() for f in started)
+        except Exception as e:
+            _kill_workers(pool)
+            raise RuntimeError(
+                f"reward workers for {self.fn!r} failed to start ({type(e).__name__}: {e}); a "
+                "worker's own traceback, if any, is on stderr above"
+            ) from e
+        return pool
+
+    def _replace_pool(self) -> None:
+        assert self._pool is not None
+        _kill_workers(self._pool)
+        self._pool = self._start_pool()
+        self.stats.pool_restarts += 1
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str],
+        prompts: list[str] | None = None,
+    ) -> list[float]:
+        """One score in [0, 1] per response, in input order.
+
+        A call that raises, returns something other than a score, exceeds `timeout_s` or
+        kills its worker scores 0.0 and is counted in `stats`; this never raises for them.
+        """
+        if len(ground_truths) != len(responses) or (
+            prompts is not None and len(prompts) != len(responses)
+        ):
+            raise ValueError(
+                f"score() needs one ground truth (and prompt, if given) per response: got "
+                f"{len(responses)} responses, {len(ground_truths)} ground truths, "
+                f"{'no' if prompts is None else len(prompts)} prompts"
+            )
+        with self._lock:
+            if self._pool is None:
+                raise RuntimeError(
+                    "RewardScorer is not open; use it as `with RewardScorer(...) as scorer:`"
+                )
+            try:
+                return self._score_batch(responses, ground_truths, prompts)
+            except BaseException:
+                # Interrupted mid-batch (e.g. KeyboardInterrupt): calls may still be running.
+                _kill_workers(self._pool)
+                self._pool, self._worker_pids = None, []
+                raise
+
+    def _score_batch(
+        self, responses: list[str], ground_truths: list[str], prompts: list[str] | None
+    ) -> list[float]:
+        scores = [0.0] * len(responses)
+        waiting = deque(range(len(responses)))
+        running: dict[Future[float], tuple[int, float]] = {}  # → (index, deadline)
+        self.stats.calls += len(responses)
+        while waiting or running:
+            assert self._pool is not None
+            while waiting and len(running) < self.workers:
+                i = waiting.popleft()
+                prompt = prompts[i] if prompts is not None else None
+                try:
+                    future = self._pool.submit(call_reward, responses[i], ground_truths[i], prompt)
+                except BrokenProcessPool:  # a worker died after its last result came back
+                    waiting.appendleft(i)
+                    if running:
+                        break  # their futures fail too; handled below
+                    self._replace_pool()
+                    continue
+                running[future] = (i, time.monotonic() + self.timeout_s)
+            next_deadline = min(deadline for _, deadline in running.values())
+            done, _ = wait(
+                running, timeout=max(0.0, next_deadline - time.monotonic()),
+                return_when=FIRST_COMPLETED,
+            )  # fmt: skip
+            broken = False
+            for future in done:
+                i, _ = running.pop(future)
+                exc = future.exception()
+                if exc is None:
+                    scores[i] = future.result()
+                elif isinstance(exc, BrokenProcessPool):
+                    broken = True
+                    self._count_error(i, responses[i], "its worker process died")
+                elif isinstance(exc, RewardValueError):
+                    self._count_error(i, responses[i], str(exc))
+                else:
+                    self._count_error(i, responses[i], "it raised", exc)
+            now = time.monotonic()
+            overdue = [f for f, (_, deadline) in running.items() if deadline <= now]
+            if broken:
+                # Every call still in the broken pool is lost with it.
+                for i, _ in running.values():
+                    self._count_error(i, responses[i], "another call's worker process died")
+                running.clear()
+                self._replace_pool()
+            elif overdue:
+                for future in overdue:
+                    i, _ = running.pop(future)
+                    self._count_timeout(i, responses[i])
+                waiting.extendleft(sorted((i for i, _ in running.values()), reverse=True))
+                running.clear()
+                self._replace_pool()
+        return scores
+
+    def _count_timeout(self, index: int, response: str) -> None:
+        self.stats.timeouts += 1
+        log.warning(
+            "reward %r exceeded timeout_s=%.3g on response %d of the batch (%s); its worker was "
+            "killed and it scores 0. Raise generator.reward.timeout_s if such calls are "
+            "legitimately slow.",
+            self.fn, self.timeout_s, index, _preview(response),
+        )  # fmt: skip
+
+    def _count_error(
+        self, index: int, response: str, what: str, exc: BaseException | None = None
+    ) -> None:
+        """Count a failed call; an exception's (remote) traceback is logged for the first
+        failure of its type, its one-line form for every one."""
+        self.stats.errors += 1
+        kind = type(exc).__name__
+        with_traceback = exc is not None and kind not in self._tracebacks_logged
+        if exc is not None:
+            self._tracebacks_logged.add(kind)
+            what = f"{what} {kind}: {exc}"
+        log.warning(
+            "reward %r failed on response %d of the batch (%s): %s; it scores 0",
+            self.fn, index, _preview(response), what,
+            exc_info=exc if with_traceback else None,
+        )  # fmt: skip
+
+
+def _preview(response: str, limit: int = 60) -> str:
+    text = response if len(response) <= limit else "…" + response[-limit:]
+    return repr(text)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL every worker of `pool` and release it; pending futures fail."""
+    kill_workers = getattr(pool, "kill_workers", None)  # public from Python 3.14
+    if kill_workers is not None:
+        kill_workers()
+    else:
+        for process in list((pool._processes or {}).values()):
+            process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)

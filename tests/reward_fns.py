@@ -1,0 +1,42 @@
+"""User reward functions for the reward tests, resolved by import path ('tests.reward_fns:...')
+in the test process and again in the scorer's spawned workers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+NOT_CALLABLE = 42
+
+
+def scripted(response: str, ground_truth: str, *, prompt: str | None = None) -> object:
+    """Does what the response says, else exact match of response and ground truth:
+
+    'hang' sleeps 100 s; 'sleep:S' sleeps S seconds first; 'raise' raises ValueError('boom');
+    'crash' ends its process at once; 'return:X' returns X (1.5, -1, nan, text, none, true);
+    'prompt' scores 1.0 when the prompt equals the ground truth.
+    """
+    if response == "hang":
+        time.sleep(100)
+    if response.startswith("sleep:"):
+        time.sleep(float(response.removeprefix("sleep:")))
+    if response == "raise":
+        raise ValueError("boom")
+    if response == "crash":
+        os._exit(3)
+    if response.startswith("return:"):
+        values = {"1.5": 1.5, "-1": -1, "nan": float("nan"), "text": "yes", "none": None}
+        return values.get(response.removeprefix("return:"), True)
+    if response == "prompt":
+        return prompt == ground_truth
+    return response == ground_truth
+
+
+def without_prompt(response: str, ground_truth: str) -> float:
+    """A reward that does not take the `prompt` keyword."""
+    return float(response.strip() == ground_truth.strip())
+
+
+def one_argument(response: str) -> float:
+    """Not a reward: it cannot take a ground truth."""
+    return 1.0
