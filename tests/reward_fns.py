@@ -40,3 +40,19 @@ def without_prompt(response: str, ground_truth: str) -> float:
 def one_argument(response: str) -> float:
     """Not a reward: it cannot take a ground truth."""
     return 1.0
+
+
+def hang_once_raise_once(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+    """Hangs on its first call and raises on its second, across all worker processes (marker
+    files under $STREAMRL_TEST_MARKERS); afterwards scores 0."""
+    folder = os.environ["STREAMRL_TEST_MARKERS"]
+    for name, action in (("hung", "hang"), ("raised", "raise")):
+        try:
+            with open(os.path.join(folder, name), "x"):
+                pass
+        except FileExistsError:
+            continue
+        if action == "hang":
+            time.sleep(100)
+        raise ValueError("boom")
+    return 0.0

@@ -1,0 +1,161 @@
+"""Datasets bundled with streamrl, so a run needs no download: `builtin:arithmetic`, `builtin:math`.
+
+Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
+reads unchanged:
+
+    {"prompt": [{"role": "user", "content": ...}],
+     "reward_model": {"ground_truth": "12", "style": "rule"},
+     "data_source": "builtin:arithmetic", "extra_info": {"index": 0, ...}}
+
+`arithmetic` is calibrated for the CPU demo (DESIGN.md: accuracy must start between ~0.2 and
+~0.8 or the learner starves): single-digit (2–9) addition and multiplication. Half the problems
+are short word problems that end by restating the sum ("... That is, what is 3 × 4?"), half are
+direct questions ("What is 3 * 4?"). Measured with SmolLM2-135M-Instruct as prepared here
+(vLLM CPU, T=1, 8 samples, 64 tokens, math-verify): word problems alone 8–13% right (too few
+mixed groups), restated word problems ~17%, direct questions ~25%; the mix is ~22%, with
+~85% of groups mixed (96 prompts). Every question ends with "what is A op B?" (op `+`, `*`
+or `×`), and a word problem says "each" exactly when it multiplies. Answers are integer
+strings; the prompt asks for `\\boxed{N}`, which the math reward (math-verify) parses, as it
+does a bare final number.
+
+`math` is a small hand-written set of problems with answers (integers, fractions, simple
+expressions) checked in tests/unit/test_data.py against independent sympy computations.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["BUILTIN_DATASETS", "builtin_rows"]
+
+ARITHMETIC_SIZE = 2000
+ARITHMETIC_SEED = "streamrl-arithmetic-v1"
+ARITHMETIC_INSTRUCTION = "Put the final answer, a single number, in \\boxed{}."
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+_NAMES = (
+    "Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo",
+    "Iris", "Jack", "Kira", "Leo", "Maya", "Noah", "Olive", "Paul",
+)  # fmt: skip
+_OBJECTS = (
+    "apples", "marbles", "stickers", "books", "pencils", "cookies",
+    "shells", "coins", "stamps", "cards", "eggs", "flowers",
+)  # fmt: skip
+_ADDITION = (
+    "{name} has {a} {obj} and finds {b} more. How many {obj} does {name} have now?",
+    "There are {a} {obj} in a box and {b} {obj} on the table. How many {obj} are there in total?",
+    "{name} picked {a} {obj} in the morning and {b} {obj} in the afternoon. "
+    "How many {obj} did {name} pick altogether?",
+    "A shelf holds {a} {obj}. {name} puts {b} more {obj} on it. How many {obj} are on the shelf?",
+    "{name} had {a} {obj}. A friend gave {name} {b} {obj}. How many {obj} does {name} have?",
+)
+_MULTIPLICATION = (
+    "{name} has {a} bags with {b} {obj} in each bag. How many {obj} does {name} have?",
+    "There are {a} boxes and each box holds {b} {obj}. How many {obj} are there in total?",
+    "{name} buys {a} packs of {obj}, each with {b} {obj}. How many {obj} does {name} buy?",
+    "A classroom has {a} tables and each table has {b} {obj}. How many {obj} are in the classroom?",
+    "{name} makes {a} piles of {obj} with {b} {obj} in each pile. How many {obj} are there?",
+)
+
+
+def _row(source: str, index: int, question: str, answer: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "data_source": source,
+        "extra_info": {"index": index, **extra},
+    }
+
+
+def arithmetic_rows(size: int = ARITHMETIC_SIZE) -> list[dict[str, Any]]:
+    """`size` single-digit arithmetic problems (see the module docstring), always the same ones."""
+    rng = random.Random(ARITHMETIC_SEED)  # str seeds hash with SHA-512: stable across Pythons
+    rows = []
+    for index in range(size):
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        op = rng.choice("+*")
+        if rng.random() < 0.5:
+            template = rng.choice(_ADDITION if op == "+" else _MULTIPLICATION)
+            story = template.format(name=rng.choice(_NAMES), obj=rng.choice(_OBJECTS), a=a, b=b)
+            question = f"{story} That is, what is {a} {'+' if op == '+' else '×'} {b}?"
+        else:
+            question = f"What is {a} {op} {b}?"
+        answer = a + b if op == "+" else a * b
+        rows.append(
+            _row(
+                "builtin:arithmetic",
+                index,
+                f"{question}\n{ARITHMETIC_INSTRUCTION}",
+                str(answer),
+                a=a,
+                b=b,
+                op=op,
+            )
+        )
+    return rows
+
+
+# (question, answer in LaTeX). Answers are verified independently in tests/unit/test_data.py.
+MATH_PROBLEMS: tuple[tuple[str, str], ...] = (
+    ("What is $\\frac{1}{2} + \\frac{1}{3}$?", "\\frac{5}{6}"),
+    ("Compute $7 \\times 8 - 6$.", "50"),
+    ("What is $15\\%$ of $80$?", "12"),
+    ("Solve for $x$: $3x + 5 = 20$.", "5"),
+    ("What is the least common multiple of $4$ and $6$?", "12"),
+    ("What is the greatest common divisor of $18$ and $24$?", "6"),
+    ("Simplify $\\frac{12}{18}$.", "\\frac{2}{3}"),
+    ("A rectangle is $7$ cm long and $4$ cm wide. What is its area in square centimetres?", "28"),
+    ("What is $2^{10}$?", "1024"),
+    ("What is $\\sqrt{144}$?", "12"),
+    ("Compute $\\frac{3}{4} \\times \\frac{8}{9}$.", "\\frac{2}{3}"),
+    ("What is the sum of the first $10$ positive integers?", "55"),
+    ("Solve for $y$: $\\frac{y}{4} = 7$.", "28"),
+    ("A $20$-dollar shirt is sold at $25\\%$ off. What is the sale price in dollars?", "15"),
+    ("What is the perimeter of a square with side length $9$?", "36"),
+    ("Evaluate $(-3)^3$.", "-27"),
+    ("What is $\\frac{5}{6} - \\frac{1}{4}$?", "\\frac{7}{12}"),
+    ("Compute $1.5 \\times 4$.", "6"),
+    ("If $f(x) = 2x^2 - 3$, what is $f(3)$?", "15"),
+    ("What is the mean of $4, 8, 15, 16, 23$?", "\\frac{66}{5}"),
+    ("How many minutes are there in $3.5$ hours?", "210"),
+    ("Simplify $\\sqrt{50}$.", "5\\sqrt{2}"),
+    ("What is the remainder when $100$ is divided by $7$?", "2"),
+    ("Find the negative number $x$ with $x^2 = 49$.", "-7"),
+    ("What is the product of the roots of $x^2 - 5x + 6 = 0$?", "6"),
+    ("Two angles of a triangle are $50^\\circ$ and $60^\\circ$. Find the third in degrees.", "70"),
+    ("Write $\\frac{2}{5}$ as a decimal.", "0.4"),
+    ("Compute $3! + 4!$.", "30"),
+    ("What is the slope of the line through $(1, 2)$ and $(3, 8)$?", "3"),
+    ("Expand $(x + 2)(x + 3)$.", "x^2 + 5x + 6"),
+    ("Simplify $2(x + 4) - 3x$.", "8 - x"),
+    ("What is the area of a circle of radius $3$? Give your answer in terms of $\\pi$.", "9\\pi"),
+    ("What is $\\frac{7}{8}$ of $64$?", "56"),
+    ("How many prime numbers are less than $20$?", "8"),
+    ("What is $10 - 4 \\div 2 + 3$?", "11"),
+    ("Solve for $x$: $2(x - 3) = x + 4$.", "10"),
+    ("What is $\\log_2 32$?", "5"),
+    ("Write $0.75$ as a fraction in lowest terms.", "\\frac{3}{4}"),
+    ("What is $\\frac{1}{3}$ of $\\frac{3}{7}$?", "\\frac{1}{7}"),
+    ("Compute $\\frac{2}{3} \\div \\frac{4}{9}$.", "\\frac{3}{2}"),
+)  # fmt: skip
+
+
+def math_rows() -> list[dict[str, Any]]:
+    """The hand-written problems of `MATH_PROBLEMS` as verl-layout rows."""
+    return [
+        _row("builtin:math", index, f"{question}\n{MATH_INSTRUCTION}", answer)
+        for index, (question, answer) in enumerate(MATH_PROBLEMS)
+    ]
+
+
+BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "arithmetic": arithmetic_rows,
+    "math": math_rows,
+}
+
+
+def builtin_rows(name: str) -> list[dict[str, Any]]:
+    """Rows of the bundled dataset `name` (without the `builtin:` prefix); KeyError if unknown."""
+    return BUILTIN_DATASETS[name]()

@@ -1,0 +1,246 @@
+"""Prompt datasets: rows from JSONL / Parquet (any fsspec URL) or a bundled set, as `Prompt`s.
+
+A row's prompt is a string or a list of chat messages (the verl / DAPO-Math-17k Parquet
+layout: `prompt` = [{role, content}], `reward_model` = {ground_truth, style}, `data_source`,
+...), reached with the dotted paths `DataConfig.prompt_field` / `answer_field`. Prompts are
+rendered with the tokenizer's chat template (generation prompt appended) and tokenised once, at
+load: a bad row fails before any engine starts, and prompts longer than `max_prompt_len`
+tokens are dropped and counted (`PromptSource.num_dropped_too_long`).
+
+Iteration order, for N generators that must never duplicate work:
+
+- epoch e visits every kept prompt once, in a permutation seeded by (shuffle_seed, e): the same
+  on every restart, different from epoch to epoch;
+- generator `shard` of `num_shards` takes positions shard, shard + num_shards, ... of that
+  permutation, so the shards of one epoch are disjoint and together cover the dataset;
+- iteration is endless: after its share of epoch e a shard goes on with epoch e + 1;
+- `PromptPosition(epoch, offset)` is the place of the next prompt: `offset` counts the prompts
+  this shard has already taken in `epoch`. `PromptIterator.position` reports it, and
+  `iterate(..., start=position)` resumes exactly there. A position is meaningful only for the
+  same dataset, shuffle_seed, max_prompt_len, tokenizer and num_shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from streamrl.config import DataConfig
+from streamrl.data.rows import (
+    DatasetError,
+    MissingFieldError,
+    dataset_name,
+    field_value,
+    load_rows,
+)
+
+__all__ = ["Prompt", "PromptIterator", "PromptPosition", "PromptSource"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as a generator submits it.
+
+    Invariants: `token_ids` is `text` tokenised (non-empty, at most max_prompt_len long);
+    `prompt_id` is unique within the dataset and stable across restarts ("<dataset>:<row>").
+    """
+
+    prompt_id: str
+    text: str
+    token_ids: list[int]
+    ground_truth: str
+
+
+@dataclass(frozen=True)
+class PromptPosition:
+    """Where a shard's iteration stands: the next prompt is number `offset` of `epoch`."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class PromptSource:
+    """A dataset's prompts, rendered and tokenised, with sharded endless iteration.
+
+    `tokenizer_path` is a model directory or bundled model name (see `resolve_model_path`);
+    `tokenizer` (a transformers tokenizer) may be passed instead. `path` overrides
+    `config.path` (e.g. with `config.val_path`).
+    """
+
+    def __init__(
+        self,
+        config: DataConfig,
+        tokenizer_path: str | None = None,
+        *,
+        tokenizer: Any = None,
+        path: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if tokenizer is None:
+            if tokenizer_path is None:
+                raise ValueError("PromptSource needs a tokenizer_path or a tokenizer")
+            from transformers import AutoTokenizer
+
+            from streamrl.models import resolve_model_path
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_path))
+        self.config = config
+        self.path = path or config.path
+        rows = load_rows(
+            self.path,
+            config.format,
+            fields=(config.prompt_field, config.answer_field),
+            storage_options=storage_options,
+        )
+        self.num_rows = len(rows)
+        self.prompts, self.num_dropped_too_long = self._prepare(rows, tokenizer)
+        log.info(
+            "dataset %s: %d rows, %d prompts kept, %d dropped as longer than %d tokens",
+            self.path,
+            self.num_rows,
+            len(self.prompts),
+            self.num_dropped_too_long,
+            config.max_prompt_len,
+        )
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _field(self, row: Mapping[str, Any], index: int, path: str, option: str) -> Any:
+        try:
+            return field_value(row, path)
+        except MissingFieldError as missing:
+            where = f"'{missing.where}'" if missing.where else "the row"
+            keys = ", ".join(missing.keys) or "none: it is not a mapping"
+            raise DatasetError(
+                f"row {index} (0-based) of {self.path} has no value at '{path}' "
+                f"(data.{option}); the keys of {where} are: {keys}. Set data.{option}=... to "
+                "the right dotted field"
+            ) from None
+
+    def _render(self, row: Mapping[str, Any], index: int, tokenizer: Any) -> str:
+        cfg = self.config
+        prompt = self._field(row, index, cfg.prompt_field, "prompt_field")
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and all(
+            isinstance(m, Mapping) and isinstance(m.get("content"), str) and "role" in m
+            for m in prompt
+        ):
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        else:
+            raise DatasetError(
+                f"row {index} of {self.path}: '{cfg.prompt_field}' must be a string or a list "
+                f"of {{role, content}} chat messages, got {type(prompt).__name__}"
+            )
+        if cfg.system_prompt is not None:  # replaces a system message the row brings
+            start = 1 if messages and messages[0]["role"] == "system" else 0
+            messages = [{"role": "system", "content": cfg.system_prompt}, *messages[start:]]
+        if cfg.apply_chat_template:
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        if len(messages) > 2 or messages[-1]["role"] != "user":
+            raise DatasetError(
+                f"row {index} of {self.path} is a multi-turn conversation but "
+                "data.apply_chat_template is false; set data.apply_chat_template=true"
+            )
+        return "\n\n".join(m["content"] for m in messages)
+
+    def _prepare(self, rows: list[dict[str, Any]], tokenizer: Any) -> tuple[list[Prompt], int]:
+        cfg = self.config
+        if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DatasetError(
+                "the tokenizer has no chat template; set data.apply_chat_template=false or use "
+                "model.tokenizer=<a directory whose tokenizer has one>"
+            )
+        texts = [self._render(row, i, tokenizer) for i, row in enumerate(rows)]
+        answers = [
+            self._field(row, i, cfg.answer_field, "answer_field") for i, row in enumerate(rows)
+        ]
+        # A chat template writes its own special tokens; plain text gets the tokenizer's (BOS).
+        token_ids = tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
+        name = dataset_name(self.path)
+        prompts, dropped = [], 0
+        for index, (text, ids, answer) in enumerate(zip(texts, token_ids, answers, strict=True)):
+            if not ids:
+                raise DatasetError(f"row {index} of {self.path} has an empty prompt")
+            if len(ids) > cfg.max_prompt_len:
+                dropped += 1
+                continue
+            truth = answer if isinstance(answer, str) else json.dumps(answer)
+            prompts.append(Prompt(f"{name}:{index}", text, list(ids), truth))
+        if not prompts:
+            raise DatasetError(
+                f"no prompt of {self.path} fits data.max_prompt_len={cfg.max_prompt_len} "
+                f"({dropped} of {len(rows)} rows dropped as longer); raise data.max_prompt_len"
+            )
+        if dropped:
+            log.warning(
+                "dropped %d of %d prompts longer than %d tokens",
+                dropped,
+                len(rows),
+                cfg.max_prompt_len,
+            )
+        return prompts, dropped
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The permutation of prompt indices visited in `epoch` (before sharding)."""
+        order = list(range(len(self.prompts)))
+        random.Random(f"streamrl-data:{self.config.shuffle_seed}:{epoch}").shuffle(order)
+        return order
+
+    def iterate(
+        self, shard: int = 0, num_shards: int = 1, start: PromptPosition | None = None
+    ) -> PromptIterator:
+        """Endless iterator over this shard's prompts, from `start` (default: the beginning)."""
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+        if num_shards > len(self.prompts):
+            raise DatasetError(
+                f"{num_shards} generators share a dataset of {len(self.prompts)} prompts, so "
+                "some would get none; use fewer generators (generator.count) or more prompts"
+            )
+        return PromptIterator(self, shard, num_shards, start or PromptPosition())
+
+
+class PromptIterator(Iterator[Prompt]):
+    """One shard's endless walk over a `PromptSource`; `position` is where the next prompt is."""
+
+    def __init__(
+        self, source: PromptSource, shard: int, num_shards: int, start: PromptPosition
+    ) -> None:
+        if start.epoch < 0 or start.offset < 0:
+            raise ValueError(f"a prompt position is never negative, got {start}")
+        self.source, self.shard, self.num_shards = source, shard, num_shards
+        self._epoch, self._offset = start.epoch, start.offset
+        self._order = self._shard_order(self._epoch)
+        if self._offset > len(self._order):
+            raise ValueError(
+                f"offset {self._offset} is past the {len(self._order)} prompts of shard {shard} "
+                f"in epoch {self._epoch}"
+            )
+
+    def _shard_order(self, epoch: int) -> list[int]:
+        return self.source.epoch_order(epoch)[self.shard :: self.num_shards]
+
+    @property
+    def position(self) -> PromptPosition:
+        """The next prompt's place; pass it to `PromptSource.iterate(start=...)` to resume."""
+        if self._offset == len(self._order):
+            return PromptPosition(self._epoch + 1, 0)
+        return PromptPosition(self._epoch, self._offset)
+
+    def __next__(self) -> Prompt:
+        if self._offset == len(self._order):
+            self._epoch, self._offset = self._epoch + 1, 0
+            self._order = self._shard_order(self._epoch)
+        prompt = self.source.prompts[self._order[self._offset]]
+        self._offset += 1
+        return prompt

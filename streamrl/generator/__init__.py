@@ -1,0 +1,98 @@
+"""Generators: vLLM engines that sample, score and stream groups for the learner.
+
+`run_generator` is what `streamrl generator --run RUN_URI --index I` and the Prefect flows
+call: it opens an existing run, builds one generator from the run's configuration and runs it
+until the run's stop marker appears or SIGTERM arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from storage.fs import Location, open_location
+from storage.manifest import open_run
+from storage.stream import StreamWriter
+from streamrl.config import RunConfig, validate_config
+from streamrl.generator.loop import GeneratorLoop, GeneratorStats
+
+__all__ = ["GeneratorLoop", "GeneratorStats", "build_generator", "run_generator"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def build_generator(
+    config: RunConfig, run: Location, index: int, *, policy_version: int | None = None
+) -> Iterator[GeneratorLoop]:
+    """Everything one generator needs, built from the run's configuration and released on exit.
+
+    Fails fast — before vLLM starts — on a bad dataset field, reward name or model path.
+    """
+    from storage.weights import WeightStore
+    from streamrl.data import PromptSource
+    from streamrl.generator.engine import Engine
+    from streamrl.models import resolve_model_path
+    from streamrl.rewards import RewardScorer, resolve_reward
+
+    cfg = config.generator
+    if not 0 <= index < cfg.count:
+        raise ValueError(
+            f"generator index {index} is outside 0..{cfg.count - 1} (generator.count={cfg.count})"
+        )
+    model_path = resolve_model_path(config.model.path)
+    resolve_reward(cfg.reward.fn)
+    source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
+    prompts = source.iterate(shard=index, num_shards=cfg.count)
+    version = WeightStore(run).latest_version() if policy_version is None else policy_version
+    engine = Engine(model_path, config.model, cfg, seed=cfg.seed + index)
+    if version:
+        engine.load_weights(WeightStore(run).iter_tensors(version), version)
+    writer = StreamWriter(
+        run,
+        f"gen{index}",
+        compression=config.storage.compression,
+        level=config.storage.compression_level,
+    )
+    with RewardScorer(
+        cfg.reward.fn, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
+    ) as scorer:
+        yield GeneratorLoop(
+            config=config,
+            run=run,
+            engine=engine,
+            prompts=prompts,
+            scorer=scorer,
+            writer=writer,
+            generator_id=f"gen{index}",
+        )
+
+
+def run_generator(
+    run_uri: str,
+    index: int,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    stop: threading.Event | None = None,
+) -> GeneratorStats:
+    """Run generator `index` of an existing run until it is told to stop.
+
+    SIGTERM (when called from the main thread) sets the stop event: the loop flushes its open
+    segment and this returns normally, so the process exits 0.
+    """
+    run = open_location(run_uri, storage_options=storage_options)
+    config = validate_config(open_run(run).config, source=f"{run_uri}/run.json")
+    run = open_location(
+        run_uri,
+        endpoint_url=config.storage.endpoint_url,
+        storage_options={**config.storage.storage_options, **(storage_options or {})},
+    )
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with build_generator(config, run, index) as loop:
+        return loop.run(stop)

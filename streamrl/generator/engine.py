@@ -1,0 +1,249 @@
+"""vLLM as a streaming sampler: continuous batching, fp32 behaviour log-probs, live weights.
+
+The engine is vLLM's own `LLMEngine` (built through `vllm.LLM`), driven request by request:
+`submit` adds a prompt with n = G samples, `step` advances every request in flight by one
+scheduler step and returns the groups that finished. Nothing waits for a whole batch.
+
+Behaviour log-probs are vLLM's *processed* log-probs of each sampled token — log-softmax of
+the logits after temperature (and top-k / top-p, when set) — i.e. exactly the distribution the
+token was drawn from, returned in fp32.
+
+Live weight update (`load_weights`): new tensors are loaded in place into the running model
+(`model_runner.reload_weights`); a tied lm_head is re-packed (vLLM's CPU backend keeps a packed
+copy of it for its GEMM); then the prefix cache is reset *including running requests*, so
+requests in flight are recomputed with the new weights rather than continuing on KV entries of
+the old ones. A request records the oldest version that produced any of its tokens.
+
+Per-request sampling seeds are not supported by vLLM's CPU backend; the engine itself is
+seeded (`seed`), and per-request seeds are used on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamrl.config import GeneratorConfig, ModelConfig
+
+__all__ = ["Completion", "Engine", "FinishedGroup", "configure_cpu_environment", "use_cuda"]
+
+
+def use_cuda(device: str) -> bool:
+    """Whether `device` ('auto' | 'cpu' | 'cuda') means a CUDA vLLM here."""
+    if device == "cuda":
+        return True
+    return device == "auto" and torch.cuda.is_available()
+
+
+def configure_cpu_environment(kv_cache_gib: int, cores: str | None = None) -> None:
+    """Set vLLM's CPU-backend environment (before vllm is imported): KV-cache size, OpenMP
+    thread binding to the cores this process may use, and in-process engine execution."""
+    if cores is None:
+        allowed = sorted(os.sched_getaffinity(0))
+        cores = ",".join(str(c) for c in allowed)
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response: tokens, their behaviour log-probs (same length), decoded text."""
+
+    token_ids: np.ndarray  # [L] int32
+    logprobs: np.ndarray  # [L] float32
+    text: str
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        """Stopped by max_tokens rather than by EOS or a stop string."""
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class FinishedGroup:
+    """All G completions of one submitted prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    policy_version: int  # the oldest weights that produced any of its tokens
+    submitted_at: float
+
+
+class Engine:
+    """A vLLM engine sampling G responses per prompt with live weight updates."""
+
+    def __init__(
+        self,
+        model_path: str,
+        model: ModelConfig,
+        generator: GeneratorConfig,
+        *,
+        seed: int | None = None,
+        policy_version: int = 0,
+    ) -> None:
+        self.cuda = use_cuda(generator.device)
+        if not self.cuda:
+            configure_cpu_environment(generator.cpu_kv_cache_gib)
+        from vllm import LLM  # after the environment is set
+
+        from streamrl.models import resolve_model_path
+
+        self.generator = generator
+        self.seed = generator.seed if seed is None else seed
+        engine_args: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": resolve_model_path(model.tokenizer) if model.tokenizer else model_path,
+            "dtype": model.dtype,
+            "max_model_len": model.max_model_len,
+            "seed": self.seed,
+            "trust_remote_code": model.trust_remote_code,
+            "logprobs_mode": "processed_logprobs",
+            "enforce_eager": generator.enforce_eager or not self.cuda,
+        }
+        if self.cuda:
+            engine_args["gpu_memory_utilization"] = generator.gpu_memory_utilization
+            engine_args["tensor_parallel_size"] = generator.tensor_parallel_size
+        self.llm = LLM(**engine_args)
+        self._engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.policy_version = policy_version
+        self._in_flight: dict[str, tuple[list[int], int, float]] = {}
+        self._next_request = 0
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def sampling_params(self, request_seed: int | None = None, *, greedy: bool = False) -> Any:
+        """n = G samples with the configured sampling (or one greedy response), with the fp32
+        log-prob of each sampled token."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        cfg = self.generator
+        return SamplingParams(
+            n=1 if greedy else cfg.group_size,
+            temperature=0.0 if greedy else cfg.temperature,
+            top_p=1.0 if greedy else cfg.top_p,
+            top_k=0 if greedy else cfg.top_k,
+            max_tokens=cfg.max_tokens,
+            stop=list(cfg.stop) or None,
+            logprobs=0,
+            seed=request_seed if self.cuda else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        request_id: str | None = None,
+        *,
+        greedy: bool = False,
+    ) -> str:
+        """Start sampling G responses (or one greedy one) to a tokenised prompt; returns its
+        request id."""
+        from vllm.inputs import TokensPrompt
+
+        if request_id is None:
+            request_id = f"r{self._next_request}"
+        self._next_request += 1
+        ids = [int(t) for t in prompt_token_ids]
+        request_seed = self.seed * 1_000_003 + self._next_request if self.cuda else None
+        params = self.sampling_params(request_seed, greedy=greedy)
+        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        self._in_flight[request_id] = (ids, self.policy_version, time.time())
+        return request_id
+
+    @property
+    def num_in_flight(self) -> int:
+        """Prompts submitted whose groups have not finished."""
+        return len(self._in_flight)
+
+    def step(self) -> list[FinishedGroup]:
+        """One engine step; the groups that finished in it."""
+        finished = []
+        for output in self._engine.step():
+            if not output.finished or output.request_id not in self._in_flight:
+                continue
+            prompt_ids, version, submitted_at = self._in_flight.pop(output.request_id)
+            completions = [
+                Completion(
+                    token_ids=np.asarray(c.token_ids, dtype=np.int32),
+                    logprobs=_sampled_logprobs(c.token_ids, c.logprobs),
+                    text=c.text,
+                    finish_reason=str(c.finish_reason),
+                )
+                for c in sorted(output.outputs, key=lambda c: c.index)
+            ]
+            finished.append(
+                FinishedGroup(output.request_id, prompt_ids, completions, version, submitted_at)
+            )
+        return finished
+
+    def abort_all(self) -> int:
+        """Drop every request in flight (their groups are lost); how many there were."""
+        request_ids = list(self._in_flight)
+        if request_ids:
+            self._engine.abort_request(request_ids)
+        self._in_flight.clear()
+        return len(request_ids)
+
+    def generate(
+        self, prompts: Iterable[Sequence[int]], *, greedy: bool = False
+    ) -> list[FinishedGroup]:
+        """Submit `prompts` and step until all of them finished (evaluation, tests, benchmarks)."""
+        ids = [self.submit(p, greedy=greedy) for p in prompts]
+        done: dict[str, FinishedGroup] = {}
+        while len(done) < len(ids):
+            done.update((g.request_id, g) for g in self.step())
+        return [done[i] for i in ids]
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Load new weights in place, reset the prefix cache, record `version`; the seconds
+        taken, reading `tensors` included.
+
+        Requests in flight keep their version (the oldest that produced any of their tokens)
+        and are recomputed with the new weights."""
+        start = time.perf_counter()
+        self.llm.collective_rpc(_reload_in_worker, args=(list(tensors),))
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+        self.policy_version = version
+        return time.perf_counter() - start
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
+    """fp32 log-prob of each sampled token from vLLM's per-position dicts."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no log-prob for some sampled tokens")
+    return np.fromiter(
+        (lp[t].logprob for t, lp in zip(token_ids, logprobs, strict=True)),
+        dtype=np.float32,
+        count=len(token_ids),
+    )
+
+
+def _reload_in_worker(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside each vLLM worker: in-place reload, then re-pack a tied lm_head."""
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(tensors))
+    model = runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = (
+        lm_head is not None
+        and embed is not None
+        and lm_head.weight.data_ptr() == embed.weight.data_ptr()
+    )
+    method = getattr(lm_head, "quant_method", None)
+    if tied and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm_head)

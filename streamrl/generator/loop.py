@@ -1,0 +1,230 @@
+"""The generator loop: prompts in, scored groups out, weights picked up as they are published.
+
+Consumes: prompts from this generator's shard of the dataset, and published weight versions.
+Produces: `ScoredGroup`s in the replay stream, one segment every `segment_groups` groups or
+`segment_seconds` seconds, whichever comes first.
+Waits for: nothing but vLLM — it never waits for the learner. It keeps `prompts_in_flight`
+prompts in the engine, scores finished groups in a process pool while the engine goes on, and
+between engine steps polls `LATEST` every `weight_poll_s` seconds and loads a newer version in
+place.
+Stops when: the run's stop marker appears or `stop` is set (e.g. by SIGTERM); it then scores
+what has finished, flushes its open segment and returns. A SIGKILL loses at most that segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from storage.control import stop_requested
+from storage.fs import Location
+from storage.records import ScoredGroup
+from storage.stream import StreamWriter
+from storage.weights import WeightStore
+from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
+from streamrl.config import RunConfig
+from streamrl.data import Prompt
+from streamrl.generator.engine import Engine, FinishedGroup
+from streamrl.rewards import RewardScorer
+
+__all__ = ["GeneratorLoop", "GeneratorStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GeneratorStats:
+    """Counters since the loop started (the throughput log line reports their rates)."""
+
+    groups: int = 0
+    responses: int = 0
+    tokens: int = 0
+    correct: int = 0
+    reward_sum: float = 0.0
+    truncated: int = 0
+    segments: int = 0
+    weight_updates: int = 0
+    weight_update_s: float = 0.0
+
+
+class GeneratorLoop:
+    """One generator: an engine, its prompts, a reward scorer, a stream writer."""
+
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        run: Location,
+        engine: Engine,
+        prompts: Iterator[Prompt],
+        scorer: RewardScorer,
+        writer: StreamWriter,
+        generator_id: str,
+    ) -> None:
+        self.config = config
+        self.run_location = run
+        self.engine = engine
+        self.prompts = prompts
+        self.scorer = scorer
+        self.writer = writer
+        self.weights = WeightStore(run)
+        self.generator_id = generator_id
+        self.stats = GeneratorStats()
+        self._prompts_by_request: dict[str, Prompt] = {}
+        self._scoring: deque[tuple[FinishedGroup, Prompt, Future[list[float]]]] = deque()
+        self._score_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="score")
+        self._next_poll = 0.0
+        self._started = time.monotonic()
+        self._next_log = self._started + 30.0
+
+    def run(self, stop: threading.Event | None = None) -> GeneratorStats:
+        """Generate until stopped; flush what was scored; return the counters."""
+        stop = stop or threading.Event()
+        log.info(
+            "generator %s generating: %d prompts in flight, G=%d, weights v%d",
+            self.generator_id,
+            self.config.generator.prompts_in_flight,
+            self.config.generator.group_size,
+            self.engine.policy_version,
+        )
+        try:
+            while not stop.is_set():
+                if self._poll_due() and self._poll():
+                    break
+                self.step()
+            self._drain()
+        finally:
+            self._score_pool.shutdown(wait=True)
+        return self.stats
+
+    def step(self) -> None:
+        """Top up the engine, advance it one step, hand finished groups to the scorer, and
+        write what has been scored."""
+        cfg = self.config.generator
+        while self.engine.num_in_flight < cfg.prompts_in_flight:
+            prompt = next(self.prompts)
+            request_id = self.engine.submit(prompt.token_ids)
+            self._prompts_by_request[request_id] = prompt
+        for group in self.engine.step():
+            prompt = self._prompts_by_request.pop(group.request_id)
+            texts = [c.text for c in group.completions]
+            future = self._score_pool.submit(
+                self.scorer.score,
+                texts,
+                [prompt.ground_truth] * len(texts),
+                [prompt.text] * len(texts),
+            )
+            self._scoring.append((group, prompt, future))
+        self._collect(wait=False)
+        if self.writer.pending_groups >= cfg.segment_groups or (
+            self.writer.pending_groups and self.writer.pending_age_s >= cfg.segment_seconds
+        ):
+            self._flush()
+        if time.monotonic() >= self._next_log:
+            self._log_throughput()
+
+    # -- scoring and writing -----------------------------------------------------------------
+
+    def _collect(self, wait: bool) -> None:
+        """Turn scored groups into stream records, in the order they finished."""
+        while self._scoring and (wait or self._scoring[0][2].done()):
+            group, prompt, future = self._scoring.popleft()
+            self.writer.append(self._record(group, prompt, future.result()))
+
+    def _record(self, group: FinishedGroup, prompt: Prompt, scores: list[float]) -> ScoredGroup:
+        algorithm = self.config.algorithm
+        raw = torch.tensor(scores, dtype=torch.float32)
+        rewards = scale_rule_reward(raw, algorithm.reward_scale)
+        lengths = torch.tensor([len(c.token_ids) for c in group.completions])
+        if algorithm.overlong.shaping:
+            rewards = rewards + overlong_penalty(
+                lengths, self.config.generator.max_tokens, self.config.overlong_cache_len
+            )
+        truncated = np.array([c.truncated for c in group.completions])
+        s = self.stats
+        s.groups += 1
+        s.responses += len(scores)
+        s.tokens += int(lengths.sum())
+        s.correct += int((raw >= 1.0).sum())
+        s.reward_sum += float(rewards.sum())
+        s.truncated += int(truncated.sum())
+        return ScoredGroup(
+            prompt_id=prompt.prompt_id,
+            prompt_tokens=np.asarray(group.prompt_token_ids, dtype=np.int32),
+            ground_truth=prompt.ground_truth,
+            response_tokens=[c.token_ids for c in group.completions],
+            behaviour_logprobs=[c.logprobs for c in group.completions],
+            rewards=rewards.numpy(),
+            raw_scores=raw.numpy(),
+            truncated=truncated,
+            finish_reasons=[c.finish_reason for c in group.completions],
+            policy_version=group.policy_version,
+            generator_id=self.generator_id,
+            created_at=group.submitted_at,
+            finished_at=time.time(),
+        )
+
+    def _flush(self) -> None:
+        if self.writer.flush() is not None:
+            self.stats.segments += 1
+
+    def _drain(self) -> None:
+        """On stop: drop unfinished requests, finish scoring what the engine completed and
+        flush the open segment."""
+        self.engine.abort_all()
+        self._prompts_by_request.clear()
+        self._collect(wait=True)
+        self._flush()
+        log.info(
+            "generator %s stopped: %d groups in %d segments, weight version %d",
+            self.generator_id, self.stats.groups, self.stats.segments, self.engine.policy_version,
+        )  # fmt: skip
+
+    # -- weights and control -----------------------------------------------------------------
+
+    def _poll_due(self) -> bool:
+        return time.monotonic() >= self._next_poll
+
+    def _poll(self) -> bool:
+        """Between engine steps: load newer weights; True when the run asks us to stop."""
+        self._next_poll = time.monotonic() + self.config.generator.weight_poll_s
+        if stop_requested(self.run_location):
+            log.info("generator %s: stop marker found", self.generator_id)
+            return True
+        latest = self.weights.latest_version()
+        if latest is not None and latest > self.engine.policy_version:
+            seconds = self.engine.load_weights(self.weights.iter_tensors(latest), latest)
+            self.stats.weight_updates += 1
+            self.stats.weight_update_s += seconds
+            log.info(
+                "generator %s: loaded weights v%d in %.2fs", self.generator_id, latest, seconds
+            )
+        return False
+
+    def _log_throughput(self) -> None:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        s = self.stats
+        log.info(
+            "generator %s: %.2f groups/s, %.1f tokens/s, reward mean %.3f, acc %.3f, "
+            "truncated %.3f, weights v%d (%d updates, %.2fs each), scoring timeouts %d errors %d",
+            self.generator_id,
+            s.groups / elapsed,
+            s.tokens / elapsed,
+            s.reward_sum / max(s.responses, 1),
+            s.correct / max(s.responses, 1),
+            s.truncated / max(s.responses, 1),
+            self.engine.policy_version,
+            s.weight_updates,
+            s.weight_update_s / max(s.weight_updates, 1),
+            self.scorer.stats.timeouts,
+            self.scorer.stats.errors,
+        )
+        self._next_log = time.monotonic() + 30.0

@@ -1,0 +1,122 @@
+"""`tiny-qwen2`: a random-init Qwen2 small enough for CPU tests, with a tokenizer built here.
+
+The shape is the smallest vLLM's CPU backend accepts (attention head_dim ≥ 32): hidden 64,
+2 heads of 32, 1 KV head, 2 layers, MLP 128. Embeddings are tied to the LM head, as in small
+Qwen2 and SmolLM2 models, so the generator's tied-lm_head path is exercised. Everything is
+seeded: two builds write identical files.
+
+The tokenizer is a byte-level BPE with Qwen2's pre-tokenizer (digits split one by one),
+trained on the bundled datasets' text so the demo's prompts stay short; ChatML special
+tokens and chat template as in Qwen2-Instruct (bos/pad `<|endoftext|>`, eos `<|im_end|>`,
+no BOS added).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+__all__ = ["CHATML_TEMPLATE", "build_tiny_qwen2", "build_tokenizer"]
+
+VOCAB_SIZE = 1024
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds exactly this one when it
+# loads the directory, so training with it keeps tokenizer.json and AutoTokenizer in agreement).
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_EXTRA_TEXT = (
+    "You are a helpful assistant. Let's think step by step.",
+    "The answer is 42. So the final answer is \\boxed{42}.",
+    "First, we add the numbers. Then we multiply them. Therefore the total is 56.",
+    "Answer: 7",
+    "Hello! How can I help you today?",
+)
+
+
+def _corpus() -> Iterator[str]:
+    # Changing the bundled datasets' text changes this tokenizer: bump the recipe in cache.py.
+    from streamrl.data.builtin import arithmetic_rows, math_rows
+
+    for row in [*arithmetic_rows(), *math_rows()]:
+        yield row["prompt"][0]["content"]
+        yield f"The answer is \\boxed{{{row['reward_model']['ground_truth']}}}."
+    yield from _EXTRA_TEXT
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> transformers PreTrainedTokenizerFast
+    """The tiny model's tokenizer, trained deterministically on the bundled corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=2048,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny model and its tokenizer to `out_dir` (safetensors, float32)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

