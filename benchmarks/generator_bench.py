@@ -19,7 +19,7 @@ import threading
 import time
 
 from storage.fs import open_location
-from storage.stream import StreamWriter
+from storage.stream import StreamReader, StreamWriter
 from storage.weights import WeightStore
 from streamrl.config import load_config
 from streamrl.data import PromptSource
@@ -79,6 +79,13 @@ def main() -> None:
             timer.start()
             stats = loop.run(stop)
             loop_s = time.perf_counter() - start
+        # Steady state: groups finished after the first one, over the time between them. (The
+        # loop's wall-clock rate also charges it for the groups still in flight at the stop.)
+        reader = StreamReader(run).groups(timeout_s=5)
+        written = [next(reader) for _ in range(stats.groups)]
+        finished = sorted(written, key=lambda g: g.finished_at)
+        steady_tokens = sum(g.num_tokens for g in finished[1:])
+        steady_s = finished[-1].finished_at - finished[0].finished_at
 
         # Live weight update: publish the engine's model as version 1, then load it in place.
         from transformers import AutoModelForCausalLM
@@ -101,7 +108,14 @@ def main() -> None:
         f"| generator loop | {stats.groups} | {stats.tokens} | {loop_s:.1f} | "
         f"{loop_rate:.1f} | {stats.groups / loop_s:.2f} |"
     )
-    print(f"\nloop / raw tokens/s: {loop_rate / raw_rate:.3f}")
+    print(
+        f"| generator loop, steady state | {len(finished) - 1} | {steady_tokens} | "
+        f"{steady_s:.1f} | {steady_tokens / steady_s:.1f} | {(len(finished) - 1) / steady_s:.2f} |"
+    )
+    print(
+        f"\nloop / raw tokens/s: {loop_rate / raw_rate:.3f} wall clock, "
+        f"{steady_tokens / steady_s / raw_rate:.3f} steady state"
+    )
     print(
         f"weight update ({sum(t.numel() for t in state.values()) / 1e6:.0f}M parameters): "
         f"publish {publish_s:.2f}s; generator update {update_s:.2f}s "

@@ -85,6 +85,7 @@ def test_live_weight_update_matches_transformers_with_the_new_weights(
 ):
     # A prompt longer than one KV-cache block, and a short one.
     prompts = [list(range(3, 200)), [11, 12, 13]]
+    assert len(prompts[0]) > engine.llm.llm_engine.vllm_config.cache_config.block_size
     before = engine.generate(prompts, greedy=True)
 
     generator = torch.Generator().manual_seed(1)
