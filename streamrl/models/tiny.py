@@ -89,7 +89,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> transformers PreTrained
 
 def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny model and its tokenizer to `out_dir` (safetensors, float32)."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
@@ -112,6 +112,15 @@ def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
+    return save_model_dir(model, tokenizer, out_dir)
+
+
+def save_model_dir(model, tokenizer, out_dir: str | Path) -> Path:  # transformers objects
+    """Save a model and its tokenizer as a Hugging Face directory, with a generation config
+    that carries the model's own bos/eos/pad ids (not transformers' defaults)."""
+    from transformers import GenerationConfig
+
+    config = model.config
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -119,4 +128,4 @@ def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return Path(out_dir)
