@@ -23,6 +23,7 @@ quarantined — recorded under `quarantine/`, logged and counted — and the rea
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import re
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
+_MAX_UNRESOLVED_CLAIMS = 20
 
 
 class StreamTimeoutError(TimeoutError):
@@ -166,13 +168,20 @@ class StreamWriter:
         """Claim the next free log number for an uploaded segment; return the stored record."""
         fs = self.stream.fs
         seq = self._next_seq
+        unresolved = 0
         while True:
             record = replace(uploaded.record, seq=seq, committed_at=time.time())
             if put_if_absent(fs, _log_path(self.stream, seq), record.to_json()):
                 break
             existing = _read_record(self.stream, seq)
             if existing is None:  # a concurrent conditional write lost without a winner: retry
-                time.sleep(0.01)
+                unresolved += 1
+                if unresolved > _MAX_UNRESOLVED_CLAIMS:
+                    raise RuntimeError(
+                        f"log number {seq} of {self.stream.uri} was refused {unresolved} times "
+                        "with no record appearing; is the store honouring If-None-Match?"
+                    )
+                time.sleep(min(0.01 * 2**unresolved, 1.0))
                 continue
             if existing.same_commit(record):  # our own retried request had landed
                 record = existing
@@ -386,14 +395,16 @@ class StreamReader:
             "quarantined stream segment %s (log %d) of %s: %s",
             record.segment, record.seq, record.writer_id, error,
         )  # fmt: skip
-        note = (
-            f'{{"seq": {record.seq}, "segment": "{record.segment}", '
-            f'"at": {time.time()}, "error": {str(error)!r}}}'
-        )
+        note = {
+            "seq": record.seq,
+            "segment": record.segment,
+            "at": time.time(),
+            "error": str(error),
+        }
         put_if_absent(
             self.stream.fs,
             self.stream.join("quarantine", f"{record.seq:012d}.json"),
-            note.encode(),
+            json.dumps(note).encode(),
         )
 
 

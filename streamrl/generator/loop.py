@@ -28,7 +28,7 @@ from storage.control import stop_requested
 from storage.fs import Location
 from storage.records import ScoredGroup
 from storage.stream import StreamWriter
-from storage.weights import WeightStore
+from storage.weights import WeightStore, WeightVersionNotFoundError
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
 from streamrl.data import Prompt
@@ -53,6 +53,7 @@ class GeneratorStats:
     segments: int = 0
     weight_updates: int = 0
     weight_update_s: float = 0.0
+    weight_update_failures: int = 0
 
 
 class GeneratorLoop:
@@ -201,7 +202,13 @@ class GeneratorLoop:
             return True
         latest = self.weights.latest_version()
         if latest is not None and latest > self.engine.policy_version:
-            seconds = self.engine.load_weights(self.weights.iter_tensors(latest), latest)
+            try:
+                seconds = self.engine.load_weights(self.weights.iter_tensors(latest), latest)
+            except WeightVersionNotFoundError as exc:  # retention removed it mid-read
+                self.stats.weight_update_failures += 1
+                log.warning("generator %s: weights v%d vanished (%s); retrying at the next poll",
+                            self.generator_id, latest, exc)  # fmt: skip
+                return False
             self.stats.weight_updates += 1
             self.stats.weight_update_s += seconds
             log.info(

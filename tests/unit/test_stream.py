@@ -151,6 +151,9 @@ def test_corrupt_committed_segment_is_quarantined_and_reader_goes_on(run_locatio
     assert [g.prompt_id for g in got] == [g.prompt_id for g in good_before + good_after]
     assert reader.stats.quarantined == [1]
     assert quarantined(run_location) == [1]
+    note = json.loads(fs.cat_file(run_location.join("stream", "quarantine", f"{1:012d}.json")))
+    assert note["segment"] == bad_record.segment
+    assert "CRC32" in note["error"]
     assert reader.cursor == Cursor(3, 0)
 
 
