@@ -1,0 +1,347 @@
+"""From stream groups to micro-batches: the learner's data side.
+
+Consumes `ScoredGroup`s (a `StreamReader.groups()` iterator) and the reader's cursor. Produces
+a `StreamBatch` of B accepted groups with the cursor after the last one consumed, its
+`TrainBatch` of per-response tensors, optimiser `MiniBatch`es of consecutive groups packed into
+token-budget `MicroBatch`es with global loss denominators, and each rank's share of those.
+
+Filters, in order (a group dropped by the first is not counted by the second): staleness,
+`current_version − policy_version > max_staleness`; then, with dynamic sampling on, rewards all
+equal. Reading on until B groups pass *is* DAPO's dynamic sampling, done by streaming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from storage.records import Cursor, ScoredGroup
+
+__all__ = [
+    "BatchCollector",
+    "FilterCounts",
+    "IncompatibleGroupError",
+    "MicroBatch",
+    "MiniBatch",
+    "StreamBatch",
+    "TrainBatch",
+    "make_mini_batches",
+    "shard_for_rank",
+]
+
+PAD_ID = 0
+
+
+class IncompatibleGroupError(ValueError):
+    """A stream group the model cannot train on; the message names the group and the fix."""
+
+
+@dataclass
+class FilterCounts:
+    """Groups read from the stream and what the filters did with them."""
+
+    consumed: int = 0
+    accepted: int = 0
+    dropped_stale: int = 0
+    dropped_zero_var: int = 0
+
+    def __add__(self, other: FilterCounts) -> FilterCounts:
+        return FilterCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    """B accepted groups in stream order; `cursor_after` is the reader position just past the
+    last group consumed (accepted or dropped): checkpoint it to resume at the next group.
+    `staleness: [B] int64` = current_version − policy_version per group; `counts` covers this
+    batch, `totals` every batch of the collector so far."""
+
+    groups: tuple[ScoredGroup, ...]
+    cursor_after: Cursor
+    counts: FilterCounts
+    totals: FilterCounts
+    staleness: np.ndarray
+
+    def metrics(self) -> dict[str, float]:
+        """`stream/staleness_mean`, `_max`, `stream/dropped_stale`, `stream/dropped_zero_var`
+        (ALGORITHMS.md), `stream/accepted`, `stream/consumed`; `stream/*_total` cumulative."""
+        counts = {f"stream/{k}": float(v) for k, v in asdict(self.counts).items()}
+        totals = {f"stream/{k}_total": float(v) for k, v in asdict(self.totals).items()}
+        mean, top = float(self.staleness.mean()), float(self.staleness.max())
+        return {"stream/staleness_mean": mean, "stream/staleness_max": top} | counts | totals
+
+
+@dataclass
+class BatchCollector:
+    """Reads groups until `batch_groups` pass the staleness and dynamic-sampling filters.
+
+    Every consumed group is first checked against the model (token ids < `vocab_size`, prompt
+    + response ≤ `max_seq_len`); a mismatch raises `IncompatibleGroupError` (a stream written
+    for another model is a user error, not data to skip). `totals` counts every batch so far:
+    keep it in the learner state and pass it back on resume."""
+
+    batch_groups: int
+    max_staleness: int
+    dynamic_sampling: bool
+    vocab_size: int
+    max_seq_len: int
+    totals: FilterCounts = field(default_factory=FilterCounts)
+
+    def collect(
+        self, groups: Iterator[ScoredGroup], cursor: Callable[[], Cursor], current_version: int
+    ) -> StreamBatch:
+        """Consume `groups` until B are accepted, reading `cursor()` after each one. `EOFError`
+        if the iterator ends first (a StreamReader raises `StreamTimeoutError` instead)."""
+        accepted: list[ScoredGroup] = []
+        counts, after = FilterCounts(), cursor()
+        for group in groups:  # a StreamReader's cursor is past `group` once it is yielded
+            after = cursor()
+            counts.consumed += 1
+            self.check(group)
+            if current_version - group.policy_version > self.max_staleness:
+                counts.dropped_stale += 1
+            elif self.dynamic_sampling and np.ptp(group.rewards) == 0:  # all equal
+                counts.dropped_zero_var += 1
+            else:
+                accepted.append(group)
+                if len(accepted) == self.batch_groups:
+                    break
+        if len(accepted) < self.batch_groups:
+            raise EOFError(f"the stream ended with {len(accepted)}/{self.batch_groups} accepted")
+        counts.accepted = len(accepted)
+        self.totals = self.totals + counts
+        staleness = np.array([current_version - g.policy_version for g in accepted], np.int64)
+        return StreamBatch(tuple(accepted), after, counts, replace(self.totals), staleness)
+
+    def check(self, group: ScoredGroup) -> None:
+        """Raise `IncompatibleGroupError` if the model cannot train on `group`."""
+        where = f"group {group.prompt_id!r} from generator {group.generator_id!r}"
+        hint = "was the stream written with another tokenizer/model?"
+        pieces = [np.asarray(group.prompt_tokens), *map(np.asarray, group.response_tokens)]
+        tokens = np.concatenate(pieces)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise IncompatibleGroupError(
+                f"{where} holds token id {int(tokens.max())} outside the model's vocabulary "
+                f"[0, {self.vocab_size}); {hint}"
+            )
+        longest = len(pieces[0]) + max(len(p) for p in pieces[1:])
+        if longest > self.max_seq_len:
+            raise IncompatibleGroupError(
+                f"{where} has a {longest}-token prompt + response, longer than the model's "
+                f"max_seq_len {self.max_seq_len}; {hint} (else raise model.max_model_len)"
+            )
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """The N responses of B groups, group by group in stream order.
+
+    Per response `[N]`: `group_index` int64 (dense 0..B−1), `rewards` float32, `raw_scores`
+    float32, `truncated` bool, `policy_version` int64, `response_length` int64 (L),
+    `prompt_length` int64 (P). Response i is the sequence prompt + response, P + L tokens, at
+    `tokens[seq_start[i] : seq_start[i] + P + L]` (`tokens: [Σ(P+L)] int64`); its behaviour
+    log-probs are `logprobs[logprob_start[i] : logprob_start[i] + L]` (`logprobs: [ΣL] f32`).
+    """
+
+    groups: tuple[ScoredGroup, ...]
+    group_index: Tensor
+    rewards: Tensor
+    raw_scores: Tensor
+    truncated: Tensor
+    policy_version: Tensor
+    response_length: Tensor
+    prompt_length: Tensor
+    tokens: Tensor
+    seq_start: Tensor
+    logprobs: Tensor
+    logprob_start: Tensor
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[ScoredGroup]) -> TrainBatch:
+        """Concatenate `groups` (Python loops over responses only, never over tokens)."""
+        sizes = np.array([g.group_size for g in groups], np.int64)
+        group_index = np.repeat(np.arange(len(groups)), sizes)
+        prompts = [np.asarray(g.prompt_tokens) for g in groups]
+        responses = [np.asarray(t) for g in groups for t in g.response_tokens]
+        prompt_length = np.repeat([len(p) for p in prompts], sizes)
+        response_length = np.array([len(r) for r in responses], np.int64)
+        seq_length = prompt_length + response_length
+        pieces = [part for i, r in enumerate(responses) for part in (prompts[group_index[i]], r)]
+        logprobs = [np.asarray(lp) for g in groups for lp in g.behaviour_logprobs]
+
+        def flat(arrays: list[np.ndarray], dtype: type) -> Tensor:
+            joined = np.concatenate(arrays) if arrays else np.zeros(0)
+            return torch.from_numpy(joined.astype(dtype))
+
+        return cls(
+            groups=tuple(groups),
+            group_index=torch.from_numpy(group_index),
+            rewards=flat([g.rewards for g in groups], np.float32),
+            raw_scores=flat([g.raw_scores for g in groups], np.float32),
+            truncated=flat([g.truncated for g in groups], np.bool_),
+            policy_version=torch.from_numpy(np.repeat([g.policy_version for g in groups], sizes)),
+            response_length=torch.from_numpy(response_length),
+            prompt_length=torch.from_numpy(prompt_length),
+            tokens=flat(pieces, np.int64),
+            seq_start=torch.from_numpy(np.cumsum(seq_length) - seq_length),
+            logprobs=flat(logprobs, np.float32),
+            logprob_start=torch.from_numpy(np.cumsum(response_length) - response_length),
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def seq_length(self) -> Tensor:
+        """`[N] int64` P + L, tokens in each response's sequence."""
+        return self.prompt_length + self.response_length
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """n sequences (prompt + response), right-padded to T = the longest, for one forward pass.
+
+    input_ids           `[n, T]   int64`  tokens, padded with PAD_ID (0)
+    attention_mask      `[n, T]   int64`  1 on real tokens
+    targets             `[n, T−1] int64`  input_ids[:, 1:]: position j scores token j + 1
+    loss_mask           `[n, T−1] bool`   True exactly at response targets, j ∈ [P−1, P+L−2]
+                                          (none for truncated responses if overlong_filter)
+    behaviour_logprobs  `[n, T−1] f32`    generator log-prob of targets[:, j] on loss_mask, else 0
+    sample_index        `[n]      int64`  row in the TrainBatch (gather advantages with it)
+    group_index         `[n]      int64`  group in the batch
+    num_tokens          loss tokens here, loss_mask.sum()
+    is_dummy            a padding micro-batch (one row of two pad tokens, no loss tokens)
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    targets: Tensor
+    loss_mask: Tensor
+    behaviour_logprobs: Tensor
+    sample_index: Tensor
+    group_index: Tensor
+    num_tokens: int
+    is_dummy: bool = False
+
+    @classmethod
+    def dummy(cls) -> MicroBatch:
+        ids, no_loss = torch.full((1, 2), PAD_ID), torch.zeros(1, 1, dtype=torch.bool)
+        # Attention on: a row with every position masked can turn attention into NaN.
+        ones, row = torch.ones_like(ids), torch.zeros(1, dtype=torch.long)
+        return cls(ids, ones, ids[:, 1:].clone(), no_loss, no_loss.float(), row, row, 0, True)
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """The groups (a range of batch groups) of one optimiser update, their TrainBatch rows
+    `sample_index: [n] int64`, and their micro-batches. The global loss denominators
+    (ALGORITHMS.md "Aggregation") count the whole mini-batch, all micro-batches and so all
+    ranks: `num_loss_tokens` (token-mean), `num_responses` (seq-mean-token-sum-norm) and
+    `num_scored_responses`, those with ≥ 1 loss token (seq-mean-token-mean)."""
+
+    groups: range
+    sample_index: Tensor
+    micro_batches: tuple[MicroBatch, ...]
+    num_loss_tokens: int
+    num_responses: int
+    num_scored_responses: int
+
+
+def make_mini_batches(
+    batch: TrainBatch,
+    mini_batch_groups: int,
+    micro_batch_tokens: int,
+    *,
+    overlong_filter: bool = False,
+) -> list[MiniBatch]:
+    """Split `batch` into B / mini_batch_groups mini-batches of consecutive groups, each packed
+    into micro-batches of n × T ≤ `micro_batch_tokens`: sequences sorted longest first (ties by
+    row), each micro-batch filled while one more still fits at its first sequence's length.
+    `overlong_filter` drops truncated responses from `loss_mask` and the denominators."""
+    if batch.num_groups % mini_batch_groups:
+        raise ValueError(
+            f"{batch.num_groups} groups do not split into mini-batches of {mini_batch_groups}; "
+            "batch_groups must be a multiple of learner.mini_batch_groups"
+        )
+    lengths = batch.seq_length
+    if lengths.numel() and int(lengths.max()) > micro_batch_tokens:
+        raise ValueError(
+            f"a {int(lengths.max())}-token sequence exceeds the micro-batch budget of "
+            f"{micro_batch_tokens} tokens; raise learner.micro_batch_tokens"
+        )
+    mini_batches = []
+    for first in range(0, batch.num_groups, mini_batch_groups):
+        groups = range(first, first + mini_batch_groups)
+        rows = torch.nonzero((batch.group_index >= first) & (batch.group_index < groups.stop))
+        rows = rows.squeeze(1)
+        order = torch.sort(lengths[rows], descending=True, stable=True).indices
+        chunks = _pack(lengths[rows[order]].tolist(), micro_batch_tokens)
+        micro = [_micro_batch(batch, rows[order[chunk]], overlong_filter) for chunk in chunks]
+        per_row = torch.cat([m.loss_mask.sum(1) for m in micro])  # loss tokens per response
+        tokens, scored = int(per_row.sum()), int((per_row > 0).sum())
+        mini_batches.append(MiniBatch(groups, rows, tuple(micro), tokens, len(rows), scored))
+    return mini_batches
+
+
+def _pack(sorted_lengths: list[int], budget: int) -> list[slice]:
+    """Consecutive runs of longest-first lengths with count × first length ≤ budget."""
+    chunks, start = [], 0
+    while start < len(sorted_lengths):
+        size = max(1, budget // max(1, sorted_lengths[start]))
+        chunks.append(slice(start, min(start + size, len(sorted_lengths))))
+        start = chunks[-1].stop
+    return chunks
+
+
+def _micro_batch(batch: TrainBatch, rows: Tensor, overlong_filter: bool) -> MicroBatch:
+    """Gather `rows` of the batch into padded `[n, T]` tensors (vectorised, no token loops)."""
+    P, L = batch.prompt_length[rows, None], batch.response_length[rows, None]
+    pos = torch.arange(int((P + L).max()))[None, :]
+    real = pos < P + L
+    at_token = torch.where(real, batch.seq_start[rows, None] + pos, 0)  # index into tokens
+    input_ids = torch.where(real, batch.tokens[at_token], PAD_ID)
+    j = pos[:, :-1]
+    loss_mask = (j >= P - 1) & (j < P + L - 1)
+    if overlong_filter:
+        loss_mask &= ~batch.truncated[rows, None]
+    behaviour_logprobs = torch.zeros(loss_mask.shape)
+    at = batch.logprob_start[rows, None] + j - (P - 1)  # index into the flat log-probs
+    behaviour_logprobs[loss_mask] = batch.logprobs[at[loss_mask]]
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=real.long(),
+        targets=input_ids[:, 1:].contiguous(),
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour_logprobs,
+        sample_index=rows,
+        group_index=batch.group_index[rows],
+        num_tokens=int(loss_mask.sum()),
+    )
+
+
+def shard_for_rank(mini_batch: MiniBatch, rank: int, world_size: int) -> list[MicroBatch]:
+    """This rank's share of the mini-batch's micro-batches, the same count on every rank.
+
+    FSDP's collectives need every rank to run as many forward/backward passes as the others:
+    each gets ⌈M / world_size⌉, padded with `MicroBatch.dummy()` (no loss tokens, zero gradient).
+    Micro-batches go largest (n × T) first to the least-loaded rank with room, ties to the lower
+    rank: deterministic, so every rank computes the same assignment and takes its own part.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    micro = mini_batch.micro_batches
+    per_rank = max(1, -(-len(micro) // world_size))
+    load, owned = [0] * world_size, [[] for _ in range(world_size)]
+    cost = [m.input_ids.numel() for m in micro]  # n × T, padded tokens
+    for i in sorted(range(len(micro)), key=lambda i: (-cost[i], i)):
+        open_ranks = [r for r in range(world_size) if len(owned[r]) < per_rank]
+        target = min(open_ranks, key=lambda r: (load[r], r))
+        owned[target].append(i)
+        load[target] += cost[i]
+    mine = [micro[i] for i in sorted(owned[rank])]
+    return mine + [MicroBatch.dummy() for _ in range(per_rank - len(mine))]
