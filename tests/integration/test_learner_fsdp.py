@@ -202,7 +202,11 @@ def test_value_model_from_policy_and_from_a_reward_model(tmp_path: Path) -> None
 def test_single_process_topology(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
+    # An in-process vLLM engine (other tests) may already hold a one-rank group: the topology
+    # then reuses it and must leave it alone on exit.
+    already = torch.distributed.is_initialized()
     with Topology.from_env("cpu") as topology:
+        assert topology.owns_process_group is not already
         assert (topology.rank, topology.world_size, topology.local_rank) == (0, 1, 0)
         assert topology.is_main
         assert topology.backend == "gloo"
@@ -214,7 +218,7 @@ def test_single_process_topology(monkeypatch: pytest.MonkeyPatch) -> None:
         assert topology.main_only(lambda: 5) == 5
         assert topology.decide_on_main(lambda: 6) == 6
         topology.barrier()
-    assert not torch.distributed.is_initialized()
+    assert torch.distributed.is_initialized() == already
 
     if not torch.cuda.is_available():
         with pytest.raises(TopologyError, match=r"set learner\.device=cpu or auto"):
