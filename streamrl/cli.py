@@ -178,6 +178,22 @@ def _cmd_generator(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES_LEARNER = """\
+examples:
+  streamrl learner --run ./runs/demo
+  torchrun --nproc_per_node 8 -m streamrl learner --run s3://bucket/runs/x
+Trains an existing run (its run.json holds the configuration) from its latest checkpoint to
+learner.total_steps, then writes the run's stop marker.
+"""
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from streamrl.learner import run_learner
+
+    print(f"learner: trained to step {run_learner(args.run)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -268,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--index", type=int, default=0, help="this generator's index (its data shard)"
     )
     generator.set_defaults(func=_cmd_generator)
+
+    learner = commands.add_parser(
+        "learner",
+        help="train an existing run (one rank of a torchrun job)",
+        description="Consume the replay stream, train, publish weights and checkpoint.",
+        epilog=EXAMPLES_LEARNER,
+        formatter_class=raw,
+    )
+    learner.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
+    learner.set_defaults(func=_cmd_learner)
     return parser
 
 

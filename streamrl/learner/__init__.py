@@ -1,5 +1,36 @@
-"""The learner: consumes the replay stream, trains the policy (and VAPO's critic) with FSDP2,
-publishes weights and checkpoints through `storage/`.
+"""The learner: consumes the replay stream, trains the policy with FSDP2, publishes weights and
+checkpoints through `storage/`.
 
-`batching` turns stream groups into filtered training batches and token-budget micro-batches.
+- `batching`: stream groups → filtered training batches → token-budget micro-batches.
+- `topology`, `model`, `optim`: the process group, FSDP2-sharded models, AdamW and schedules.
+- `step`: advantages and one optimiser update per mini-batch.
+- `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
+
+`run_learner` is what `streamrl learner --run RUN_URI` runs on every rank of a torchrun job.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["run_learner"]
+
+
+def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) -> int:
+    """Train an existing run to its step budget (resuming from its latest checkpoint); the
+    number of steps done. Call it on every rank: torchrun's environment sets the topology."""
+    from storage.fs import open_location
+    from storage.manifest import open_run
+    from streamrl.config import validate_config
+    from streamrl.learner.loop import Learner
+    from streamrl.learner.topology import Topology
+
+    run = open_location(run_uri, storage_options=storage_options)
+    config = validate_config(open_run(run).config, source=f"{run_uri}/run.json")
+    run = open_location(
+        run_uri,
+        endpoint_url=config.storage.endpoint_url,
+        storage_options={**config.storage.storage_options, **(storage_options or {})},
+    )
+    with Topology.from_env(config.learner.device) as topology:
+        return Learner(config, run, topology).run()

@@ -4,7 +4,13 @@ checkpoints, metrics, the stop marker, and exact resume."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +19,15 @@ import torch
 from storage.checkpoints import CheckpointStore
 from storage.control import stop_requested
 from storage.fs import open_location
+from storage.manifest import create_run
 from storage.stream import StreamWriter
 from storage.weights import WeightStore
 from streamrl.config import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,6 +51,7 @@ def _config(run_dir, total_steps: int):
             "learner.batch_groups=4",
             "learner.mini_batch_groups=2",  # two updates per batch: proximal log-probs
             "learner.checkpoint_every=2",
+            "learner.max_staleness=100",  # the pre-written stream is all version 0
             "learner.lr=1e-3",
             "generator.max_tokens=24",
         ],
@@ -102,3 +112,45 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
         uninterrupted.model.state_dict().items(), second.model.state_dict().items(), strict=True
     ):
         assert torch.equal(_full(a), _full(b)), name
+
+
+def _learner_process(run_dir) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "learner", "--run", str(run_dir)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for run_dir in (straight, killed):
+        create_run(open_location(str(run_dir)), _config(run_dir, 8).model_dump(mode="json"))
+        _write_stream(run_dir, groups=80)
+
+    proc = _learner_process(straight)
+    _, errors = proc.communicate(timeout=300)
+    assert proc.returncode == 0, errors
+
+    proc = _learner_process(killed)
+    checkpoints = CheckpointStore(open_location(str(killed)))
+    deadline = time.monotonic() + 300
+    while not checkpoints.committed_steps() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run: step 2 is committed, step 8 is far
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert max(checkpoints.committed_steps()) < 8
+
+    proc = _learner_process(killed)
+    _, errors = proc.communicate(timeout=300)
+    assert proc.returncode == 0, errors
+
+    expected, _ = WeightStore(open_location(str(straight))).load(8)
+    actual, _ = WeightStore(open_location(str(killed))).load(8)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
