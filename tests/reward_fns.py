@@ -56,3 +56,9 @@ def hang_once_raise_once(response: str, ground_truth: str, *, prompt: str | None
             time.sleep(100)
         raise ValueError("boom")
     return 0.0
+
+
+def contains_seven(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+    """A task a random-init tiny model can learn in a few CPU minutes: 1 when the response
+    contains the digit 7 (under a tenth of its random responses do at first)."""
+    return float("7" in response)

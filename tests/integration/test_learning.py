@@ -1,0 +1,71 @@
+"""Learning end to end: a real generator (vLLM) and a real learner (FSDP2) on one run, as
+separate processes, raise the reward of a task the tiny model can learn.
+
+The task (`tests.reward_fns:contains_seven`): reward 1 when the response contains the digit 7.
+The random-init tiny model starts below a tenth; DAPO with max_staleness 4 and live weight
+updates should push it clearly up within the run. Measured on 2 CPU cores (about 70 s):
+accuracy over the first 5 steps 0.08–0.09, over the last 5 steps 0.86 (two runs). The test asks
+for a rise of 0.3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from storage.fs import open_location
+from storage.manifest import create_run
+from streamrl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 32
+
+
+def _start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamrl", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_dapo_raises_the_reward_of_a_learnable_task(tmp_path):
+    run_dir = tmp_path / "run"
+    config = load_config(
+        ["dapo", "tiny-cpu"],
+        overrides=[
+            f"storage.run_uri={run_dir}",
+            "generator.reward.fn=tests.reward_fns:contains_seven",
+            "generator.group_size=8",
+            "generator.max_tokens=16",
+            "generator.prompts_in_flight=8",
+            "generator.segment_groups=2",
+            f"learner.total_steps={STEPS}",
+            "learner.batch_groups=8",
+            "learner.mini_batch_groups=8",
+            "learner.lr=3e-3",
+            "learner.checkpoint_every=100",
+        ],
+    )
+    create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
+    generator = _start("generator", "--run", str(run_dir), "--index", "0")
+    learner = _start("learner", "--run", str(run_dir))
+    _, learner_errors = learner.communicate(timeout=900)
+    assert learner.returncode == 0, learner_errors[-3000:]
+    _, generator_errors = generator.communicate(timeout=120)  # stopped by the learner's marker
+    assert generator.returncode == 0, generator_errors[-3000:]
+
+    lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    acc = np.array([json.loads(line)["rollout/acc"] for line in lines])
+    assert len(acc) == STEPS
+    first, last = acc[:5].mean(), acc[-5:].mean()
+    print(f"accuracy: first 5 steps {first:.3f}, last 5 steps {last:.3f}; per step {acc.round(2)}")
+    assert last > first + 0.3, (first, last, acc)
