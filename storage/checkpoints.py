@@ -175,6 +175,12 @@ class CheckpointStore:
             _restore_rng(body["rng"][_rank()])
         return LearnerState(**body["learner"])
 
+    def read_state(self, step: int) -> LearnerState:
+        """The learner state of committed checkpoint `step`, verified, without loading any
+        tensors: check it before `load` (a collective, like `load`)."""
+        folder = self.location.child(step_dirname(step))
+        return LearnerState(**_on_rank0(lambda: self._verified_state(folder, step))["learner"])
+
     def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint, oldest first."""
         return _on_rank0(lambda: sorted(s for s, done in self._scan().items() if done))

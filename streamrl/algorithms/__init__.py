@@ -14,6 +14,7 @@ from streamrl.algorithms.advantages import (
     length_adaptive_lambda,
     outcome_token_rewards,
     reinforce_pp_advantages,
+    reinforce_pp_returns,
     rloo_advantages,
     vapo_advantages,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "positive_nll_loss",
     "ppo_policy_loss",
     "reinforce_pp_advantages",
+    "reinforce_pp_returns",
     "rloo_advantages",
     "scale_rule_reward",
     "token_logprobs",

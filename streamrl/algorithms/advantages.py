@@ -33,6 +33,7 @@ __all__ = [
     "length_adaptive_lambda",
     "outcome_token_rewards",
     "reinforce_pp_advantages",
+    "reinforce_pp_returns",
     "rloo_advantages",
     "vapo_advantages",
 ]
@@ -127,6 +128,27 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return token_rewards
 
 
+def reinforce_pp_returns(
+    rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
+    """REINFORCE++ returns before whitening: the reward-to-go Σ_{k≥t} r_k (γ = 1) of the token
+    rewards r_t = −β·KL_t on every valid token, plus R_i on the last one.
+
+    Args:
+        rewards: `[N]` outcome rewards (minus the group mean for REINFORCE++-baseline).
+        mask: `[N, T]` response-token mask (a contiguous run per row).
+        kl: `[N, T]` per-token KL estimate against the reference (detached), or None.
+        kl_coef: β.
+
+    Returns `[N, T]` float32, zero outside the mask.
+    """
+    mask = mask.float()
+    token_rewards = outcome_token_rewards(rewards.float(), mask)
+    if kl is not None and kl_coef != 0.0:
+        token_rewards = token_rewards - kl_coef * kl.float() * mask
+    return token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+
+
 def reinforce_pp_advantages(
     rewards: Tensor,
     mask: Tensor,
@@ -138,12 +160,9 @@ def reinforce_pp_advantages(
     num_groups: int | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
 ) -> Tensor:
-    """REINFORCE++ (and REINFORCE++-baseline) token advantages.
-
-    Token reward r_t = −β·KL_t on every valid token, plus R_i on the last one; the return is
-    the reward-to-go Σ_{k≥t} r_k (γ = 1); advantages are the returns whitened with mean/std
-    over all valid tokens of the whole global batch (no group baseline). The -baseline variant
-    subtracts the group mean reward from R_i first.
+    """REINFORCE++ (and REINFORCE++-baseline) token advantages: `reinforce_pp_returns`
+    whitened with mean/std over all valid tokens of the whole global batch (no group
+    baseline). The -baseline variant subtracts the group mean reward from R_i first.
 
     Args:
         rewards: `[N]` outcome rewards.
@@ -156,16 +175,11 @@ def reinforce_pp_advantages(
     Returns `[N, T]` float32, zero outside the mask.
     """
     rewards = rewards.float()
-    mask = mask.float()
     if baseline:
         if group_index is None or num_groups is None:
             raise ValueError("REINFORCE++-baseline needs group_index and num_groups")
         rewards = rewards - group_mean(rewards, group_index, num_groups)[group_index]
-    token_rewards = outcome_token_rewards(rewards, mask)
-    if kl is not None and kl_coef != 0.0:
-        token_rewards = token_rewards - kl_coef * kl.float() * mask
-    # Reward-to-go: reverse cumulative sum along the response.
-    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    returns = reinforce_pp_returns(rewards, mask, kl, kl_coef)
     return masked_whiten(returns, mask, process_group=process_group)
 
 

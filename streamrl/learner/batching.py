@@ -209,11 +209,14 @@ class MicroBatch:
     input_ids           `[n, T]   int64`  tokens, padded with PAD_ID (0)
     attention_mask      `[n, T]   int64`  1 on real tokens
     targets             `[n, T−1] int64`  input_ids[:, 1:]: position j scores token j + 1
-    loss_mask           `[n, T−1] bool`   True exactly at response targets, j ∈ [P−1, P+L−2]
-                                          (none for truncated responses if overlong_filter)
-    behaviour_logprobs  `[n, T−1] f32`    generator log-prob of targets[:, j] on loss_mask, else 0
+    response_mask       `[n, T−1] bool`   True exactly at response targets, j ∈ [P−1, P+L−2]
+    loss_mask           `[n, T−1] bool`   response_mask, less truncated responses if
+                                          overlong_filter (returns and GAE use response_mask)
+    behaviour_logprobs  `[n, T−1] f32`    generator log-prob of targets[:, j] there, else 0
     sample_index        `[n]      int64`  row in the TrainBatch (gather advantages with it)
     group_index         `[n]      int64`  group in the batch
+    rewards             `[n]      f32`    the response's reward
+    positive            `[n]      bool`   its answer is correct (raw score ≥ 1)
     num_tokens          loss tokens here, loss_mask.sum()
     is_dummy            a padding micro-batch (one row of two pad tokens, no loss tokens)
     """
@@ -221,10 +224,13 @@ class MicroBatch:
     input_ids: Tensor
     attention_mask: Tensor
     targets: Tensor
+    response_mask: Tensor
     loss_mask: Tensor
     behaviour_logprobs: Tensor
     sample_index: Tensor
     group_index: Tensor
+    rewards: Tensor
+    positive: Tensor
     num_tokens: int
     is_dummy: bool = False
 
@@ -233,7 +239,31 @@ class MicroBatch:
         ids, no_loss = torch.full((1, 2), PAD_ID), torch.zeros(1, 1, dtype=torch.bool)
         # Attention on: a row with every position masked can turn attention into NaN.
         ones, row = torch.ones_like(ids), torch.zeros(1, dtype=torch.long)
-        return cls(ids, ones, ids[:, 1:].clone(), no_loss, no_loss.float(), row, row, 0, True)
+        return cls(
+            input_ids=ids,
+            attention_mask=ones,
+            targets=ids[:, 1:].clone(),
+            response_mask=no_loss,
+            loss_mask=no_loss,
+            behaviour_logprobs=no_loss.float(),
+            sample_index=row,
+            group_index=row,
+            rewards=torch.zeros(1),
+            positive=torch.zeros(1, dtype=torch.bool),
+            num_tokens=0,
+            is_dummy=True,
+        )
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with every tensor on `device` (itself when already there)."""
+        if self.input_ids.device == device:
+            return self
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return replace(self, **moved)
 
 
 @dataclass(frozen=True)
@@ -241,8 +271,9 @@ class MiniBatch:
     """The groups (a range of batch groups) of one optimiser update, their TrainBatch rows
     `sample_index: [n] int64`, and their micro-batches. The global loss denominators
     (ALGORITHMS.md "Aggregation") count the whole mini-batch, all micro-batches and so all
-    ranks: `num_loss_tokens` (token-mean), `num_responses` (seq-mean-token-sum-norm) and
-    `num_scored_responses`, those with ≥ 1 loss token (seq-mean-token-mean)."""
+    ranks: `num_loss_tokens` (token-mean), `num_responses` (seq-mean-token-sum-norm),
+    `num_scored_responses`, those with ≥ 1 loss token (seq-mean-token-mean), and
+    `num_positive_tokens`, loss tokens of correct responses (VAPO's positive-example loss)."""
 
     groups: range
     sample_index: Tensor
@@ -250,6 +281,7 @@ class MiniBatch:
     num_loss_tokens: int
     num_responses: int
     num_scored_responses: int
+    num_positive_tokens: int = 0
 
 
 def make_mini_batches(
@@ -283,8 +315,18 @@ def make_mini_batches(
         chunks = _pack(lengths[rows[order]].tolist(), micro_batch_tokens)
         micro = [_micro_batch(batch, rows[order[chunk]], overlong_filter) for chunk in chunks]
         per_row = torch.cat([m.loss_mask.sum(1) for m in micro])  # loss tokens per response
-        tokens, scored = int(per_row.sum()), int((per_row > 0).sum())
-        mini_batches.append(MiniBatch(groups, rows, tuple(micro), tokens, len(rows), scored))
+        positive = torch.cat([m.positive for m in micro])
+        mini_batches.append(
+            MiniBatch(
+                groups=groups,
+                sample_index=rows,
+                micro_batches=tuple(micro),
+                num_loss_tokens=int(per_row.sum()),
+                num_responses=len(rows),
+                num_scored_responses=int((per_row > 0).sum()),
+                num_positive_tokens=int(per_row[positive].sum()),
+            )
+        )
     return mini_batches
 
 
@@ -306,20 +348,22 @@ def _micro_batch(batch: TrainBatch, rows: Tensor, overlong_filter: bool) -> Micr
     at_token = torch.where(real, batch.seq_start[rows, None] + pos, 0)  # index into tokens
     input_ids = torch.where(real, batch.tokens[at_token], PAD_ID)
     j = pos[:, :-1]
-    loss_mask = (j >= P - 1) & (j < P + L - 1)
-    if overlong_filter:
-        loss_mask &= ~batch.truncated[rows, None]
-    behaviour_logprobs = torch.zeros(loss_mask.shape)
+    response_mask = (j >= P - 1) & (j < P + L - 1)
+    loss_mask = response_mask & ~batch.truncated[rows, None] if overlong_filter else response_mask
+    behaviour_logprobs = torch.zeros(response_mask.shape)
     at = batch.logprob_start[rows, None] + j - (P - 1)  # index into the flat log-probs
-    behaviour_logprobs[loss_mask] = batch.logprobs[at[loss_mask]]
+    behaviour_logprobs[response_mask] = batch.logprobs[at[response_mask]]
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=real.long(),
         targets=input_ids[:, 1:].contiguous(),
+        response_mask=response_mask,
         loss_mask=loss_mask,
         behaviour_logprobs=behaviour_logprobs,
         sample_index=rows,
         group_index=batch.group_index[rows],
+        rewards=batch.rewards[rows],
+        positive=batch.raw_scores[rows] >= 1.0,
         num_tokens=int(loss_mask.sum()),
     )
 

@@ -8,9 +8,16 @@ and the run's stop marker when `total_steps` is reached.
 Waits for: B accepted groups; the stream reader blocks, and `stream_timeout_s` without a new
 group is an error naming the cursor.
 
+Models: the policy; for a KL term a reference policy (frozen initial weights, or an EMA of the
+policy that is checkpointed); for VAPO a critic with its own optimiser, pre-trained on the
+frozen policy's responses (`value_pretrain_steps` batches, or until explained variance reaches
+`value_pretrain_target_ev`) before the first policy update, then checkpointed at step 0.
+
 Resume is exact: parameters, optimiser, version, cursor and RNG come from the checkpoint, and a
 weight version that an earlier life already published is not published again (the same steps
-on the same stream produce the same weights).
+on the same stream produce the same weights). A checkpoint written for other models (another
+architecture, algorithm family, critic or reference) is refused before anything is loaded or
+written, naming the differences.
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import time
 from dataclasses import asdict
 
 import numpy as np
+import torch
 
-from storage.checkpoints import CheckpointStore, LearnerState, ModelState
+from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
 from storage.control import request_stop
 from storage.fs import Location
 from storage.records import Cursor
-from storage.stream import StreamReader
+from storage.stream import StreamReader, StreamTimeoutError
 from storage.weights import WeightStore
 from streamrl.config import RunConfig
 from streamrl.learner.batching import (
@@ -36,12 +44,23 @@ from streamrl.learner.batching import (
     TrainBatch,
     make_mini_batches,
 )
-from streamrl.learner.model import full_state_dict, load_policy, shard_model
+from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
 from streamrl.learner.optim import build_optimizer, build_scheduler
-from streamrl.learner.step import StepSettings, train_on_batch
+from streamrl.learner.step import (
+    StepModels,
+    StepSettings,
+    Trainable,
+    needs_reference,
+    train_on_batch,
+)
 from streamrl.learner.topology import Topology
 
-__all__ = ["Learner", "rollout_metrics"]
+__all__ = ["IncompatibleCheckpointError", "Learner", "rollout_metrics"]
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint whose models this learner cannot load; the message lists the differences."""
+
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +84,9 @@ class Learner:
 
     def __init__(self, config: RunConfig, run: Location, topology: Topology) -> None:
         self.config, self.run_location, self.topology = config, run, topology
-        cfg = config.learner
-        model = load_policy(config.model.path, config.model)
-        self.vocab_size = model.config.vocab_size
-        self.model = shard_model(model, topology, cfg.mixed_precision, cfg.activation_checkpointing)
-        self.optimizer = build_optimizer(
-            self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
-        )
-        self.scheduler = build_scheduler(
-            self.optimizer,
-            cfg.warmup_steps,
-            cfg.total_steps * cfg.updates_per_batch,  # the schedule counts optimiser updates
-            cfg.schedule,
-            cfg.min_lr_ratio,
-        )
+        cfg, algorithm = config.learner, config.algorithm
+        self.models = self._build_models()
+        self.vocab_size = self.models.policy.model.config.vocab_size
         self.weights = WeightStore(run)
         self.checkpoints = CheckpointStore(run)
         self.settings = StepSettings(
@@ -88,40 +96,153 @@ class Learner:
             grad_clip=cfg.grad_clip,
         )
         self.step, self.version, cursor, totals = 0, 0, Cursor(), FilterCounts()
+        self.value_pretrained = not algorithm.uses_value_model
         latest = self.checkpoints.latest_committed()
         if latest is not None:
+            self._check_compatible(self.checkpoints.read_state(latest), latest)
             state = self.checkpoints.load(latest, self._app_state())
             self.step, self.version = state.step, state.policy_version
             cursor = Cursor.from_dict(state.stream_cursor)
             totals = FilterCounts(**state.extra.get("filter_totals", {}))
+            self.value_pretrained = state.extra.get("value_pretrained", True)
             log.info("resumed at step %d, version %d, stream %s", self.step, self.version, cursor)
         self.reader = StreamReader(run, cursor)
         self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
         self.collector = BatchCollector(
             batch_groups=cfg.batch_groups,
             max_staleness=cfg.max_staleness,
-            dynamic_sampling=config.algorithm.dynamic_sampling,
+            dynamic_sampling=algorithm.dynamic_sampling,
             vocab_size=self.vocab_size,
             max_seq_len=config.model.max_model_len,
             totals=totals,
         )
 
+    def _build_models(self) -> StepModels:
+        """Policy, and the critic / reference the algorithm needs, sharded over the topology."""
+        config, topology = self.config, self.topology
+        cfg, algorithm = config.learner, config.algorithm
+        torch.manual_seed(cfg.seed)
+
+        def shard(model: torch.nn.Module) -> torch.nn.Module:
+            return shard_model(model, topology, cfg.mixed_precision, cfg.activation_checkpointing)
+
+        updates = cfg.total_steps * cfg.updates_per_batch  # schedules count optimiser updates
+        policy = shard(load_policy(config.model.path, config.model))
+        policy_optimizer = build_optimizer(
+            policy.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
+        )
+        models = StepModels(
+            Trainable(
+                policy,
+                policy_optimizer,
+                build_scheduler(
+                    policy_optimizer, cfg.warmup_steps, updates, cfg.schedule, cfg.min_lr_ratio
+                ),
+            )
+        )
+        if needs_reference(algorithm):
+            reference = shard(load_policy(config.model.path, config.model))
+            models.reference = reference.requires_grad_(False).eval()
+        if algorithm.uses_value_model:
+            critic = shard(load_value_model(config.model.path, config.model, seed=cfg.seed))
+            critic_optimizer = build_optimizer(
+                critic.parameters(), cfg.critic_lr, cfg.weight_decay, cfg.betas, cfg.eps
+            )
+            critic_updates = updates + algorithm.value_pretrain_steps * cfg.updates_per_batch
+            models.critic = Trainable(
+                critic,
+                critic_optimizer,
+                build_scheduler(
+                    critic_optimizer,
+                    cfg.warmup_steps,
+                    critic_updates,
+                    cfg.schedule,
+                    cfg.min_lr_ratio,
+                ),
+            )
+        return models
+
     def _app_state(self) -> dict[str, ModelState]:
-        return {"policy": ModelState(self.model, self.optimizer)}
+        models = self.models
+        state = {"policy": ModelState(models.policy.model, models.policy.optimizer)}
+        if models.critic is not None:
+            state["critic"] = ModelState(models.critic.model, models.critic.optimizer)
+        kl = getattr(self.config.algorithm, "kl", None)
+        if models.reference is not None and kl.reference == "ema":  # a frozen one is reloaded
+            state["reference"] = ModelState(models.reference)
+        return state
+
+    def _layout(self) -> dict[str, object]:
+        """What decides the shapes of the checkpointed state: it must match to resume."""
+        model = self.models.policy.model.config
+        kl = getattr(self.config.algorithm, "kl", None)
+        return {
+            "architecture": (model.architectures or [type(self.models.policy.model).__name__])[0],
+            "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size,
+            "num_hidden_layers": model.num_hidden_layers,
+            "critic": self.models.critic is not None,
+            "reference": None if kl is None else kl.reference,
+            "checkpointed_models": sorted(self._app_state()),
+        }
+
+    def _check_compatible(self, state: LearnerState, step: int) -> None:
+        saved = state.extra.get("layout")
+        if saved is None:
+            return  # written before layouts were recorded: DCP itself checks names and shapes
+        mine = self._layout()
+        differences = [
+            f"{key}: checkpoint {saved.get(key)!r}, this learner {mine[key]!r}"
+            for key in mine
+            if saved.get(key) != mine[key]
+        ]
+        if differences:
+            where = self.checkpoints.location.child(step_dirname(step)).uri
+            raise IncompatibleCheckpointError(
+                f"checkpoint {where} was written for other models ({'; '.join(differences)}). "
+                "Nothing was loaded or written. Resume it with the configuration it was "
+                "written with, or start a new run (another storage.run_uri)"
+            )
 
     def run(self) -> int:
         """Train until `total_steps`, then checkpoint, publish and stop the generators."""
         cfg = self.config.learner
+        if not self.value_pretrained:
+            self.pretrain_value()
         while self.step < cfg.total_steps:
             self.train_step()
         if self.topology.is_main:
             request_stop(self.run_location, f"learner reached {cfg.total_steps} steps")
         return self.step
 
-    def train_step(self) -> dict[str, float]:
-        """Collect a batch, update, then publish / checkpoint / log as scheduled."""
+    def pretrain_value(self) -> list[dict[str, float]]:
+        """VAPO value pre-training: critic-only steps on the frozen policy's responses until
+        `value_pretrain_steps` or `value_pretrain_target_ev`; then a checkpoint at step 0.
+        Returns each step's metrics. (A learner killed before that checkpoint starts over.)"""
+        algorithm, history = self.config.algorithm, []
+        for k in range(algorithm.value_pretrain_steps):
+            batch, metrics = self._train_batch(train_policy=False)
+            metrics.update({"step": self.step, "value_pretrain_step": k + 1})
+            history.append(metrics)
+            self.topology.main_only(lambda m=metrics: self._log(m))
+            if metrics["critic/explained_var"] >= algorithm.value_pretrain_target_ev:
+                break
+        self.value_pretrained = True
+        if history:
+            self._checkpoint(batch)
+        return history
+
+    def _train_batch(self, *, train_policy: bool = True) -> tuple[StreamBatch, dict[str, float]]:
+        """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
-        batch = self.collector.collect(self._groups, lambda: self.reader.cursor, self.version)
+        try:
+            batch = self.collector.collect(self._groups, lambda: self.reader.cursor, self.version)
+        except StreamTimeoutError as exc:
+            raise StreamTimeoutError(
+                f"{exc}; the learner is at step {self.step}. Start generators for this run "
+                f"(streamrl generator --run {self.run_location.uri} --index 0) or raise "
+                "learner.stream_timeout_s"
+            ) from exc
         train = TrainBatch.from_groups(batch.groups)
         mini_batches = make_mini_batches(
             train,
@@ -129,21 +250,28 @@ class Learner:
             cfg.micro_batch_tokens,
             overlong_filter=self.config.algorithm.overlong.filter,
         )
+        algorithm = self.config.algorithm
         metrics = train_on_batch(
-            self.model,
-            self.optimizer,
-            self.scheduler,
+            self.models,
             train,
             mini_batches,
-            self.config.algorithm,
+            algorithm,
             self.settings,
             self.topology,
+            train_policy=train_policy,
+            value_clip=getattr(algorithm, "value_clip", 0.5),
         )
-        self.step += 1
         step_s = time.perf_counter() - started
         tokens = sum(m.num_loss_tokens for m in mini_batches)
         metrics.update(batch.metrics() | rollout_metrics(batch))
         metrics.update({"perf/step_s": step_s, "perf/learner_tokens_per_s": tokens / step_s})
+        return batch, metrics
+
+    def train_step(self) -> dict[str, float]:
+        """Collect a batch, update, then publish / checkpoint / log as scheduled."""
+        cfg = self.config.learner
+        batch, metrics = self._train_batch()
+        self.step += 1
         if self.step % cfg.publish_every == 0:
             metrics["perf/weight_sync_s"] = self._publish()
         if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
@@ -155,7 +283,7 @@ class Learner:
     def _publish(self) -> float:
         """Gather the full weights and publish the next version; seconds taken."""
         started = time.perf_counter()
-        state = full_state_dict(self.model, self.topology)
+        state = full_state_dict(self.models.policy.model, self.topology)
         version = self.version + 1
 
         def publish() -> None:
@@ -174,7 +302,11 @@ class Learner:
             step=self.step,
             policy_version=self.version,
             stream_cursor=batch.cursor_after.to_dict(),
-            extra={"filter_totals": asdict(self.collector.totals)},
+            extra={
+                "filter_totals": asdict(self.collector.totals),
+                "value_pretrained": self.value_pretrained,
+                "layout": self._layout(),
+            },
         )
         self.checkpoints.save(self._app_state(), state)
         self.checkpoints.retain(self.config.learner.keep_checkpoints)
@@ -194,7 +326,7 @@ class Learner:
             self.step,
             metrics["rollout/reward_mean"],
             metrics["rollout/acc"],
-            metrics["actor/pg_loss"],
+            metrics.get("actor/pg_loss", float("nan")),
             metrics["stream/staleness_mean"],
             self.version,
         )

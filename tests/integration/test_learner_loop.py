@@ -20,10 +20,10 @@ from storage.checkpoints import CheckpointStore
 from storage.control import stop_requested
 from storage.fs import open_location
 from storage.manifest import create_run
-from storage.stream import StreamWriter
+from storage.stream import StreamTimeoutError, StreamWriter
 from storage.weights import WeightStore
 from streamrl.config import load_config
-from streamrl.learner.loop import Learner
+from streamrl.learner.loop import IncompatibleCheckpointError, Learner
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
 
@@ -87,7 +87,7 @@ def test_learner_publishes_checkpoints_logs_and_stops_the_run(tmp_path, topology
         assert np.isfinite(m["actor/pg_loss"])
     # The published weights are the learner's own, loadable as a full state dict.
     published, _ = WeightStore(run).load(3)
-    for name, param in learner.model.state_dict().items():
+    for name, param in learner.models.policy.model.state_dict().items():
         torch.testing.assert_close(
             published[name], param.full_tensor() if hasattr(param, "full_tensor") else param
         )
@@ -109,7 +109,9 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
     second.run()
 
     for (name, a), (_, b) in zip(
-        uninterrupted.model.state_dict().items(), second.model.state_dict().items(), strict=True
+        uninterrupted.models.policy.model.state_dict().items(),
+        second.models.policy.model.state_dict().items(),
+        strict=True,
     ):
         assert torch.equal(_full(a), _full(b)), name
 
@@ -154,3 +156,85 @@ def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
+
+
+# -- VAPO, bad input ------------------------------------------------------------------------
+
+
+def _vapo_config(run_dir, total_steps: int, pretrain_steps: int = 3):
+    return load_config(
+        ["vapo", "tiny-cpu"],
+        overrides=[
+            f"storage.run_uri={run_dir}",
+            "model.critic.init_from=policy",
+            f"learner.total_steps={total_steps}",
+            "learner.batch_groups=4",
+            "learner.mini_batch_groups=4",
+            "learner.checkpoint_every=1",
+            "learner.max_staleness=100",
+            "learner.critic_lr=1e-3",
+            f"algorithm.value_pretrain_steps={pretrain_steps}",
+            "algorithm.value_pretrain_target_ev=1.0",
+            "generator.max_tokens=24",
+        ],
+    )
+
+
+def test_vapo_learner_pretrains_the_critic_once_then_trains_both(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    run = open_location(str(run_dir))
+    first = Learner(_vapo_config(run_dir, total_steps=1), run, topology)
+    policy_at_start = {
+        k: _full(v).clone() for k, v in first.models.policy.model.state_dict().items()
+    }
+    history = first.pretrain_value()
+    assert [m["value_pretrain_step"] for m in history] == [1, 2, 3]
+    for name, value in first.models.policy.model.state_dict().items():  # policy frozen
+        assert torch.equal(_full(value), policy_at_start[name]), name
+    assert CheckpointStore(run).committed_steps() == [0]
+    assert WeightStore(run).versions() == []  # nothing to publish: the policy is unchanged
+
+    resumed = Learner(_vapo_config(run_dir, total_steps=1), run, topology)
+    assert resumed.value_pretrained
+    assert resumed.step == 0
+    assert resumed.reader.cursor == first.reader.cursor  # three batches consumed
+    resumed.run()  # no second pre-training: straight to the policy step
+    assert WeightStore(run).versions() == [1]
+    lines = [
+        json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    ]
+    assert [m.get("value_pretrain_step") for m in lines] == [1, 2, 3, None]
+    assert {"actor/nll_loss", "critic/vf_loss", "critic/explained_var"} <= lines[-1].keys()
+
+
+def test_checkpoint_of_an_incompatible_config_is_refused_and_left_intact(tmp_path, topology):
+    dapo_dir, vapo_dir = tmp_path / "dapo", tmp_path / "vapo"
+    _write_stream(dapo_dir)
+    Learner(_config(dapo_dir, total_steps=2), open_location(str(dapo_dir)), topology).run()
+    shutil.copytree(dapo_dir, vapo_dir)  # a VAPO learner pointed at DAPO's checkpoints
+    (vapo_dir / "control" / "STOP").unlink(missing_ok=True)
+    before = {p: p.read_bytes() for p in (vapo_dir / "checkpoints").rglob("*") if p.is_file()}
+    versions = WeightStore(open_location(str(vapo_dir))).versions()
+    with pytest.raises(IncompatibleCheckpointError) as error:
+        Learner(_vapo_config(vapo_dir, total_steps=4), open_location(str(vapo_dir)), topology)
+    message = str(error.value)
+    assert "critic: checkpoint False, this learner True" in message
+    assert "step-00000002" in message
+    assert "storage.run_uri" in message
+    after = {p: p.read_bytes() for p in (vapo_dir / "checkpoints").rglob("*") if p.is_file()}
+    assert after == before
+    assert WeightStore(open_location(str(vapo_dir))).versions() == versions
+
+
+def test_an_empty_stream_times_out_naming_the_stream_and_writes_nothing(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    config = _config(run_dir, total_steps=2)
+    config.learner.stream_timeout_s = 1.0
+    learner = Learner(config, run, topology)
+    with pytest.raises(StreamTimeoutError, match=r"no new group .* for 1s.*streamrl generator"):
+        learner.run()
+    assert WeightStore(run).versions() == []
+    assert CheckpointStore(run).committed_steps() == []
+    assert not (run_dir / "metrics").exists()

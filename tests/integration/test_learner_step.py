@@ -7,12 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.algorithms import grpo_advantages
+from streamrl.algorithms import broadcast_to_tokens, grpo_advantages
 from streamrl.config import load_config
 from streamrl.learner.batching import TrainBatch, make_mini_batches
 from streamrl.learner.model import load_policy
 from streamrl.learner.optim import build_optimizer
-from streamrl.learner.step import StepSettings, micro_batch_loss, train_on_batch
+from streamrl.learner.step import (
+    MicroTargets,
+    StepModels,
+    StepSettings,
+    Trainable,
+    policy_loss,
+    train_on_batch,
+)
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
 
@@ -52,7 +59,8 @@ def _gradients(model, batch, config, budget: int) -> tuple[list[torch.Tensor], f
     model.zero_grad(set_to_none=True)
     total = 0.0
     for micro in mini.micro_batches:
-        loss, _ = micro_batch_loss(model, micro, mini, advantages, config.algorithm, settings)
+        targets = MicroTargets(broadcast_to_tokens(advantages[micro.sample_index], micro.loss_mask))
+        loss, _ = policy_loss(model, micro, mini, targets, config.algorithm, settings)
         loss.backward()
         total += float(loss)
     return [p.grad.detach().clone() for p in model.parameters()], total
@@ -80,9 +88,8 @@ def test_train_on_batch_updates_parameters_and_reports_metrics(topology):
     mini_batches = make_mini_batches(batch, 2, 256)  # two updates: proximal log-probs needed
     optimizer = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
     settings = StepSettings(temperature=1.0, max_response_len=MAX_TOKENS, grad_clip=1.0)
-    metrics = train_on_batch(
-        model, optimizer, None, batch, mini_batches, config.algorithm, settings, topology
-    )
+    models = StepModels(Trainable(model, optimizer))
+    metrics = train_on_batch(models, batch, mini_batches, config.algorithm, settings, topology)
     for name in ("actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/ppo_kl",
                  "actor/is_weight_mean", "actor/is_clip_frac", "actor/grad_norm"):  # fmt: skip
         assert np.isfinite(metrics[name]), name
@@ -91,16 +98,3 @@ def test_train_on_batch_updates_parameters_and_reports_metrics(topology):
     # The second update sees ratios ≠ 1 against the proximal (start-of-step) weights.
     assert metrics["actor/ppo_kl"] != 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-
-
-def test_unsupported_algorithms_are_refused_by_name(topology):
-    config = load_config(["grpo", "tiny-cpu"])  # GRPO's KL needs a reference policy
-    model = load_policy("tiny-qwen2", config.model)
-    batch = _batch(model.config.vocab_size)
-    optimizer = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
-    settings = StepSettings(temperature=1.0, max_response_len=MAX_TOKENS)
-    with pytest.raises(ValueError, match=r"algorithm\.kl=null"):
-        train_on_batch(
-            model, optimizer, None, batch, make_mini_batches(batch, 4, 512), config.algorithm,
-            settings, topology,
-        )  # fmt: skip
