@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from storage.fs import Location, open_location
-from storage.manifest import open_run
 from storage.stream import StreamWriter
-from streamrl.config import RunConfig, validate_config
+from streamrl.config import RunConfig
 from streamrl.generator.loop import GeneratorLoop, GeneratorStats
 
 __all__ = ["GeneratorLoop", "GeneratorStats", "build_generator", "run_generator"]
@@ -34,20 +33,21 @@ def build_generator(
     Fails fast — before vLLM starts — on a bad dataset field, reward name or model path.
     """
     from storage.weights import WeightStore
-    from streamrl.data import PromptSource
+    from streamrl.data import PromptPosition, PromptSource
     from streamrl.generator.engine import Engine
     from streamrl.models import resolve_model_path
     from streamrl.rewards import RewardScorer, resolve_reward
 
     cfg = config.generator
-    if not 0 <= index < cfg.count:
-        raise ValueError(
-            f"generator index {index} is outside 0..{cfg.count - 1} (generator.count={cfg.count})"
-        )
+    if index < 0:
+        raise ValueError(f"generator index must be ≥ 0, got {index}")
     model_path = resolve_model_path(config.model.path)
     resolve_reward(cfg.reward.fn)
     source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
-    prompts = source.iterate(shard=index, num_shards=cfg.count)
+    # The run's `count` generators split the data; one added later (index ≥ count) walks shard
+    # index mod count from another epoch, so its prompt order differs from the original's.
+    shard, epoch = index % cfg.count, index // cfg.count
+    prompts = source.iterate(shard=shard, num_shards=cfg.count, start=PromptPosition(epoch=epoch))
     version = WeightStore(run).latest_version() if policy_version is None else policy_version
     engine = Engine(model_path, config.model, cfg, seed=cfg.seed + index)
     if version:
@@ -85,7 +85,9 @@ def run_generator(
     segment and this returns normally, so the process exits 0.
     """
     run = open_location(run_uri, storage_options=storage_options)
-    config = validate_config(open_run(run).config, source=f"{run_uri}/run.json")
+    from streamrl.launch import load_run_config
+
+    config = load_run_config(run)
     run = open_location(
         run_uri,
         endpoint_url=config.storage.endpoint_url,

@@ -20,13 +20,12 @@ def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) 
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
     number of steps done. Call it on every rank: torchrun's environment sets the topology."""
     from storage.fs import open_location
-    from storage.manifest import open_run
-    from streamrl.config import validate_config
+    from streamrl.launch import load_run_config
     from streamrl.learner.loop import Learner
     from streamrl.learner.topology import Topology
 
     run = open_location(run_uri, storage_options=storage_options)
-    config = validate_config(open_run(run).config, source=f"{run_uri}/run.json")
+    config = load_run_config(run)
     run = open_location(
         run_uri,
         endpoint_url=config.storage.endpoint_url,

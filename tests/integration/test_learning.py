@@ -2,6 +2,9 @@
 separate processes, raise the reward of a task the tiny model can learn.
 
 The task (`tests.reward_fns:contains_seven`): reward 1 when the response contains the digit 7.
+DAPO runs by default; GRPO and VAPO (same task, same budget) are `slow`. Measured together
+on 2 busy CPU cores (8 min for the three): DAPO 0.09 → 0.77, GRPO 0.03 → 0.98, VAPO (8 value
+pre-training batches first) 0.02 → 0.88.
 The random-init tiny model starts below a tenth; DAPO with max_staleness 4 and live weight
 updates should push it clearly up within the run. Measured on 2 CPU cores (about 70 s):
 accuracy over the first 5 steps 0.08–0.09, over the last 5 steps 0.86 (two runs). The test asks
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from storage.fs import open_location
 from storage.manifest import create_run
@@ -37,10 +41,29 @@ def _start(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_dapo_raises_the_reward_of_a_learnable_task(tmp_path):
+ALGORITHM_OVERRIDES = {
+    "dapo": [],
+    "grpo": [],  # KL k3 to the frozen initial policy, seq-mean-token-mean
+    "vapo": [
+        "model.critic.init_from=policy",
+        "learner.critic_lr=3e-3",
+        "algorithm.value_pretrain_steps=8",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        "dapo",
+        pytest.param("grpo", marks=pytest.mark.slow),
+        pytest.param("vapo", marks=pytest.mark.slow),
+    ],
+)
+def test_rl_raises_the_reward_of_a_learnable_task(tmp_path, algorithm):
     run_dir = tmp_path / "run"
     config = load_config(
-        ["dapo", "tiny-cpu"],
+        [algorithm, "tiny-cpu"],
         overrides=[
             f"storage.run_uri={run_dir}",
             "generator.reward.fn=tests.reward_fns:contains_seven",
@@ -53,6 +76,7 @@ def test_dapo_raises_the_reward_of_a_learnable_task(tmp_path):
             "learner.mini_batch_groups=8",
             "learner.lr=3e-3",
             "learner.checkpoint_every=100",
+            *ALGORITHM_OVERRIDES[algorithm],
         ],
     )
     create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
@@ -64,8 +88,9 @@ def test_dapo_raises_the_reward_of_a_learnable_task(tmp_path):
     assert generator.returncode == 0, generator_errors[-3000:]
 
     lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
-    acc = np.array([json.loads(line)["rollout/acc"] for line in lines])
+    records = [json.loads(line) for line in lines]
+    acc = np.array([r["rollout/acc"] for r in records if "value_pretrain_step" not in r])
     assert len(acc) == STEPS
     first, last = acc[:5].mean(), acc[-5:].mean()
-    print(f"accuracy: first 5 steps {first:.3f}, last 5 steps {last:.3f}; per step {acc.round(2)}")
+    print(f"{algorithm} accuracy: first 5 steps {first:.3f}, last 5 {last:.3f}; {acc.round(2)}")
     assert last > first + 0.3, (first, last, acc)

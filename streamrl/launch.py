@@ -1,0 +1,311 @@
+"""Starting and supervising a run's processes on one machine.
+
+A run is a learner (one process, or a torchrun job of `learner.nproc_per_node` ranks), N
+generators and, when `eval.every_versions` > 0, an evaluator: each a `streamrl` subprocess of
+this Python interpreter, sharing nothing but the run's storage.
+
+- `prepare_run`: create `run.json`, or check it on resume (incompatible fields listed);
+  `load_run_config`: the configuration every process of the run uses.
+- `learner_command`, `generator_command`, `evaluator_command`: their argv.
+- `run_process`: run one to its exit, each output line to a callback; SIGTERM when asked to
+  stop, SIGKILL after a grace period.
+- `claim_generator_index`: the next free generator index of a run, for generators that join
+  later (scaling out).
+- `LocalRun`: `streamrl run` — the whole run without Prefect: restarts a crashed generator
+  (up to `max_restarts`), stops the generators when the learner finishes, and fails (stopping
+  everything) when a component fails for good. The Prefect flows (`flows/`) do the same with
+  tasks and retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.control import clear_stop, request_stop, stop_requested
+from storage.fs import Location, StorageError, open_location, put_if_absent
+from storage.manifest import create_run, open_run
+from streamrl.config import RunConfig, validate_config
+
+__all__ = [
+    "ComponentFailedError",
+    "LocalRun",
+    "claim_generator_index",
+    "evaluator_command",
+    "generator_command",
+    "learner_command",
+    "load_run_config",
+    "open_run_location",
+    "prepare_run",
+    "run_process",
+]
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0
+FINISH_GRACE_S = 180.0  # generators flush, the evaluator scores the last version
+CURRENT_CONFIG = ("control", "config.json")
+
+
+class ComponentFailedError(RuntimeError):
+    """A learner, generator or evaluator process failed for good; the message says which,
+    how it exited and the last lines it printed."""
+
+
+def open_run_location(config: RunConfig) -> Location:
+    """The run's root, with the storage endpoint and options of its configuration."""
+    storage = config.storage
+    return open_location(
+        storage.run_uri,
+        endpoint_url=storage.endpoint_url,
+        storage_options=storage.storage_options,
+    )
+
+
+def prepare_run(config: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Location]:
+    """Create the run at `config.storage.run_uri`, or (with `resume`) reopen it.
+
+    Resuming checks `config` against the stored one (only resume-safe fields may differ, such
+    as `learner.total_steps` to extend a run; see `storage.manifest.open_run`), records it as
+    the run's current configuration (`<run>/control/config.json`: run.json is written once)
+    and clears the stop marker a finished or stopped life left behind. Without `resume`, an
+    existing run is refused: pass `resume=True` or choose another `storage.run_uri`."""
+    run = open_run_location(config)
+    wanted = config.model_dump(mode="json")
+    if resume:
+        open_run(run, wanted)
+        run.fs.makedirs(run.join("control"), exist_ok=True)
+        run.fs.pipe_file(run.join(*CURRENT_CONFIG), json.dumps(wanted, indent=2).encode())
+        clear_stop(run)
+    elif run.fs.exists(run.join("run.json")):
+        raise StorageError(
+            f"a run already exists at {run.uri}; resume it (--resume, or the flow's resume "
+            "parameter) or choose another storage.run_uri"
+        )
+    else:
+        create_run(run, wanted)
+    return config, run
+
+
+def load_run_config(run: Location) -> RunConfig:
+    """The configuration of the run at `run`: its current one when a resume recorded it
+    (`prepare_run`), else run.json's."""
+    current = run.join(*CURRENT_CONFIG)
+    if run.fs.exists(current):
+        return validate_config(json.loads(run.fs.cat_file(current)), source=current)
+    return validate_config(open_run(run).config, source=f"{run.uri}/run.json")
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "streamrl"]
+
+
+def learner_command(config: RunConfig) -> list[str]:
+    """The learner: `streamrl learner`, under torchrun when it has several ranks."""
+    nproc = config.learner.nproc_per_node
+    if nproc == 1:
+        return [*_python(), "learner", "--run", config.storage.run_uri]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "streamrl",
+        "learner",
+        "--run",
+        config.storage.run_uri,
+    ]
+
+
+def generator_command(config: RunConfig, index: int) -> list[str]:
+    return [*_python(), "generator", "--run", config.storage.run_uri, "--index", str(index)]
+
+
+def evaluator_command(config: RunConfig) -> list[str]:
+    return [*_python(), "eval", "--run", config.storage.run_uri, "--follow"]
+
+
+def run_process(
+    argv: Sequence[str],
+    on_line: Callable[[str], None],
+    stop: threading.Event | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    grace_s: float = STOP_GRACE_S,
+) -> int:
+    """Run `argv` to its exit and return its exit code; each line it prints (stdout and
+    stderr) goes to `on_line`. When `stop` is set: SIGTERM, then SIGKILL after `grace_s`."""
+    process = subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
+    )
+    stop = stop or threading.Event()
+    watcher = threading.Thread(
+        target=_stop_when_set, args=(process, stop, grace_s), daemon=True, name="stop-watcher"
+    )
+    watcher.start()
+    assert process.stdout is not None
+    for line in process.stdout:
+        on_line(line.rstrip("\n"))
+    code = process.wait()
+    stop.set()  # releases the watcher
+    watcher.join()
+    return code
+
+
+def _stop_when_set(process: subprocess.Popen[str], stop: threading.Event, grace_s: float) -> None:
+    stop.wait()
+    if process.poll() is not None:
+        return
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+
+
+def _signal_group(process: subprocess.Popen[str], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)  # torchrun's ranks and vLLM's helpers too
+
+
+def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> int:
+    """Claim the lowest free generator index ≥ `first` for a generator joining `run`: an
+    object `<run>/control/generators/<index>.json` created if absent, so two generators
+    joining at once never get the same index. Claims are never released (an index names a
+    writer whose segments are in the stream)."""
+    folder = run.child("control", "generators")
+    taken = set()
+    if folder.fs.exists(folder.path):
+        taken = {
+            int(name.rsplit("/", 1)[-1].removesuffix(".json"))
+            for name in folder.fs.ls(folder.path, detail=False)
+            if name.endswith(".json")
+        }
+    index = first
+    while True:
+        if index not in taken:
+            record = json.dumps({"index": index, "owner": owner, "at": time.time()}).encode()
+            if put_if_absent(folder.fs, folder.join(f"{index}.json"), record):
+                return index
+        index += 1
+
+
+# -- a whole run without Prefect ---------------------------------------------------------------
+
+
+@dataclass
+class _Component:
+    name: str
+    argv: list[str]
+    restarts_allowed: int
+    restarts: int = 0
+    exit_code: int | None = None
+    tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LocalRun:
+    """`streamrl run`: one learner, `generators` generators (and the evaluator) on this
+    machine, supervised until the learner reaches its step budget.
+
+    `on_line(component, line)` receives every output line; `max_restarts` bounds the restarts
+    of each generator (the learner gets `learner_restarts`: it resumes from its checkpoint).
+    `run()` returns when everything stopped; it raises `ComponentFailedError` after stopping the
+    others when a component failed for good."""
+
+    config: RunConfig
+    generators: int
+    on_line: Callable[[str, str], None]
+    max_restarts: int = 3
+    learner_restarts: int = 1
+    evaluator: bool = True
+    stop: threading.Event = field(default_factory=threading.Event)
+    failures: list[str] = field(default_factory=list)
+
+    def run(self) -> dict[str, Any]:
+        run = open_run_location(self.config)
+        components = [
+            _Component("learner", learner_command(self.config), self.learner_restarts),
+            *(
+                _Component(f"gen{i}", generator_command(self.config, i), self.max_restarts)
+                for i in range(self.generators)
+            ),
+        ]
+        if self.evaluator and self.config.eval.every_versions > 0:
+            components.append(_Component("eval", evaluator_command(self.config), 1))
+        threads = [
+            threading.Thread(target=self._supervise, args=(c, run), name=c.name, daemon=True)
+            for c in components
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(timeout=0.5)
+        except KeyboardInterrupt:
+            self.failures.append("interrupted (Ctrl-C)")
+            self._stop_all(run, "interrupted")
+            for thread in threads:
+                thread.join()
+        if self.failures:
+            raise ComponentFailedError("; ".join(self.failures))
+        return {c.name: {"exit_code": c.exit_code, "restarts": c.restarts} for c in components}
+
+    def _supervise(self, component: _Component, run: Location) -> None:
+        def line(text: str) -> None:
+            component.tail = [*component.tail[-19:], text]
+            self.on_line(component.name, text)
+
+        while True:
+            component.exit_code = run_process(component.argv, line, self.stop)
+            if component.exit_code == 0 or self.stop.is_set():
+                if component.name == "learner" and component.exit_code == 0:
+                    self._stop_all(run, "the learner finished")
+                return
+            if component.restarts >= component.restarts_allowed:
+                tail = "\n    ".join(component.tail[-10:])
+                self.failures.append(
+                    f"{component.name} failed for good (exit code {component.exit_code} after "
+                    f"{component.restarts} restarts); its last lines:\n    {tail}"
+                )
+                self._stop_all(run, f"{component.name} failed")
+                return
+            component.restarts += 1
+            self.on_line(
+                component.name,
+                f"exited with code {component.exit_code}; restart {component.restarts} of "
+                f"{component.restarts_allowed}",
+            )
+
+    def _stop_all(self, run: Location, reason: str) -> None:
+        """Stop marker for the generators (they flush and exit), then a deadline for all."""
+        if not stop_requested(run):
+            request_stop(run, reason)
+
+        def deadline() -> None:
+            time.sleep(FINISH_GRACE_S)
+            self.stop.set()
+
+        if reason != "the learner finished":
+            self.stop.set()
+        else:
+            threading.Thread(target=deadline, daemon=True).start()
