@@ -7,7 +7,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.setup-complete
 
-.PHONY: setup test test-all lint format clean
+.PHONY: setup test test-all lint format clean up down
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+up: setup
+	S3=$(S3) VENV=$(VENV) bash scripts/stack.sh up
+
+down:
+	VENV=$(VENV) bash scripts/stack.sh down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -61,8 +61,9 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "generator.cpu_kv_cache_gib",
     "generator.enforce_eager",
     "generator.reward.workers",
-    # Where metrics go.
+    # Where metrics go, and held-out evaluation (it never touches training).
     "logging",
+    "eval",
     # How the run is reached (the same run may be opened by another path or endpoint).
     "storage.run_uri",
     "storage.endpoint_url",

@@ -194,6 +194,54 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES_RUN = """\
+examples:
+  streamrl run --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo
+  streamrl run --preset dapo --preset tiny-cpu --generators 2 learner.total_steps=20
+  streamrl run --resume --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo \\
+      learner.total_steps=40                 extend a finished run by 20 steps
+A whole run on this machine without a Prefect server: the learner, the generators and the
+evaluator as subprocesses. A crashed generator is restarted (--max-restarts); the run ends when
+the learner reaches learner.total_steps. Each process's output goes to <run>/logs/ (local runs)
+or ./streamrl-logs/; the console shows learner steps, warnings and errors.
+"""
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import re
+    from pathlib import Path
+
+    from streamrl.launch import ComponentFailedError, LocalRun, format_summary, prepare_run
+    from streamrl.launch import run_summary as summarize
+
+    config, run = prepare_run(_config_from(args), resume=args.resume)
+    logs = Path(run.path if run.is_local else "streamrl-logs") / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    files = {}
+    shown = re.compile(r"step \d+:|WARNING|ERROR|Traceback|Error|restart")
+
+    def on_line(component: str, line: str) -> None:
+        if component not in files:
+            files[component] = open(logs / f"{component}.log", "a", buffering=1)  # noqa: SIM115
+        files[component].write(line + "\n")
+        if shown.search(line):
+            print(f"[{component}] {line}", flush=True)
+
+    count = args.generators or config.generator.count
+    print(f"streamrl run: {run.uri} — learner + {count} generator(s); logs in {logs}", flush=True)
+    local = LocalRun(config, count, on_line, max_restarts=args.max_restarts)
+    try:
+        local.run()
+    except ComponentFailedError as exc:
+        print(f"streamrl run failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for f in files.values():
+            f.close()
+    print(format_summary(summarize(run)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -294,6 +342,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     learner.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
     learner.set_defaults(func=_cmd_learner)
+
+    run = commands.add_parser(
+        "run",
+        help="a whole run on this machine, without a Prefect server",
+        description="Create (or resume) a run and supervise its learner and generators.",
+        epilog=EXAMPLES_RUN,
+        formatter_class=raw,
+    )
+    _add_config_args(run)
+    run.add_argument("--resume", action="store_true", help="resume the run at storage.run_uri")
+    run.add_argument(
+        "--generators", type=int, metavar="N", help="generators to start (default generator.count)"
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="restarts per generator"
+    )
+    run.set_defaults(func=_cmd_run)
+
+    from streamrl import cli_eval, cli_status  # their own modules: eval, export, status
+
+    cli_eval.add_commands(commands)
+    cli_status.add_commands(commands)
     return parser
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CriticConfig",
     "DataConfig",
+    "EvalConfig",
     "GeneratorConfig",
     "LearnerConfig",
     "LoggingConfig",
@@ -281,6 +282,36 @@ class LearnerConfig(_Component):
         return self.batch_groups // self.mini_batch_groups
 
 
+class EvalConfig(_Component):
+    """Held-out evaluation of published versions, in a process of its own (`streamrl eval`)."""
+
+    dataset: DataConfig | None = Field(
+        None,
+        description="Validation prompts; fields left unset are taken from `data`, so "
+        "eval.dataset.path=val.jsonl is enough. null: data.val_path, or when that is unset too "
+        "the training prompts themselves (not held out: the evaluator warns and marks its "
+        "records held_out=false).",
+    )
+    every_versions: int = Field(
+        0,
+        ge=0,
+        description="E: evaluate every E-th published version, and the last one; 0 starts no "
+        "evaluator.",
+    )
+    k: int = Field(
+        4, ge=1, description="Samples per prompt for val/avg@k (mean accuracy of k samples)."
+    )
+    max_prompts: int = Field(
+        64, ge=1, description="Evaluate the first this many validation prompts (file order)."
+    )
+    temperature: float | None = Field(
+        None,
+        gt=0.0,
+        description="Sampling temperature of val/avg@k; null: generator.temperature. "
+        "val/acc_greedy always decodes greedily.",
+    )
+
+
 _SECRET_KEYS = frozenset(
     {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key"}
 )
@@ -361,6 +392,9 @@ class RunConfig(_Component):
     learner: LearnerConfig = Field(
         default_factory=LearnerConfig, description="Training, publishing, checkpoints."
     )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation of published versions."
+    )
     algorithm: AlgorithmConfig = Field(
         default_factory=DAPOConfig, description="The RL algorithm (discriminated by name)."
     )
@@ -376,6 +410,24 @@ class RunConfig(_Component):
         if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
             data = {**data, "algorithm": {"name": DAPOConfig().name, **data["algorithm"]}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_dataset_inherits_data(cls, data: Any) -> Any:
+        """`eval: {dataset: {path: val.jsonl}}` keeps the run's prompt fields, chat template and
+        lengths: every field the eval dataset does not set comes from `data` (but val_path)."""
+        if not isinstance(data, dict) or not isinstance(data.get("eval"), dict):
+            return data
+        dataset = data["eval"].get("dataset")
+        if not isinstance(dataset, dict):
+            return data
+        base = data.get("data") or {}
+        if isinstance(base, BaseModel):
+            base = base.model_dump(exclude_unset=True)
+        inherited = (
+            {k: v for k, v in base.items() if k != "val_path"} if isinstance(base, dict) else {}
+        )
+        return {**data, "eval": {**data["eval"], "dataset": {**inherited, **dataset}}}
 
     @model_validator(mode="after")
     def _value_model_matches_algorithm(self) -> RunConfig:
@@ -420,6 +472,15 @@ class RunConfig(_Component):
                 f"longest sequence (data.max_prompt_len + generator.max_tokens = {longest}); "
                 f"set learner.micro_batch_tokens ≥ {longest}"
             )
+        if self.eval.dataset is not None:
+            longest_eval = self.eval.dataset.max_prompt_len + self.generator.max_tokens
+            if longest_eval > self.model.max_model_len:
+                raise ValueError(
+                    f"eval.dataset.max_prompt_len ({self.eval.dataset.max_prompt_len}) + "
+                    f"generator.max_tokens ({self.generator.max_tokens}) = {longest_eval} exceeds "
+                    f"model.max_model_len ({self.model.max_model_len}); lower "
+                    "eval.dataset.max_prompt_len or raise model.max_model_len"
+                )
         cache = self.algorithm.overlong.cache_len
         if cache is not None and cache > self.generator.max_tokens:
             raise ValueError(

@@ -42,12 +42,15 @@ __all__ = [
     "LocalRun",
     "claim_generator_index",
     "evaluator_command",
+    "format_summary",
     "generator_command",
     "learner_command",
     "load_run_config",
     "open_run_location",
     "prepare_run",
+    "reserve_generator_indexes",
     "run_process",
+    "run_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,6 +189,14 @@ def _signal_group(process: subprocess.Popen[str], sig: int) -> None:
         os.killpg(process.pid, sig)  # torchrun's ranks and vLLM's helpers too
 
 
+def reserve_generator_indexes(run: Location, count: int, owner: str = "") -> None:
+    """Mark indexes 0..count−1 as taken (the run's own generators); existing marks stay."""
+    folder = run.child("control", "generators")
+    for index in range(count):
+        record = json.dumps({"index": index, "owner": owner, "at": time.time()}).encode()
+        put_if_absent(folder.fs, folder.join(f"{index}.json"), record)
+
+
 def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> int:
     """Claim the lowest free generator index ≥ `first` for a generator joining `run`: an
     object `<run>/control/generators/<index>.json` created if absent, so two generators
@@ -242,6 +253,7 @@ class LocalRun:
 
     def run(self) -> dict[str, Any]:
         run = open_run_location(self.config)
+        reserve_generator_indexes(run, self.generators, owner="streamrl run")
         components = [
             _Component("learner", learner_command(self.config), self.learner_restarts),
             *(
@@ -309,3 +321,50 @@ class LocalRun:
             self.stop.set()
         else:
             threading.Thread(target=deadline, daemon=True).start()
+
+
+# -- summaries -------------------------------------------------------------------------------
+
+
+def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
+    """What a finished (or running) run achieved, from its learner metrics: reward and
+    accuracy over the first and the last `window` steps, mean learner tokens/s, steps done."""
+    from streamrl.learner.reporting import read_metrics
+
+    steps = [m for m in read_metrics(run) if "value_pretrain_step" not in m]
+    if not steps:
+        return {"run_uri": run.uri, "steps": 0}
+
+    def mean(rows: list[dict[str, Any]], key: str) -> float:
+        values = [float(r[key]) for r in rows if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    first, last = steps[:window], steps[-window:]
+    return {
+        "run_uri": run.uri,
+        "steps": int(steps[-1]["step"]),
+        "policy_version": int(steps[-1].get("policy_version", 0)),
+        "reward_first": mean(first, "rollout/reward_mean"),
+        "reward_last": mean(last, "rollout/reward_mean"),
+        "acc_first": mean(first, "rollout/acc"),
+        "acc_last": mean(last, "rollout/acc"),
+        "learner_tokens_per_s": mean(steps, "perf/learner_tokens_per_s"),
+        "window": min(window, len(steps)),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a few lines for the console."""
+    if not summary.get("steps"):
+        return f"run {summary['run_uri']}: no learner steps yet"
+    n = summary["window"]
+    return "\n".join(
+        [
+            f"run:       {summary['run_uri']}  ({summary['steps']} steps, weights "
+            f"v{summary['policy_version']})",
+            f"reward:    {summary['reward_first']:+.3f} (first {n} steps) → "
+            f"{summary['reward_last']:+.3f} (last {n})",
+            f"accuracy:  {summary['acc_first']:.3f} → {summary['acc_last']:.3f}",
+            f"learner:   {summary['learner_tokens_per_s']:.0f} tokens/s",
+        ]
+    )

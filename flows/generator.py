@@ -1,0 +1,34 @@
+"""The `generator` flow: one more generator for an existing run, on any work pool, any time.
+
+    prefect deployment run generator/default -p run_uri=s3://bucket/runs/x
+
+It claims the run's next free generator index (or uses `index`), then generates until the
+run's stop marker appears; a crash is retried (a fresh incarnation of the same writer), and a
+preempted generator loses at most its open segment.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from prefect import flow, get_run_logger
+
+from flows.components import generator_task
+from storage.fs import open_location
+from streamrl.launch import claim_generator_index, load_run_config
+
+__all__ = ["join_run"]
+
+
+@flow(name="generator", log_prints=True)
+def join_run(run_uri: str, index: int | None = None, retries: int = 3) -> int:
+    """Generate for the run at `run_uri` until it stops; returns the generator index used."""
+    logger = get_run_logger()
+    run = open_location(run_uri)
+    config = load_run_config(run)
+    config.storage.run_uri = run_uri  # the run as this worker reaches it
+    if index is None:
+        index = claim_generator_index(run, first=config.generator.count, owner=socket.gethostname())
+    logger.info("joining %s as generator %d", run_uri, index)
+    generator_task.with_options(retries=retries)(config, index)
+    return index

@@ -1,0 +1,306 @@
+#!/usr/bin/env bash
+# The local streamrl stack, everything on 127.0.0.1:
+#   Prefect server (SQLite under the stack dir, analytics off), the `local` process work pool,
+#   the deployments of deploy/prefect.yaml, one process worker, and SeaweedFS (S3) with S3=1.
+#
+#   scripts/stack.sh up       start what is not running yet (a no-op when all of it is up)
+#   scripts/stack.sh down     stop all of it (safe to repeat)
+#   scripts/stack.sh status   what runs where; exits 1 unless the server and worker are up
+#
+# Environment:
+#   STREAMRL_STACK_DIR       state, logs and PID files (default: ./.stack)
+#   STREAMRL_PREFECT_PORT    server port (default: the last one used, else 4200, else a free port)
+#   STREAMRL_PREFECT_PROFILE Prefect profile pointed at the server and made active while the
+#                            stack is up (default: streamrl; empty: leave profiles alone)
+#   STREAMRL_STACK_TIMEOUT   seconds to wait for each component to come up (default: 180)
+#   S3=1                     also start SeaweedFS; its endpoint and keys go to <stack>/s3.env
+#   VENV                     the virtualenv with streamrl installed (default: ./.venv)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-.venv}"
+[[ "$VENV" = /* ]] || VENV="$ROOT/$VENV"
+PREFECT="$VENV/bin/prefect"
+PY="$VENV/bin/python"
+STACK="${STREAMRL_STACK_DIR:-.stack}"
+[[ "$STACK" = /* ]] || STACK="$ROOT/$STACK"
+PROFILE="${STREAMRL_PREFECT_PROFILE-streamrl}"
+TIMEOUT="${STREAMRL_STACK_TIMEOUT:-180}"
+HOST=127.0.0.1
+POOL=local
+WORKER_NAME="streamrl-local"
+
+# A phrase of each component's command line: proof that a PID file names a process of ours.
+SERVER_SIG="server start"
+WORKER_SIG="worker start"
+S3_SIG="weed"
+
+say() { printf '%s\n' "$*"; }
+die() { printf 'stack: %s\n' "$*" >&2; exit 1; }
+show() { [[ "$1" == "$ROOT"/* ]] && printf '%s' "${1#"$ROOT"/}" || printf '%s' "$1"; }
+
+alive() {  # alive PID: running and not a zombie
+    local state
+    state="$(ps -o stat= -p "$1" 2>/dev/null)" || return 1
+    [[ -n "$state" && "$state" != Z* ]]
+}
+
+running() {  # running NAME SIGNATURE: print the component's PID if it is up
+    local file="$STACK/$1.pid" pid
+    [[ -f "$file" ]] || return 1
+    pid="$(<"$file")"
+    [[ "$pid" =~ ^[0-9]+$ ]] && alive "$pid" || return 1
+    ps -o args= -p "$pid" 2>/dev/null | grep -q -- "$2" || return 1
+    printf '%s' "$pid"
+}
+
+descendants() {  # descendants PID: every process below PID
+    local child
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+        printf '%s\n' "$child"
+        descendants "$child"
+    done
+}
+
+stop() {  # stop NAME SIGNATURE GRACE_S [WAIT_FOR_SELF]: SIGTERM to it and everything below
+    # it; after GRACE_S (at once when 0) SIGKILL to what is left. WAIT_FOR_SELF=0 waits only for
+    # what runs below (flow runs): an idle Prefect 3.6 worker does not exit on SIGTERM.
+    local name="$1" pid below waited_for p left waited=0
+    if pid="$(running "$1" "$2")"; then
+        below="$(descendants "$pid" | tr '\n' ' ')"
+        waited_for="$below"
+        [[ "${4:-1}" == 0 ]] || waited_for="$pid $below"
+        if (($3 > 0)); then
+            kill -TERM "$pid" $below 2>/dev/null || true
+            while ((waited < $3 * 10)); do
+                left=0
+                for p in $waited_for; do alive "$p" && left=1; done
+                ((left)) || break
+                sleep 0.1
+                waited=$((waited + 1))
+            done
+        fi
+        for p in "$pid" $below; do  # what started during the grace period goes too
+            alive "$p" && below="$below $(descendants "$p" | tr '\n' ' ')"
+        done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        kill -KILL "$pid" $below 2>/dev/null || true
+        for p in "$pid" $below; do
+            while alive "$p"; do sleep 0.1; done
+        done
+        say "stopped $name (pid $pid)"
+    fi
+    rm -f "$STACK/$name.pid"
+}
+
+launch() {  # launch NAME LOG COMMAND...: detached in its own session, PID file written
+    local name="$1" log="$2"
+    shift 2
+    setsid "$@" >"$log" 2>&1 </dev/null &
+    printf '%s' "$!" >"$STACK/$name.pid"
+}
+
+port_free() {
+    "$PY" - "$1" <<'PY'
+import socket, sys
+with socket.socket() as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is fine
+    try:
+        sock.bind(("127.0.0.1", int(sys.argv[1])))
+    except OSError:
+        sys.exit(1)
+PY
+}
+
+pick_port() {
+    if [[ -n "${STREAMRL_PREFECT_PORT:-}" ]]; then
+        port_free "$STREAMRL_PREFECT_PORT" || die "port $STREAMRL_PREFECT_PORT is in use; set STREAMRL_PREFECT_PORT to a free port"
+        printf '%s' "$STREAMRL_PREFECT_PORT"
+        return
+    fi
+    local last=""
+    [[ -f "$STACK/port" ]] && last="$(<"$STACK/port")"
+    for candidate in $last 4200; do
+        if port_free "$candidate"; then
+            printf '%s' "$candidate"
+            return
+        fi
+    done
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+healthy() {
+    "$PY" - "$1/health" <<'PY'
+import sys, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=2) as response:
+        sys.exit(0 if response.status == 200 else 1)
+except OSError:
+    sys.exit(1)
+PY
+}
+
+wait_for() {  # wait_for NAME SIGNATURE LOG CHECK...: until CHECK passes or NAME dies
+    local deadline=$((SECONDS + TIMEOUT))
+    until "${@:4}"; do
+        running "$1" "$2" >/dev/null || { tail -n 30 "$3" >&2; die "$1 exited; log: $(show "$3")"; }
+        ((SECONDS < deadline)) || { tail -n 30 "$3" >&2; die "$1 not up after ${TIMEOUT}s; log: $(show "$3")"; }
+        sleep 1
+    done
+}
+
+active_profile() {
+    "$PY" -c 'from prefect.settings import load_profiles; print(load_profiles().active_name or "")'
+}
+
+api_url() { printf 'http://%s:%s/api' "$HOST" "$(<"$STACK/port")"; }
+
+start_server() {
+    local port log="$STACK/server.log"
+    port="$(pick_port)"
+    printf '%s' "$port" >"$STACK/port"
+    say "starting the Prefect server on $HOST:$port (SQLite: $(show "$STACK/prefect.db"))"
+    PREFECT_SERVER_ANALYTICS_ENABLED=false \
+        PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$STACK/prefect.db" \
+        launch server "$log" env -u PREFECT_API_URL "$PREFECT" server start --host "$HOST" --port "$port"
+    wait_for server "$SERVER_SIG" "$log" healthy "$(api_url)"
+    say "Prefect server healthy: http://$HOST:$port"
+}
+
+use_profile() {
+    [[ -n "$PROFILE" ]] || return 0
+    local previous
+    previous="$(active_profile)"
+    [[ "$previous" == "$PROFILE" ]] || printf '%s' "$previous" >"$STACK/previous-profile"
+    "$PY" -c 'import sys; from prefect.settings import load_profiles; sys.exit(sys.argv[1] not in load_profiles().names)' "$PROFILE" \
+        || "$PREFECT" profile create "$PROFILE" >/dev/null
+    PREFECT_PROFILE="$PROFILE" "$PREFECT" config set "PREFECT_API_URL=$(api_url)" >/dev/null
+    "$PREFECT" profile use "$PROFILE" >/dev/null
+    say "Prefect profile '$PROFILE' is active: PREFECT_API_URL=$(api_url)"
+}
+
+restore_profile() {
+    [[ -n "$PROFILE" && -f "$STACK/previous-profile" && -x "$PY" ]] || return 0
+    local previous
+    previous="$(<"$STACK/previous-profile")"
+    rm -f "$STACK/previous-profile"
+    [[ -n "$previous" && "$(active_profile)" == "$PROFILE" ]] || return 0
+    "$PREFECT" profile use "$previous" >/dev/null 2>&1 || true
+    say "Prefect profile '$previous' is active again"
+}
+
+deploy() {
+    (
+        cd "$ROOT"
+        "$PREFECT" work-pool inspect "$POOL" >/dev/null 2>&1 \
+            || "$PREFECT" work-pool create "$POOL" --type process >/dev/null
+        # STREAMRL_ROOT stays a placeholder in the deployments: the worker fills it in.
+        env -u STREAMRL_ROOT "$PREFECT" deploy --all --no-prompt \
+            --prefect-file deploy/prefect.yaml >"$STACK/deploy.log" 2>&1
+    ) || { tail -n 30 "$STACK/deploy.log" >&2; die "prefect deploy failed; log: $(show "$STACK/deploy.log")"; }
+    say "work pool '$POOL' ready; deployed: $(grep -o "Deployment '[^']*'" "$STACK/deploy.log" | cut -d"'" -f2 | tr '\n' ' ')"
+}
+
+start_seaweedfs() {
+    say "starting SeaweedFS (S3) in $(show "$STACK/seaweedfs")"
+    (cd "$ROOT" && "$PY" - "$STACK" <<'PY'
+import os, shlex, sys
+from pathlib import Path
+
+from storage.seaweedfs import SeaweedFS
+
+stack = Path(sys.argv[1])
+server = SeaweedFS(data_dir=stack / "seaweedfs").start()
+# The server outlives this process (its own session); `scripts/stack.sh down` kills it.
+(stack / "seaweedfs.pid").write_text(str(server._process.pid))
+lines = [f"export {key}={shlex.quote(value)}" for key, value in server.env.items()]
+path = stack / "s3.env"
+path.write_text("\n".join(lines) + "\n")
+os.chmod(path, 0o600)
+PY
+    ) || die "SeaweedFS did not start; log: $(show "$STACK/seaweedfs/weed.log")"
+}
+
+start_worker() {
+    local log="$STACK/worker.log"
+    say "starting a worker for pool '$POOL' (log: $(show "$log"))"
+    (
+        [[ -f "$STACK/s3.env" ]] && running seaweedfs "$S3_SIG" >/dev/null && source "$STACK/s3.env"
+        cd "$ROOT"
+        STREAMRL_ROOT="$ROOT" PATH="$VENV/bin:$PATH" launch worker "$log" \
+            "$PREFECT" worker start --pool "$POOL" --name "$WORKER_NAME" --install-policy never
+    )
+    wait_for worker "$WORKER_SIG" "$log" grep -q "started" "$log"
+}
+
+up() {
+    mkdir -p "$STACK"
+    printf '*\n' >"$STACK/.gitignore"
+    local want_s3=0 fresh_s3=0
+    [[ "${S3:-0}" == 1 ]] && want_s3=1
+    if running server "$SERVER_SIG" >/dev/null && running worker "$WORKER_SIG" >/dev/null \
+        && { ((want_s3 == 0)) || running seaweedfs "$S3_SIG" >/dev/null; }; then
+        say "the stack is already up"
+        status
+        return 0
+    fi
+    trap '(($? == 0)) || say "stack: up did not finish; logs in $(show "$STACK"), stop what runs with: make down" >&2' EXIT
+    export PREFECT_API_URL
+    if running server "$SERVER_SIG" >/dev/null; then
+        PREFECT_API_URL="$(api_url)"
+    else
+        start_server
+        PREFECT_API_URL="$(api_url)"
+        use_profile
+    fi
+    deploy
+    if ((want_s3)) && ! running seaweedfs "$S3_SIG" >/dev/null; then
+        start_seaweedfs
+        fresh_s3=1
+    fi
+    # A worker started before SeaweedFS lacks its credentials: restart it.
+    ((fresh_s3)) && stop worker "$WORKER_SIG" 30 0
+    running worker "$WORKER_SIG" >/dev/null || start_worker
+    status
+}
+
+down() {
+    stop worker "$WORKER_SIG" 30 0
+    stop server "$SERVER_SIG" 30
+    stop seaweedfs "$S3_SIG" 0
+    rm -f "$STACK/s3.env"
+    restore_profile
+    say "the stack is down"
+}
+
+status() {
+    local pid missing=0
+    say "streamrl stack ($(show "$STACK")):"
+    if pid="$(running server "$SERVER_SIG")"; then
+        say "  prefect server  up    pid $pid  UI http://$HOST:$(<"$STACK/port")  API $(api_url)"
+    else
+        say "  prefect server  down"
+        missing=1
+    fi
+    if pid="$(running worker "$WORKER_SIG")"; then
+        say "  worker          up    pid $pid  pool '$POOL'  log $(show "$STACK/worker.log")"
+    else
+        say "  worker          down"
+        missing=1
+    fi
+    if pid="$(running seaweedfs "$S3_SIG")"; then
+        say "  seaweedfs (S3)  up    pid $pid  $(grep -o 'AWS_ENDPOINT_URL=.*' "$STACK/s3.env")"
+        say "    credentials:  source $(show "$STACK/s3.env")   (bucket: streamrl)"
+    else
+        say "  seaweedfs (S3)  down  (start it with: make up S3=1)"
+    fi
+    return "$missing"
+}
+
+[[ -x "$PREFECT" || "${1:-}" == down ]] || die "no Prefect in $(show "$VENV"); run: make setup"
+case "${1:-}" in
+    up) up ;;
+    down) down ;;
+    status) status ;;
+    *) die "usage: scripts/stack.sh up|down|status" ;;
+esac

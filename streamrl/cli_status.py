@@ -1,0 +1,95 @@
+"""`streamrl status`: where a run stands, read from its storage (see `streamrl.status`).
+
+`add_commands(commands)` registers it on the subparsers of `streamrl.cli.build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+EXAMPLES_STATUS = """\
+examples:
+  streamrl status ./runs/demo
+  streamrl status ./runs/demo --watch 10          redraw every 10 s until the run finishes
+  streamrl status ./runs/demo --json | jq .lag_groups
+  streamrl status s3://bucket/runs/x --watch 30 --json   one JSON object per line
+  AWS_ENDPOINT_URL=http://127.0.0.1:8333 streamrl status s3://bucket/runs/x
+Reads only the run's storage (run.json, stream commit log, checkpoints, weights, metrics, stop
+marker), so it works from any machine that can read the run, live or finished. State: not
+started, running (started, no stop marker), stopping (stop marker before total_steps) or
+finished (stop marker and the learner at total_steps). Stream lag = groups written − groups the
+learner consumed. Exit status 2 when there is no run at RUN_URI.
+"""
+
+_CLEAR_SCREEN = "\033[H\033[2J"
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"--watch takes seconds > 0, got {text!r}")
+    return seconds
+
+
+def _open_run(run_uri: str) -> Any:
+    """The run at `run_uri`, with its configuration's S3 endpoint and options; never creates
+    anything (a mistyped local URI must not leave a folder behind)."""
+    from storage.fs import open_location
+    from storage.manifest import open_run
+
+    run = open_location(run_uri, check=False)
+    if run.is_local:
+        return run
+    storage = open_run(run).config.get("storage", {})  # StorageError naming the URI
+    return open_location(
+        run_uri,
+        endpoint_url=storage.get("endpoint_url"),
+        storage_options=storage.get("storage_options"),
+        check=False,
+    )
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from streamrl.status import FINISHED, format_status, read_status, to_json
+
+    run = _open_run(args.run)
+    redraw = args.watch is not None and not args.json and sys.stdout.isatty()
+    status = read_status(run)
+    try:
+        while True:
+            text = to_json(status) if args.json else format_status(status)
+            print((_CLEAR_SCREEN if redraw else "") + text, flush=True)
+            if args.watch is None or status.state == FINISHED:
+                return 0
+            time.sleep(args.watch)
+            status = read_status(run, previous=status)
+            if not args.json and not redraw:
+                print()
+    except KeyboardInterrupt:  # the way to leave --watch
+        return 0
+
+
+def add_commands(commands: Any) -> None:
+    """Register `status` on the `streamrl` command's subparsers."""
+    status = commands.add_parser(
+        "status",
+        help="steps, versions, stream lag and last metrics of a run, read from storage",
+        description="Where a run stands, read straight from its storage (live or finished).",
+        epilog=EXAMPLES_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    status.add_argument("run", metavar="RUN_URI", help="the run's root URI")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--watch",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="re-read every SECONDS until the run finishes (Ctrl-C to leave)",
+    )
+    status.set_defaults(func=_cmd_status)

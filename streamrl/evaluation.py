@@ -1,0 +1,356 @@
+"""Held-out evaluation of published weight versions: greedy accuracy and avg@k.
+
+For a version v, every validation prompt is answered once greedily (temperature 0) and k times
+at the evaluation temperature (`eval.temperature`, else `generator.temperature`), with the
+run's engine settings (max_tokens, stop strings, top-p/top-k for the samples). Each response is
+scored with the run's reward function (`generator.reward`); a response is correct when its raw
+score is ≥ 1, as in the generator's accuracy. Metrics:
+
+    val/acc_greedy          correct greedy responses / prompts
+    val/avg@{k}             correct sampled responses / (k × prompts)
+    val/num_prompts         prompts evaluated
+    val/response_len_mean   tokens per sampled response, divided by k × prompts
+
+The validation prompts (`validation_dataset`): `eval.dataset` when set (fields it leaves unset
+come from `data`), else the `data` section read from `data.val_path`, else — the bundled
+datasets ship no split — the training prompts themselves. The last is no held-out measure: the
+evaluator says so in a warning and in every record (`held_out: false`). The first
+`eval.max_prompts` prompts in file order are used, the same ones for every version.
+
+Records: one JSON object per evaluation in `<run>/metrics/eval.jsonl` (local runs); object
+stores cannot append, so there each record is an object `metrics/eval-v<version>-<ns>.json`.
+A record holds the metrics, `version`, `time`, `k`, `temperature`, `dataset` and `held_out`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from storage.control import stop_requested
+from storage.fs import Location, open_location
+from storage.weights import WeightStore, WeightVersionNotFoundError
+from streamrl.config import ConfigError, DataConfig, GeneratorConfig, RunConfig
+from streamrl.generator.engine import Engine, FinishedGroup
+
+__all__ = [
+    "EvaluationLoop",
+    "Evaluator",
+    "append_eval_record",
+    "evaluate",
+    "evaluation_sampling",
+    "read_eval_records",
+    "run_evaluator",
+    "validation_dataset",
+]
+
+log = logging.getLogger(__name__)
+
+EVAL_LOG = ("metrics", "eval.jsonl")
+
+
+def evaluation_sampling(
+    config: RunConfig, k: int | None = None, temperature: float | None = None
+) -> GeneratorConfig:
+    """The generator section an evaluation engine samples with: n = k (default eval.k) at the
+    evaluation temperature (default eval.temperature, else generator.temperature)."""
+    chosen = temperature or config.eval.temperature or config.generator.temperature
+    fields = {"group_size": k or config.eval.k, "temperature": chosen}
+    return GeneratorConfig.model_validate({**config.generator.model_dump(), **fields})
+
+
+def validation_dataset(
+    config: RunConfig, dataset: DataConfig | None = None
+) -> tuple[DataConfig, bool]:
+    """The validation prompts' data section and whether they are held out (module docstring)."""
+    if dataset is None and config.eval.dataset is not None:
+        dataset = config.eval.dataset
+    if dataset is None and config.data.val_path is not None:
+        dataset = config.data.model_copy(update={"path": config.data.val_path, "val_path": None})
+    if dataset is not None:
+        return dataset, dataset.path != config.data.path
+    log.warning(
+        "no validation set (eval.dataset and data.val_path are unset): evaluating on the "
+        "training prompts of %s, which measures no held-out accuracy",
+        config.data.path,
+    )
+    return config.data, False
+
+
+class Evaluator:
+    """One run's validation prompts, reward scorer and vLLM engine, to evaluate versions with.
+
+    Use as a context manager (the scorer's worker processes start on entry). `engine`, when
+    given, must sample with `evaluation_sampling(config, k, temperature)`; by default one is
+    built from model.path. Building fails fast, before vLLM starts, on a bad dataset or reward.
+    """
+
+    def __init__(
+        self,
+        run: Location,
+        config: RunConfig,
+        *,
+        dataset: DataConfig | None = None,
+        k: int | None = None,
+        max_prompts: int | None = None,
+        temperature: float | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        from streamrl.data import PromptSource
+        from streamrl.models import resolve_model_path
+        from streamrl.rewards import RewardScorer, resolve_reward
+
+        self.run, self.config = run, config
+        self.sampling = evaluation_sampling(config, k, temperature)
+        self.dataset, self.held_out = validation_dataset(config, dataset)
+        model_path = resolve_model_path(config.model.path)
+        resolve_reward(config.generator.reward.fn)
+        source = PromptSource(self.dataset, tokenizer_path=config.model.tokenizer or model_path)
+        self.prompts = source.prompts[: max_prompts or config.eval.max_prompts]
+        if engine is None:
+            engine = Engine(model_path, config.model, self.sampling, seed=self.sampling.seed)
+        elif engine.generator != self.sampling:
+            raise ValueError("the engine must sample with evaluation_sampling(config, k, T)")
+        self.engine = engine
+        self.weights = WeightStore(run)
+        self._scorer = RewardScorer.from_config(config.generator.reward)
+
+    def __enter__(self) -> Evaluator:
+        self._scorer.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._scorer.__exit__(kind, exc, tb)
+
+    @property
+    def k(self) -> int:
+        return self.sampling.group_size
+
+    def evaluate(self, version: int, stop: threading.Event | None = None) -> dict[str, Any] | None:
+        """Load `version` and measure it (module docstring); None when `stop` was set first."""
+        self.engine.load_weights(self.weights.iter_tensors(version), version)
+        greedy_ids = [self.engine.submit(p.token_ids, greedy=True) for p in self.prompts]
+        sampled_ids = [self.engine.submit(p.token_ids) for p in self.prompts]
+        finished = self._finish(len(greedy_ids) + len(sampled_ids), stop)
+        if finished is None:
+            return None
+        responses = [finished[i].completions[0] for i in greedy_ids]
+        responses += [c for i in sampled_ids for c in finished[i].completions]
+        prompts = self.prompts + [p for p in self.prompts for _ in range(self.k)]
+        scores = self._scorer.score(
+            [r.text for r in responses],
+            [p.ground_truth for p in prompts],
+            [p.text for p in prompts],
+        )
+        correct = np.asarray(scores, dtype=np.float64) >= 1.0
+        n = len(self.prompts)
+        return {
+            "version": version,
+            "val/acc_greedy": float(correct[:n].mean()),
+            f"val/avg@{self.k}": float(correct[n:].mean()),
+            "val/num_prompts": float(n),
+            "val/response_len_mean": float(np.mean([len(r.token_ids) for r in responses[n:]])),
+        }
+
+    def _finish(self, count: int, stop: threading.Event | None) -> dict[str, FinishedGroup] | None:
+        """Step the engine until `count` requests finished; on `stop`, abort them: None."""
+        done: dict[str, FinishedGroup] = {}
+        while len(done) < count:
+            if stop is not None and stop.is_set():
+                self.engine.abort_all()
+                return None
+            done.update((group.request_id, group) for group in self.engine.step())
+        return done
+
+    def record(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """`metrics` as an eval.jsonl record: with what was evaluated and how."""
+        return {
+            "time": time.time(),
+            **metrics,
+            "k": self.k,
+            "temperature": self.sampling.temperature,
+            "dataset": self.dataset.path,
+            "held_out": self.held_out,
+        }
+
+
+def append_eval_record(run: Location, record: dict[str, Any]) -> None:
+    """Add one record to the run's evaluation log (module docstring)."""
+    line = json.dumps(record) + "\n"
+    fs = run.fs
+    if run.is_local:
+        fs.makedirs(run.join("metrics"), exist_ok=True)
+        with fs.open(run.join(*EVAL_LOG), "a") as f:
+            f.write(line)
+    else:  # object stores cannot append: one object per record
+        name = f"eval-v{int(record['version']):08d}-{time.time_ns()}.json"
+        fs.pipe_file(run.join("metrics", name), line.encode())
+
+
+def read_eval_records(run: Location) -> list[dict[str, Any]]:
+    """Every record of the run's evaluation log, oldest first."""
+    fs = run.fs
+    if run.is_local:
+        path = run.join(*EVAL_LOG)
+        texts = [fs.cat_file(path).decode()] if fs.exists(path) else []
+    else:
+        paths = sorted(fs.glob(run.join("metrics", "eval-v*.json")))
+        texts = [blob.decode() for blob in fs.cat(paths).values()] if paths else []
+    records = [json.loads(line) for text in texts for line in text.splitlines() if line.strip()]
+    return sorted(records, key=lambda r: r.get("time", 0.0))
+
+
+def evaluate(
+    run: Location,
+    version: int | None = None,
+    *,
+    dataset: DataConfig | None = None,
+    k: int | None = None,
+    max_prompts: int | None = None,
+    temperature: float | None = None,
+    record: bool = True,
+) -> dict[str, Any]:
+    """Evaluate one published `version` of `run` (default: the latest) with a fresh engine.
+
+    `k`, `max_prompts`, `temperature` default to the run's `eval` section, `dataset` as in
+    `validation_dataset`. With `record`, the result is appended to the run's evaluation log.
+    Returns the metrics (module docstring) and `version`.
+    """
+    from streamrl.launch import load_run_config
+
+    config = load_run_config(run)
+    store = WeightStore(run)
+    if version is None and (version := store.latest_version()) is None:
+        raise WeightVersionNotFoundError(f"run {run.uri} has no published weights to evaluate")
+    store.read_manifest(version)  # an unknown version fails before vLLM starts
+    options = {"dataset": dataset, "k": k, "max_prompts": max_prompts, "temperature": temperature}
+    with Evaluator(run, config, **options) as evaluator:
+        metrics = evaluator.evaluate(version)
+        assert metrics is not None  # no stop event: it ran to the end
+        if record:
+            append_eval_record(run, evaluator.record(metrics))
+    return metrics
+
+
+class EvaluationLoop:
+    """The evaluator process: follows a run and evaluates every E-th published version.
+
+    Consumes: the run's published weight versions (listed every `poll_s` seconds).
+    Produces: one evaluation-log record per evaluated version: each multiple of
+    `every_versions`, and the last version once the run has stopped.
+    Waits for: the next such version; it never blocks the learner or the generators, which do
+    not know it exists.
+    Stops when: the run's stop marker is there and the last published version is evaluated,
+    or `stop` is set (SIGTERM), then at once: an evaluation in progress is dropped.
+    Resumes: versions already in the evaluation log are never evaluated again. A version that
+    retention deleted before its turn is skipped, logged and counted in `missed`.
+    """
+
+    def __init__(self, evaluator: Evaluator, *, every_versions: int, poll_s: float) -> None:
+        if every_versions < 1:
+            raise ValueError(f"every_versions must be ≥ 1, got {every_versions}")
+        self.evaluator = evaluator
+        self.run_location = evaluator.run
+        self.every, self.poll_s = every_versions, poll_s
+        self.done = {int(r["version"]) for r in read_eval_records(self.run_location)}
+        self.missed: list[int] = []
+
+    def run(self, stop: threading.Event | None = None) -> list[dict[str, Any]]:
+        """Evaluate until the run has stopped and its last version is evaluated; the records."""
+        stop = stop or threading.Event()
+        records: list[dict[str, Any]] = []
+        while not stop.is_set():
+            stopping, version = self.next_version()
+            if version is not None:
+                if (record := self.step(version, stop)) is not None:
+                    records.append(record)
+            elif stopping:
+                break
+            else:
+                stop.wait(self.poll_s)
+        log.info("evaluator: %d versions evaluated, %d missed", len(records), len(self.missed))
+        return records
+
+    def next_version(self) -> tuple[bool, int | None]:
+        """(whether the run has stopped, the oldest version due and not yet evaluated)."""
+        stopping = stop_requested(self.run_location)  # before listing: the last is then listed
+        versions = self.evaluator.weights.versions()
+        last = versions[-1] if versions else 0
+        for gone in range(self.every, last + 1, self.every):
+            if gone not in versions and gone not in self.done and gone not in self.missed:
+                self._miss(gone, "deleted by weight retention before its evaluation")
+        due = [
+            v
+            for v in versions
+            if v not in self.done
+            and v not in self.missed
+            and (v % self.every == 0 or (stopping and v == last))
+        ]
+        return stopping, (due[0] if due else None)
+
+    def step(self, version: int, stop: threading.Event) -> dict[str, Any] | None:
+        """Evaluate `version` and log it; None when stopped or the version vanished."""
+        started = time.perf_counter()
+        try:
+            metrics = self.evaluator.evaluate(version, stop)
+        except WeightVersionNotFoundError as exc:  # retention removed it while we read it
+            self._miss(version, str(exc))
+            return None
+        if metrics is None:
+            return None
+        record = {**self.evaluator.record(metrics), "eval_s": time.perf_counter() - started}
+        append_eval_record(self.run_location, record)
+        self.done.add(version)
+        k = self.evaluator.k
+        log.info(
+            "eval v%d: acc_greedy %.3f avg@%d %.3f over %d prompts (%.1fs)",
+            version, metrics["val/acc_greedy"], k, metrics[f"val/avg@{k}"],
+            metrics["val/num_prompts"], record["eval_s"],
+        )  # fmt: skip
+        return record
+
+    def _miss(self, version: int, why: str) -> None:
+        self.missed.append(version)
+        log.warning("evaluator: skipping weights v%d: %s", version, why)
+
+
+def run_evaluator(
+    run_uri: str,
+    *,
+    poll_s: float = 10.0,
+    every_versions: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    stop: threading.Event | None = None,
+) -> list[dict[str, Any]]:
+    """`streamrl eval --run RUN_URI --follow`: the evaluator of an existing run, in a process of
+    its own, until the run stops (see `EvaluationLoop`). SIGTERM (when called from the main
+    thread) sets the stop event, so the process exits 0."""
+    from streamrl.launch import load_run_config
+
+    run = open_location(run_uri, storage_options=storage_options, check=False)
+    config = load_run_config(run)
+    run = open_location(
+        run_uri,
+        endpoint_url=config.storage.endpoint_url,
+        storage_options={**config.storage.storage_options, **(storage_options or {})},
+    )
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    every = config.eval.every_versions if every_versions is None else every_versions
+    if every < 1:
+        raise ConfigError(
+            [f"eval.every_versions is {every}: the evaluator has nothing to follow; set "
+             "eval.every_versions ≥ 1 (or pass --every E)"]
+        )  # fmt: skip
+    with Evaluator(run, config) as evaluator:
+        return EvaluationLoop(evaluator, every_versions=every, poll_s=poll_s).run(stop)

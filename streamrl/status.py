@@ -1,0 +1,428 @@
+"""Where a run stands, read straight from its storage: `streamrl status RUN_URI`.
+
+Nothing here talks to Prefect or to a process: every figure comes from the run's objects, so
+the report is the same wherever it is read from, for a live run and for a finished one.
+
+    run.json (+ control/config.json)   algorithm, model, total_steps (the current config)
+    checkpoints/                       latest committed step, its policy version and cursor
+    weights/                           latest published version, the versions kept
+    stream/log/                        commits and groups written, per generator (commit
+                                       records carry group counts: no segment is read)
+    metrics/learner*.json[l]           the learner's last step: version, consumed groups,
+                                       staleness, rewards, throughput
+    metrics/eval*.json[l]              the latest evaluation (val/* keys)
+    control/STOP                       the stop marker and its reason
+
+State, decided in this order:
+    finished     the stop marker is set and the learner's step (its last metrics line, or its
+                 latest checkpoint when that is newer) has reached total_steps;
+    stopping     the stop marker is set before total_steps (a user or a flow stopped the run;
+                 its loops are stopping or have stopped);
+    running      no stop marker, and the learner or a generator has written something;
+    not started  nothing but the configuration.
+Storage cannot tell a live process from a dead one: "running" means "started, not stopped",
+and the ages of the newest commit and of the last learner step show whether it moves.
+
+Reads are ordered learner first (metrics, checkpoint), stream log last, so on a live run the
+groups written are never fewer than the groups the learner reports consumed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from storage.checkpoints import CheckpointStore, LearnerState
+from storage.control import stop_requested
+from storage.fs import Location, StorageError
+from storage.manifest import open_run
+from storage.records import CommitRecord, Cursor
+from storage.stream import quarantined, read_log
+from storage.weights import WeightStore
+from streamrl.evaluation import read_eval_records
+from streamrl.learner.reporting import read_metrics
+
+__all__ = [
+    "GeneratorStatus",
+    "RunStatus",
+    "StreamStatus",
+    "format_status",
+    "read_status",
+    "read_stream",
+    "to_json",
+]
+
+NOT_STARTED, RUNNING, STOPPING, FINISHED = "not started", "running", "stopping", "finished"
+CURRENT_CONFIG = ("control", "config.json")  # written by `streamrl.launch.prepare_run` on resume
+STOP_MARKER = ("control", "STOP")  # written by `storage.control.request_stop`
+
+
+@dataclass(frozen=True)
+class GeneratorStatus:
+    """One generator id's share of the commit log. `incarnations`: the process lives that
+    committed under this id, oldest first (more than one = restarts)."""
+
+    writer_id: str
+    commits: int
+    groups: int
+    incarnations: tuple[str, ...]
+    last_commit_at: float
+    policy_version: int  # newest version in its last commit
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    """The commit log up to its head when read. `groups_before[s]` = groups committed at log
+    numbers < s (length commits + 1): turns a cursor into a count of groups."""
+
+    commits: int = 0
+    groups: int = 0
+    responses: int = 0
+    tokens: int = 0
+    newest_commit_at: float | None = None
+    generators: tuple[GeneratorStatus, ...] = ()
+    quarantined: int = 0
+    groups_before: tuple[int, ...] = field(default=(0,), repr=False)
+
+    def groups_at(self, cursor: Cursor) -> int:
+        """Groups before `cursor` (consumed by a reader standing there)."""
+        return self.groups_before[min(cursor.seq, self.commits)] + cursor.offset
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Everything `streamrl status` reports; None (or empty) marks what does not exist yet.
+
+    `step` is the learner's progress: its last metrics line, or its latest checkpoint if that
+    is newer. `consumed_groups` comes from the last metrics line (`stream/consumed_total`) or
+    else the checkpoint's stream cursor; `consumed_source` says which. `lag_groups` = groups
+    written − consumed. `last_metrics` is the learner's last JSON line as logged."""
+
+    uri: str
+    read_at: float
+    state: str
+    state_reason: str
+    algorithm: str
+    model: str
+    total_steps: int
+    created_at: str
+    step: int
+    policy_version: int | None
+    checkpoint_step: int | None
+    checkpoint_version: int | None
+    weight_version: int | None
+    weight_versions: tuple[int, ...]
+    stream: StreamStatus
+    consumed_groups: int | None
+    consumed_source: str
+    lag_groups: int | None
+    stop_reason: str | None
+    last_metrics: dict[str, Any] | None
+    last_eval: dict[str, Any] | None
+    evaluations: int
+
+    @property
+    def newest_write_age_s(self) -> float | None:
+        """Seconds between the newest commit and the moment the status was read."""
+        newest = self.stream.newest_commit_at
+        return None if newest is None else max(0.0, self.read_at - newest)
+
+
+def read_status(run: Location, *, previous: RunStatus | None = None) -> RunStatus:
+    """The status of the run at `run`, from storage alone.
+
+    `previous`: an earlier status of the same run, whose commit-log tally is continued rather
+    than re-read (the log is append-only), as `--watch` does.
+    Raises `StorageError` naming the URI when no run is there.
+    """
+    manifest = open_run(run)
+    config = _current_config(run, manifest.config)
+    total_steps = int(config["learner"]["total_steps"])
+    stop_reason = _stop_reason(run)
+    logged = read_metrics(run)
+    metrics = [m for m in logged if "value_pretrain_step" not in m]
+    last_metrics = logged[-1] if logged else None
+    checkpoint_step, checkpoint = _latest_checkpoint(CheckpointStore(run))
+    weights = WeightStore(run)
+    weight_versions = tuple(weights.versions())
+    weight_version = weights.latest_version() if weight_versions else None
+    stream = read_stream(run, since=previous.stream if previous is not None else None)
+
+    step = max(int(metrics[-1]["step"]) if metrics else 0, checkpoint_step or 0)
+    policy_version, consumed, source = _learner_position(last_metrics, checkpoint, stream)
+    started = bool(stream.commits or last_metrics or checkpoint_step is not None)
+    state, reason = _decide_state(stop_reason, step, total_steps, started)
+    evaluations = read_eval_records(run)
+    return RunStatus(
+        uri=run.uri,
+        read_at=time.time(),
+        state=state,
+        state_reason=reason,
+        algorithm=str(config["algorithm"]["name"]),
+        model=str(config["model"]["path"]),
+        total_steps=total_steps,
+        created_at=manifest.created_at,
+        step=step,
+        policy_version=policy_version,
+        checkpoint_step=checkpoint_step,
+        checkpoint_version=None if checkpoint is None else checkpoint.policy_version,
+        weight_version=weight_version,
+        weight_versions=weight_versions,
+        stream=stream,
+        consumed_groups=consumed,
+        consumed_source=source,
+        lag_groups=None if consumed is None else stream.groups - consumed,
+        stop_reason=stop_reason,
+        last_metrics=last_metrics,
+        last_eval=evaluations[-1] if evaluations else None,
+        evaluations=len(evaluations),
+    )
+
+
+def _learner_position(
+    last_metrics: dict[str, Any] | None, checkpoint: LearnerState | None, stream: StreamStatus
+) -> tuple[int | None, int | None, str]:
+    """(policy version, groups consumed, where the count comes from): the last metrics line
+    unless the checkpoint is newer (metrics are written after the checkpoint of a step)."""
+    policy_version, consumed, source = None, None, "nothing consumed yet"
+    if checkpoint is not None:
+        policy_version = checkpoint.policy_version
+        consumed = stream.groups_at(Cursor.from_dict(checkpoint.stream_cursor))
+        source = f"checkpoint step {checkpoint.step} cursor"
+    checkpoint_step = -1 if checkpoint is None else checkpoint.step
+    if last_metrics is not None and last_metrics.get("step", 0) >= checkpoint_step:
+        policy_version = int(last_metrics.get("policy_version", policy_version or 0))
+        if "stream/consumed_total" in last_metrics:
+            consumed = int(last_metrics["stream/consumed_total"])
+            source = f"learner metrics, step {last_metrics.get('step', 0)}"
+    return policy_version, consumed, source
+
+
+def _current_config(run: Location, stored: dict[str, Any]) -> dict[str, Any]:
+    """The run's current configuration: a resume's record (it may extend total_steps), else
+    run.json's."""
+    try:
+        return json.loads(run.fs.cat_file(run.join(*CURRENT_CONFIG)))
+    except FileNotFoundError:
+        return stored
+
+
+def _stop_reason(run: Location) -> str | None:
+    """The stop marker's reason; None when no stop was requested."""
+    if not stop_requested(run):
+        return None
+    try:
+        body = json.loads(run.fs.cat_file(run.join(*STOP_MARKER)))
+    except FileNotFoundError:  # cleared between the two reads (a resume)
+        return None
+    return str(body.get("reason") or "no reason given")
+
+
+def _latest_checkpoint(store: CheckpointStore) -> tuple[int | None, LearnerState | None]:
+    """The newest committed step and its learner state (no tensors are read)."""
+    for _ in range(3):
+        step = store.latest_committed()
+        if step is None:
+            return None, None
+        try:
+            return step, store.read_state(step)
+        except StorageError:
+            # A live learner's `retain` deleted it after a newer one was committed: list again.
+            if step in store.committed_steps():
+                raise
+    raise StorageError(f"the checkpoints under {store.location.uri} kept vanishing while read")
+
+
+def _decide_state(
+    stop_reason: str | None, step: int, total_steps: int, started: bool
+) -> tuple[str, str]:
+    if stop_reason is not None and step >= total_steps:
+        return FINISHED, f"stop marker set ({stop_reason}); learner at step {step}/{total_steps}"
+    if stop_reason is not None:
+        return STOPPING, (
+            f"stop marker set ({stop_reason}) at step {step}/{total_steps}; the loops stop "
+            "(or have stopped)"
+        )
+    if started:
+        return RUNNING, "no stop marker; the learner or generators have written to the run"
+    return NOT_STARTED, "no stream commit, learner step or checkpoint yet"
+
+
+def read_stream(run: Location, *, since: StreamStatus | None = None) -> StreamStatus:
+    """Tally the commit log (records only, never segments), continuing `since` if given."""
+    tally = since or StreamStatus()
+    records = list(read_log(run, start=tally.commits))
+    generators = {g.writer_id: g for g in tally.generators}
+    groups_before = list(tally.groups_before)
+    for record in records:
+        generators[record.writer_id] = _count(generators.get(record.writer_id), record)
+        groups_before.append(groups_before[-1] + record.num_groups)
+    newest = max((r.committed_at for r in records), default=None)
+    if tally.newest_commit_at is not None:
+        newest = max(tally.newest_commit_at, newest or 0.0)
+    return StreamStatus(
+        commits=tally.commits + len(records),
+        groups=groups_before[-1],
+        responses=tally.responses + sum(r.num_responses for r in records),
+        tokens=tally.tokens + sum(r.num_tokens for r in records),
+        newest_commit_at=newest,
+        generators=tuple(sorted(generators.values(), key=lambda g: g.writer_id)),
+        quarantined=len(quarantined(run)),
+        groups_before=tuple(groups_before),
+    )
+
+
+def _count(seen: GeneratorStatus | None, record: CommitRecord) -> GeneratorStatus:
+    if seen is None:
+        seen = GeneratorStatus(record.writer_id, 0, 0, (), 0.0, 0)
+    incarnations = seen.incarnations
+    if record.incarnation not in incarnations:
+        incarnations = (*incarnations, record.incarnation)
+    return replace(
+        seen,
+        commits=seen.commits + 1,
+        groups=seen.groups + record.num_groups,
+        incarnations=incarnations,
+        last_commit_at=max(seen.last_commit_at, record.committed_at),
+        policy_version=record.max_policy_version,
+    )
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def to_json(status: RunStatus) -> str:
+    """The status as one line of strict JSON (non-finite numbers become null)."""
+    body = asdict(status)
+    del body["stream"]["groups_before"]
+    body["newest_write_age_s"] = status.newest_write_age_s
+    return json.dumps(_finite(body), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+_METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner row
+    (
+        ("rollout/reward_mean", "reward", "{:+.3f}"),
+        ("rollout/acc", "acc", "{:.3f}"),
+        ("rollout/response_len_mean", "length", "{:.1f}"),
+        ("rollout/truncated_frac", "truncated", "{:.2f}"),
+    ),
+    (
+        ("actor/pg_loss", "pg_loss", "{:.4f}"),
+        ("perf/learner_tokens_per_s", "tokens/s", "{:.0f}"),
+        ("perf/step_s", "step", "{:.2f}s"),
+    ),
+)
+
+
+def format_status(status: RunStatus) -> str:
+    """The status as a compact table for the console."""
+    return "\n".join(f"{label:<11}{text}".rstrip() for label, text in _rows(status))
+
+
+def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
+    now = s.read_at
+    yield "run", f"{s.uri}  ({s.algorithm}, model {s.model}, created {s.created_at})"
+    yield "state", f"{s.state} — {s.state_reason}"
+    version = "none" if s.policy_version is None else f"v{s.policy_version}"
+    yield "learner", f"step {s.step}/{s.total_steps}, policy version {version}"
+    checkpoint = "none yet"
+    if s.checkpoint_step is not None:
+        checkpoint = f"step {s.checkpoint_step} (policy v{s.checkpoint_version})"
+    yield "checkpoint", checkpoint
+    weights = "none published yet"
+    if s.weight_version is not None:
+        kept = " ".join(str(v) for v in s.weight_versions)
+        weights = f"v{s.weight_version} latest (kept: {kept})"
+    yield "weights", weights
+    st = s.stream
+    written = f"{st.groups} groups in {st.commits} commits"
+    if st.newest_commit_at is not None:
+        written += f", newest {_age(now - st.newest_commit_at)}"
+    if st.quarantined:
+        written += f", {st.quarantined} segments quarantined"
+    yield "stream", written
+    if s.consumed_groups is None:
+        yield "", "consumed: none yet (no checkpoint or learner step)"
+    else:
+        yield "", f"consumed: {s.consumed_groups} groups ({s.consumed_source})"
+        yield "", f"lag: {s.lag_groups} groups written, not yet consumed"
+    yield from _metrics_rows(s)
+    if not st.generators:
+        yield "generators", "none has committed yet"
+    for g in st.generators:
+        restarts = _restarts(len(g.incarnations) - 1)
+        yield (
+            "generators" if g is st.generators[0] else "",
+            f"{g.writer_id}: {g.groups} groups in {g.commits} commits, sampling v"
+            f"{g.policy_version}, last {_age(now - g.last_commit_at)}{restarts}",
+        )
+    if s.last_eval is not None:
+        values = "  ".join(
+            f"{k} {v:.3g}" for k, v in s.last_eval.items() if k.startswith("val/") and _num(v)
+        )
+        yield "eval", f"v{s.last_eval.get('version', '?')}: {values}  ({s.evaluations} in all)"
+
+
+def _metrics_rows(s: RunStatus) -> Iterator[tuple[str, str]]:
+    m = s.last_metrics
+    if m is None:
+        yield "metrics", "no learner step logged yet"
+        return
+    when = f", {_age(s.read_at - m['time'])}" if _num(m.get("time")) else ""
+    if "value_pretrain_step" in m:
+        yield "metrics", f"value pre-training step {m['value_pretrain_step']}{when}"
+    else:
+        rollout, perf = (
+            "  ".join(f"{name} {fmt.format(m[k])}" for k, name, fmt in shown if _num(m.get(k)))
+            for shown in _METRICS_SHOWN
+        )
+        yield "metrics", f"step {m.get('step')}{when}: {rollout}"
+        yield "", perf
+    if _num(m.get("stream/staleness_mean")):
+        mean, top = m["stream/staleness_mean"], m.get("stream/staleness_max", 0)
+        yield "staleness", f"mean {mean:.2f}, max {top:.0f} versions (last step)"
+    dropped = []
+    for scope, suffix in (("last step", ""), ("in all", "_total")):
+        counts = [f"{int(m[k])} {label}" for k, label in _dropped_keys(suffix) if _num(m.get(k))]
+        if counts:
+            dropped.append(f"{scope}: {', '.join(counts)}")
+    if dropped:
+        yield "dropped", "; ".join(dropped) + " groups"
+
+
+def _dropped_keys(suffix: str) -> list[tuple[str, str]]:
+    return [
+        (f"stream/dropped_stale{suffix}", "stale"),
+        (f"stream/dropped_zero_var{suffix}", "zero-variance"),
+    ]
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _restarts(count: int) -> str:
+    return "" if count == 0 else f", {count} restart{'s' if count > 1 else ''}"

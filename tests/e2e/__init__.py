@@ -1,0 +1,1 @@
+"""End-to-end tests: Prefect deployment runs, export and evaluation of published versions."""
