@@ -1,4 +1,5 @@
 # streamrl — one-command setup, tests and lint.
+#   make demo    set up if needed, then a DAPO run of SmolLM2-135M on bundled math (STEPS=16)
 #   make setup   create .venv and install streamrl[cpu,test,dev] (idempotent)
 #   make test    set up if needed, lint, then run the default test suite (THE test command)
 #   make lint    ruff check + format check
@@ -7,13 +8,17 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.setup-complete
 
-.PHONY: setup test test-all lint format clean up down
+.PHONY: setup demo test test-all lint format clean up down
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
 	touch $(STAMP)
+
+STEPS ?= 16
+demo: setup
+	$(VENV)/bin/python -m flows.demo --steps $(STEPS) $(DEMO_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

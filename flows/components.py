@@ -1,6 +1,7 @@
 """Prefect tasks that run one streamrl process each: the learner, a generator, the evaluator.
 
-A task run is one process lifetime: its output lines go to the task run's logger, a non-zero
+A task run is one process lifetime: its output lines go to the task run's logger (streamrl's
+own lines, warnings and errors at INFO; the engines' chatter at DEBUG), a non-zero
 exit fails the attempt, and Prefect's retries restart it (a generator resumes writing with a
 fresh incarnation; the learner resumes from its latest checkpoint). `stop_event(run_uri)` is
 the per-run switch the supervising flow sets to stop every process of a run (SIGTERM, then
@@ -9,6 +10,8 @@ SIGKILL after a grace period). Restarts are counted per run for the flow's artif
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 from collections import Counter
 
@@ -24,6 +27,10 @@ from streamrl.launch import (
 )
 
 __all__ = ["evaluator_task", "generator_task", "learner_task", "restarts", "stop_event"]
+
+# Lines a user follows at INFO: streamrl's own log lines, warnings, errors and what comes
+# with them; the engines' chatter (vLLM start-up, progress bars) goes to DEBUG.
+_NOTEWORTHY = re.compile(r" streamrl\.| (WARNING|ERROR|CRITICAL) |Traceback|Error|^\S+: ")
 
 _stops: dict[str, threading.Event] = {}
 _restarts: dict[str, Counter[str]] = {}
@@ -60,7 +67,8 @@ def _run(name: str, argv: list[str], run_uri: str) -> None:
 
     def on_line(line: str) -> None:
         tail[:] = [*tail[-19:], line]
-        logger.info("[%s] %s", name, line)
+        level = logging.INFO if _NOTEWORTHY.search(line) else logging.DEBUG
+        logger.log(level, "[%s] %s", name, line)
 
     code = run_process(argv, on_line, stop)
     if code != 0 and not stop.is_set():

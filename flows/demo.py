@@ -15,7 +15,7 @@ from flows.run import streamrl_run
 from storage.fs import open_location
 from streamrl.launch import format_summary, run_summary
 
-DEFAULT_STEPS = 20
+DEFAULT_STEPS = 16
 
 
 def main(argv: list[str] | None = None) -> int:

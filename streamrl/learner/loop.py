@@ -22,7 +22,6 @@ written, naming the differences.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict
@@ -46,6 +45,7 @@ from streamrl.learner.batching import (
 )
 from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
 from streamrl.learner.optim import build_optimizer, build_scheduler
+from streamrl.learner.reporting import MetricsReporter
 from streamrl.learner.step import (
     StepModels,
     StepSettings,
@@ -106,6 +106,14 @@ class Learner:
             totals = FilterCounts(**state.extra.get("filter_totals", {}))
             self.value_pretrained = state.extra.get("value_pretrained", True)
             log.info("resumed at step %d, version %d, stream %s", self.step, self.version, cursor)
+        self.reporter = MetricsReporter(
+            run,
+            config.logging,
+            config=config.model_dump(mode="json"),
+            total_steps=cfg.total_steps,
+            start_step=self.step,
+            enabled=topology.is_main,
+        )
         self.reader = StreamReader(run, cursor)
         self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
         self.collector = BatchCollector(
@@ -207,10 +215,11 @@ class Learner:
     def run(self) -> int:
         """Train until `total_steps`, then checkpoint, publish and stop the generators."""
         cfg = self.config.learner
-        if not self.value_pretrained:
-            self.pretrain_value()
-        while self.step < cfg.total_steps:
-            self.train_step()
+        with self.reporter:
+            if not self.value_pretrained:
+                self.pretrain_value()
+            while self.step < cfg.total_steps:
+                self.train_step()
         if self.topology.is_main:
             request_stop(self.run_location, f"learner reached {cfg.total_steps} steps")
         return self.step
@@ -224,7 +233,7 @@ class Learner:
             batch, metrics = self._train_batch(train_policy=False)
             metrics.update({"step": self.step, "value_pretrain_step": k + 1})
             history.append(metrics)
-            self.topology.main_only(lambda m=metrics: self._log(m))
+            self.reporter.log(metrics)
             if metrics["critic/explained_var"] >= algorithm.value_pretrain_target_ev:
                 break
         self.value_pretrained = True
@@ -277,7 +286,7 @@ class Learner:
         if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
             self._checkpoint(batch)
         metrics.update({"step": self.step, "policy_version": self.version})
-        self.topology.main_only(lambda: self._log(metrics))
+        self.reporter.log(metrics)
         return metrics
 
     def _publish(self) -> float:
@@ -310,23 +319,3 @@ class Learner:
         )
         self.checkpoints.save(self._app_state(), state)
         self.checkpoints.retain(self.config.learner.keep_checkpoints)
-
-    def _log(self, metrics: dict[str, float]) -> None:
-        path = self.run_location.join("metrics", "learner.jsonl")
-        line = json.dumps({"time": time.time(), **metrics}) + "\n"
-        fs = self.run_location.fs
-        if self.run_location.is_local:
-            fs.makedirs(self.run_location.join("metrics"), exist_ok=True)
-            with fs.open(path, "a") as f:
-                f.write(line)
-        else:  # object stores cannot append: one object per step
-            fs.pipe_file(self.run_location.join("metrics", f"learner-{self.step:08d}.json"), line)
-        log.info(
-            "step %d: reward %.3f acc %.3f loss %.4f staleness %.2f v%d",
-            self.step,
-            metrics["rollout/reward_mean"],
-            metrics["rollout/acc"],
-            metrics.get("actor/pg_loss", float("nan")),
-            metrics["stream/staleness_mean"],
-            self.version,
-        )
