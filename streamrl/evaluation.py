@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
 import time
 from types import TracebackType
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from storage.control import stop_requested
-from storage.fs import Location, open_location
+from storage.fs import Location
 from storage.weights import WeightStore, WeightVersionNotFoundError
 from streamrl.config import ConfigError, DataConfig, GeneratorConfig, RunConfig
 from streamrl.generator.engine import Engine, FinishedGroup
@@ -334,18 +333,10 @@ def run_evaluator(
     """`streamrl eval --run RUN_URI --follow`: the evaluator of an existing run, in a process of
     its own, until the run stops (see `EvaluationLoop`). SIGTERM (when called from the main
     thread) sets the stop event, so the process exits 0."""
-    from streamrl.launch import load_run_config
+    from streamrl.launch import open_existing_run, stop_on_sigterm
 
-    run = open_location(run_uri, storage_options=storage_options, check=False)
-    config = load_run_config(run)
-    run = open_location(
-        run_uri,
-        endpoint_url=config.storage.endpoint_url,
-        storage_options={**config.storage.storage_options, **(storage_options or {})},
-    )
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config, run = open_existing_run(run_uri, storage_options)
+    stop = stop_on_sigterm(stop)
     every = config.eval.every_versions if every_versions is None else every_versions
     if every < 1:
         raise ConfigError(

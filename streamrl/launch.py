@@ -46,11 +46,13 @@ __all__ = [
     "generator_command",
     "learner_command",
     "load_run_config",
+    "open_existing_run",
     "open_run_location",
     "prepare_run",
     "reserve_generator_indexes",
     "run_process",
     "run_summary",
+    "stop_on_sigterm",
 ]
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,31 @@ def prepare_run(config: RunConfig, *, resume: bool = False) -> tuple[RunConfig, 
     else:
         create_run(run, wanted)
     return config, run
+
+
+def open_existing_run(
+    run_uri: str, storage_options: dict[str, Any] | None = None, *, check: bool = True
+) -> tuple[RunConfig, Location]:
+    """An existing run's configuration and its root, reopened with the storage endpoint and
+    options of that configuration (`storage_options` win): what every run process starts
+    with."""
+    config = load_run_config(open_location(run_uri, storage_options=storage_options, check=check))
+    run = open_location(
+        run_uri,
+        endpoint_url=config.storage.endpoint_url,
+        storage_options={**config.storage.storage_options, **(storage_options or {})},
+        check=check,
+    )
+    return config, run
+
+
+def stop_on_sigterm(stop: threading.Event | None = None) -> threading.Event:
+    """`stop`, or a new event, set by SIGTERM when called from the main thread: a process
+    that watches it finishes its work in hand and exits 0."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
 
 
 def load_run_config(run: Location) -> RunConfig:
@@ -168,13 +195,15 @@ def run_process(
     for line in process.stdout:
         on_line(line.rstrip("\n"))
     code = process.wait()
-    stop.set()  # releases the watcher
     watcher.join()
     return code
 
 
 def _stop_when_set(process: subprocess.Popen[str], stop: threading.Event, grace_s: float) -> None:
-    stop.wait()
+    """Until the process exits: when `stop` is set, SIGTERM, then SIGKILL after `grace_s`."""
+    while not stop.wait(0.2):
+        if process.poll() is not None:
+            return
     if process.poll() is not None:
         return
     _signal_group(process, signal.SIGTERM)

@@ -19,7 +19,11 @@ from streamrl.algorithms.advantages import (
     vapo_advantages,
 )
 from streamrl.algorithms.kl import ema_update_, kl_estimate
-from streamrl.algorithms.logits import entropy_from_logits, token_logprobs
+from streamrl.algorithms.logits import (
+    entropy_from_logits,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from streamrl.algorithms.losses import (
     aggregate,
     explained_variance,
@@ -60,6 +64,7 @@ __all__ = [
     "rloo_advantages",
     "scale_rule_reward",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "value_loss",
     "vapo_advantages",
 ]

@@ -6,7 +6,11 @@ a 150k vocabulary) and autograd keeps it alive. Here rows are processed in chunk
 discarded. Under autograd every chunk is recomputed in the backward pass
 (`torch.utils.checkpoint`), so peak extra memory is one chunk, not the whole batch.
 
-Both functions divide the logits by `temperature` first: the generator samples from
+`token_logprobs_and_entropy` does both in one pass (one log-sum-exp per token, kept for the
+backward pass, which is one fused softmax pass per chunk): the learner's hot path when the
+entropy is a metric, not a loss term.
+
+All functions divide the logits by `temperature` first: the generator samples from
 softmax(z / τ) and stores that distribution's log-probs, so the learner must score the same one.
 """
 
@@ -18,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["entropy_from_logits", "token_logprobs"]
+__all__ = ["entropy_from_logits", "token_logprobs", "token_logprobs_and_entropy"]
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -86,3 +90,66 @@ def entropy_from_logits(
         return lse.squeeze(-1) - (probs * z).sum(-1)
 
     return _chunked(chunk_entropy, logits, chunk_tokens=chunk_tokens)
+
+
+class _LogprobsAndEntropy(torch.autograd.Function):
+    """log p(token) (differentiable) and H (a metric, no gradient) over `[M, V]` logit rows,
+    chunk by chunk; saves one log-sum-exp per row for the backward pass."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, chunk: int):
+        rows = logits.shape[0]
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            z = logits[part].float()
+            if temperature != 1.0:
+                z = z / temperature
+            lse[part] = torch.logsumexp(z, dim=-1)
+            logp[part] = z.gather(-1, ids[part, None]).squeeze(-1) - lse[part]
+            log_probs = z - lse[part, None]  # a new chunk: the logits stay untouched
+            entropy[part] = -(log_probs.exp() * log_probs).sum(-1)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
+        logits, ids, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk):
+            part = slice(start, start + chunk)
+            z = logits[part].float()
+            if temperature != 1.0:
+                z = z / temperature
+            g = grad_logp[part].float()
+            # d logp / dz = (onehot − softmax) / τ
+            piece = (z - lse[part, None]).exp_().mul_(-g[:, None])
+            piece.scatter_add_(-1, ids[part, None], g[:, None])
+            if temperature != 1.0:
+                piece.div_(temperature)
+            grad[part] = piece
+        return grad, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` (differentiable) and `entropy_from_logits` (detached) in one pass.
+
+    `logits: [N, T, V]`, `tokens: [N, T]` → two `[N, T]` float32 tensors. Same values as the
+    two functions; the gradient of the log-probs is computed in one fused pass per chunk."""
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    logp, entropy = _LogprobsAndEntropy.apply(
+        flat, tokens.reshape(-1).long(), float(temperature), chunk_tokens
+    )
+    return logp.reshape(lead), entropy.reshape(lead)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from storage.fs import Location, open_location
+from storage.fs import Location
 from storage.stream import StreamWriter
 from streamrl.config import RunConfig
 from streamrl.generator.loop import GeneratorLoop, GeneratorStats
@@ -84,17 +83,9 @@ def run_generator(
     SIGTERM (when called from the main thread) sets the stop event: the loop flushes its open
     segment and this returns normally, so the process exits 0.
     """
-    run = open_location(run_uri, storage_options=storage_options)
-    from streamrl.launch import load_run_config
+    from streamrl.launch import open_existing_run, stop_on_sigterm
 
-    config = load_run_config(run)
-    run = open_location(
-        run_uri,
-        endpoint_url=config.storage.endpoint_url,
-        storage_options={**config.storage.storage_options, **(storage_options or {})},
-    )
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config, run = open_existing_run(run_uri, storage_options)
+    stop = stop_on_sigterm(stop)
     with build_generator(config, run, index) as loop:
         return loop.run(stop)

@@ -19,17 +19,10 @@ __all__ = ["run_learner"]
 def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) -> int:
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
     number of steps done. Call it on every rank: torchrun's environment sets the topology."""
-    from storage.fs import open_location
-    from streamrl.launch import load_run_config
+    from streamrl.launch import open_existing_run
     from streamrl.learner.loop import Learner
     from streamrl.learner.topology import Topology
 
-    run = open_location(run_uri, storage_options=storage_options)
-    config = load_run_config(run)
-    run = open_location(
-        run_uri,
-        endpoint_url=config.storage.endpoint_url,
-        storage_options={**config.storage.storage_options, **(storage_options or {})},
-    )
+    config, run = open_existing_run(run_uri, storage_options)
     with Topology.from_env(config.learner.device) as topology:
         return Learner(config, run, topology).run()

@@ -50,6 +50,7 @@ from streamrl.algorithms import (
     reinforce_pp_returns,
     rloo_advantages,
     token_logprobs,
+    token_logprobs_and_entropy,
     value_loss,
     vapo_advantages,
 )
@@ -298,12 +299,14 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's exact share of the mini-batch's policy loss, and its metrics."""
     logits = _logits(model, micro)
-    logp = token_logprobs(
-        logits,
-        micro.targets,
-        temperature=settings.temperature,
-        chunk_tokens=settings.logprob_chunk_tokens,
-    )
+    chunk, temperature = settings.logprob_chunk_tokens, settings.temperature
+    if algorithm.entropy_coef > 0:  # the entropy is a loss term: it needs its own gradient
+        logp = token_logprobs(logits, micro.targets, temperature=temperature, chunk_tokens=chunk)
+        entropy = entropy_from_logits(logits, temperature=temperature, chunk_tokens=chunk)
+    else:  # one fused pass; the entropy is only a metric
+        logp, entropy = token_logprobs_and_entropy(
+            logits, micro.targets, temperature=temperature, chunk_tokens=chunk
+        )
     mask = micro.loss_mask
     prox = logp.detach() if targets.logp_prox is None else targets.logp_prox
     common = {
@@ -345,11 +348,6 @@ def policy_loss(
         )
         loss = loss + algorithm.nll_coef * nll
         metrics.update(nll_metrics)
-    entropy = entropy_from_logits(
-        logits if algorithm.entropy_coef > 0 else logits.detach(),
-        temperature=settings.temperature,
-        chunk_tokens=settings.logprob_chunk_tokens,
-    )
     if algorithm.entropy_coef > 0:
         bonus = aggregate(entropy, mask, "token-mean", num_tokens=mini.num_loss_tokens)
         loss = loss - algorithm.entropy_coef * bonus

@@ -14,7 +14,11 @@ import torch
 from torch import Tensor
 
 from streamrl.algorithms.kl import ema_update_, kl_estimate
-from streamrl.algorithms.logits import entropy_from_logits, token_logprobs
+from streamrl.algorithms.logits import (
+    entropy_from_logits,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N, T, V = 2, 5, 11  # N·T = 10: chunk sizes 1, 5, 10 divide it, 3, 4 and 1024 do not
@@ -125,6 +129,31 @@ def test_token_logprobs_gradient_matches_naive(seed, temperature, chunk_tokens):
     (_naive_logprobs(naive, tokens, temperature) * upstream).sum().backward()
     torch.testing.assert_close(out.detach(), _naive_logprobs(base, tokens, temperature), **TOL)
     torch.testing.assert_close(chunked.grad, naive.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_tokens", CHUNKS)
+def test_fused_logprobs_and_entropy_equal_the_separate_functions(dtype, temperature, chunk_tokens):
+    """One fused pass gives the same log-probs, gradient and entropy as the two functions; the
+    logits are left untouched and the entropy carries no gradient."""
+    base = _logits(3).to(dtype)
+    tokens = _tokens(3)
+    upstream = torch.randn(N, T, generator=torch.Generator().manual_seed(3))
+    fused_in = base.clone().requires_grad_(True)
+    logp, entropy = token_logprobs_and_entropy(
+        fused_in, tokens, temperature=temperature, chunk_tokens=chunk_tokens
+    )
+    assert not entropy.requires_grad
+    (logp * upstream).sum().backward()
+    ref_in = base.clone().requires_grad_(True)
+    ref = token_logprobs(ref_in, tokens, temperature=temperature, chunk_tokens=chunk_tokens)
+    (ref * upstream).sum().backward()
+    tol = TOL if dtype == torch.float32 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(logp.detach(), ref.detach(), **tol)
+    torch.testing.assert_close(fused_in.grad, ref_in.grad, **tol)
+    torch.testing.assert_close(entropy, _naive_entropy(base, temperature), **tol)
+    torch.testing.assert_close(fused_in.detach(), base)
 
 
 @pytest.mark.parametrize("chunk_tokens", [3, 1024])
