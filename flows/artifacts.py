@@ -22,7 +22,7 @@ from prefect.artifacts import (
 from storage.fs import Location
 from streamrl.config import RunConfig
 from streamrl.evaluation import read_eval_records
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.reporting import read_metrics, read_wandb_link
 
 __all__ = ["RunArtifacts", "metrics_table"]
 
@@ -91,6 +91,7 @@ class RunArtifacts:
         """Update progress and, if a new step was logged, the metrics table; the latest
         learner metrics (None before the first step)."""
         total = self.config.learner.total_steps
+        self.link_wandb(read_wandb_link(self.run))
         history = read_metrics(self.run)
         latest = history[-1] if history else None
         step = int(latest["step"]) if latest else 0

@@ -4,6 +4,7 @@ checkpoints through `storage/`.
 - `batching`: stream groups → filtered training batches → token-budget micro-batches.
 - `topology`, `model`, `optim`: the process group, FSDP2-sharded models, AdamW and schedules.
 - `step`: advantages and one optimiser update per mini-batch.
+- `reporting`: each step's metrics to the run's JSONL, wandb and a console progress bar.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
 
 `run_learner` is what `streamrl learner --run RUN_URI` runs on every rank of a torchrun job.

@@ -1,15 +1,18 @@
 """Where the learner's metrics go: a JSONL file in the run, wandb, and the console.
 
-- JSONL: every step, always. Local runs append to `<run>/metrics/learner.jsonl`; object stores
-  cannot append, so there each step is one object `<run>/metrics/learner-<step:08d>.json`.
-  `read_metrics(run)` reads either layout back.
-- wandb: online when `WANDB_API_KEY` is set, offline otherwise (`logging.wandb_mode`). The run
-  id is created once and kept in `<run>/metrics/wandb.json` (create-if-absent), so a resumed
-  learner continues the same wandb run. Files go to `$WANDB_DIR`, else `<run>/wandb` for a
-  local run, else `./wandb`. A wandb failure never stops training: it is logged once and the
-  JSONL goes on.
-- Console: a progress bar (steps / total) with reward, accuracy and weight version, and an
-  INFO line every `logging.log_every` steps.
+- JSONL: every record, always. Local runs append to `<run>/metrics/learner.jsonl`; object
+  stores cannot append, so there each record is one object `<run>/metrics/learner-<step:08d>.json`
+  (`-pretrain-<k:06d>` added for value pre-training). `read_metrics(run)` reads either layout.
+- wandb (`logging.wandb_mode`): `auto` is online when `WANDB_API_KEY` is set, else offline. The
+  run id is created once and kept in `<run>/metrics/wandb.json` (create-if-absent), so a
+  resumed learner continues the same wandb run; records go with `step=`, so steps a resumed
+  learner logs again are not duplicated. Files go to `$WANDB_DIR`, else `<run>/wandb` for a
+  local run, else `<cache>/wandb/<bucket_prefix_name>` (cache: $STREAMRL_CACHE, else
+  ~/.cache/streamrl). A wandb failure never stops training: it is logged once and the JSONL
+  goes on. Value pre-training records all carry step 0: wandb keeps the last, the JSONL all.
+- Console: a progress bar on stderr (steps / total) with reward, accuracy, weight version and
+  learner tokens/s, and an INFO line; wandb and the INFO line every `logging.log_every` steps
+  (and at the last step).
 
 Only the main rank reports (`enabled`); the others make no files and no wandb run.
 """
@@ -19,51 +22,82 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import sys
 import time
 import uuid
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
 from storage.fs import Location, put_if_absent
 from streamrl.config import LoggingConfig
+from streamrl.models import cache_root
 
-__all__ = ["MetricsReporter", "read_metrics", "wandb_mode"]
+__all__ = ["MetricsReporter", "read_metrics", "read_wandb_link", "wandb_dir", "wandb_mode"]
 
 log = logging.getLogger(__name__)
 
+JSONL = "learner.jsonl"
+WANDB_RECORD = "wandb.json"
+
 
 def read_metrics(run: Location) -> list[dict[str, Any]]:
-    """Every logged learner record in order (value pre-training first, then steps); a step
-    logged twice — by a learner killed after logging it — keeps its last record."""
+    """Every logged learner record in order (value pre-training first, then steps); a record
+    logged twice — by a learner killed after logging it — keeps its last version. A line cut
+    short by a killed learner is skipped with a warning."""
     fs = run.fs
     if not fs.exists(run.join("metrics")):
         return []
     lines: list[str] = []
-    jsonl = run.join("metrics", "learner.jsonl")
+    jsonl = run.join("metrics", JSONL)
     if fs.exists(jsonl):
         lines += fs.cat_file(jsonl).decode().splitlines()
     for path in sorted(fs.glob(run.join("metrics", "learner-*.json"))):
         lines.append(fs.cat_file(path).decode())
     records: dict[tuple[Any, Any], dict[str, Any]] = {}
     for line in lines:
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
-            records[(record.get("step"), record.get("value_pretrain_step"))] = record
+        except json.JSONDecodeError:
+            log.warning("skipping a partly written metrics line in %s: %.80s", run.uri, line)
+            continue
+        records[(record.get("step"), record.get("value_pretrain_step"))] = record
     return sorted(
         records.values(), key=lambda r: (r.get("step", 0), r.get("value_pretrain_step") or 0)
     )
 
 
+def read_wandb_link(run: Location) -> str | None:
+    """The run's wandb link (or, offline, the `wandb sync` command that uploads it), once a
+    learner has started wandb; None before that or with wandb disabled."""
+    path = run.join("metrics", WANDB_RECORD)
+    if not run.fs.exists(path):
+        return None
+    return json.loads(run.fs.cat_file(path)).get("url")
+
+
 def wandb_mode(cfg: LoggingConfig) -> str:
-    """`auto` → online with `WANDB_API_KEY`, else offline."""
+    """`auto` → online with `WANDB_API_KEY`, else offline; other modes as configured."""
     if cfg.wandb_mode != "auto":
         return cfg.wandb_mode
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def wandb_dir(run: Location) -> Path:
+    """The local folder for the run's wandb files (see the module docstring)."""
+    if os.environ.get("WANDB_DIR"):
+        return Path(os.environ["WANDB_DIR"])
+    if run.is_local:
+        return Path(run.join("wandb"))
+    return cache_root() / "wandb" / run.path.strip("/").replace("/", "_")
+
+
 class MetricsReporter:
-    """The learner's metrics sink for one run (see the module docstring)."""
+    """The learner's metrics sink for one run (see the module docstring). A context manager:
+    leaving it closes the bar and finishes the wandb run (as failed on an exception)."""
 
     def __init__(
         self,
@@ -75,13 +109,17 @@ class MetricsReporter:
         start_step: int = 0,
         enabled: bool = True,
     ) -> None:
+        """`config`: the run's configuration, shown in wandb. `start_step`: the step a resumed
+        learner starts from. `enabled`: False on every rank but the main one."""
         self.run, self.cfg, self.enabled = run, cfg, enabled
         self.total_steps = total_steps
         self._wandb: Any = None
+        self._wandb_url: str | None = None
         self._bar: Any = None
-        self.wandb_url: str | None = None
         if not enabled:
             return
+        if run.is_local:
+            _end_last_line(Path(run.join("metrics", JSONL)))
         if wandb_mode(cfg) != "disabled":
             self._start_wandb(config)
         from tqdm import tqdm
@@ -96,62 +134,73 @@ class MetricsReporter:
             mininterval=0,
         )
 
+    @property
+    def wandb_url(self) -> str | None:
+        """The wandb run's link; offline, `offline: wandb sync <its folders>`; None without
+        wandb (disabled, failed, or another rank)."""
+        return self._wandb_url
+
     # -- wandb ----------------------------------------------------------------------------
 
-    def _wandb_id(self) -> str:
-        """The wandb run id of this streamrl run, created once."""
-        path = self.run.join("metrics", "wandb.json")
+    def _wandb_record(self) -> dict[str, Any]:
+        """`<run>/metrics/wandb.json`: the wandb run id of this streamrl run, created once."""
+        path = self.run.join("metrics", WANDB_RECORD)
         record = {"id": uuid.uuid4().hex[:16], "project": self.cfg.wandb_project}
         put_if_absent(self.run.fs, path, json.dumps(record).encode())
-        return json.loads(self.run.fs.cat_file(path))["id"]
+        return json.loads(self.run.fs.cat_file(path))
 
     def _start_wandb(self, config: dict[str, Any]) -> None:
         try:
             import wandb
 
-            directory = os.environ.get("WANDB_DIR") or (
-                self.run.join("wandb") if self.run.is_local else "wandb"
-            )
-            Path(directory).mkdir(parents=True, exist_ok=True)
+            record, directory = self._wandb_record(), wandb_dir(self.run)
+            directory.mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(
-                project=self.cfg.wandb_project,
+                project=record.get("project", self.cfg.wandb_project),
                 entity=self.cfg.wandb_entity,
-                name=self.cfg.run_name or self.run.uri.rstrip("/").rsplit("/", 1)[-1],
-                id=self._wandb_id(),
+                name=self.cfg.run_name or posixpath.basename(self.run.uri.rstrip("/")),
+                id=record["id"],
                 resume="allow",
                 mode=wandb_mode(self.cfg),
-                dir=directory,
+                dir=str(directory),
                 config=config,
             )
-            self.wandb_url = self._wandb.url or f"offline: {self._wandb.dir} (wandb sync)"
-            self._write_link()
+            if self._wandb.url:
+                self._wandb_url = self._wandb.url
+            else:  # offline: every life of the run has a folder ending in the same id
+                folders = (
+                    Path(self._wandb.settings.sync_dir).parent / f"offline-run-*-{record['id']}"
+                )
+                self._wandb_url = f"offline: wandb sync {folders}"
+            if record.get("url") != self._wandb_url:  # changes only when the mode does
+                record["url"] = self._wandb_url
+                self.run.fs.pipe_file(
+                    self.run.join("metrics", WANDB_RECORD), json.dumps(record).encode()
+                )
         except Exception as exc:  # wandb is a convenience: training goes on without it
-            log.warning("wandb is off for this learner (%s: %s)", type(exc).__name__, exc)
-            self._wandb = None
-
-    def _write_link(self) -> None:
-        """Record where the wandb run is, for the flow's artifacts and `streamrl status`."""
-        path = self.run.join("metrics", "wandb.json")
-        record = json.loads(self.run.fs.cat_file(path))
-        record["url"] = self.wandb_url
-        self.run.fs.pipe_file(path, json.dumps(record).encode())
+            log.warning(
+                "wandb is off for this learner; metrics go to %s only (%s: %s)",
+                self.run.join("metrics"),
+                type(exc).__name__,
+                exc,
+            )
+            self._close_wandb(failed=True)
+            self._wandb_url = None
 
     # -- per step ---------------------------------------------------------------------------
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Report one record (a learner step, or a value pre-training step)."""
+        """Report one record: a learner step (`step`, `policy_version`, ALGORITHMS.md metrics)
+        or a value pre-training step (`value_pretrain_step` added, `step` 0)."""
         if not self.enabled:
             return
         self._append(metrics)
         step = int(metrics.get("step", 0))
-        if self._wandb is not None:
-            try:
-                numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
-                self._wandb.log(numbers, step=step)
-            except Exception as exc:
-                log.warning("wandb logging failed; continuing without it (%s)", exc)
-                self._wandb = None
-        if "value_pretrain_step" in metrics:
+        pretrain = "value_pretrain_step" in metrics
+        due = pretrain or step % self.cfg.log_every == 0 or step == self.total_steps
+        if due:
+            self._log_wandb(metrics, step)
+        if pretrain:
             log.info(
                 "value pre-training %d: vf_loss %.4f explained variance %.3f",
                 metrics["value_pretrain_step"],
@@ -159,31 +208,47 @@ class MetricsReporter:
                 metrics.get("critic/explained_var", float("nan")),
             )
             return
+        reward = metrics.get("rollout/reward_mean", float("nan"))
+        acc = metrics.get("rollout/acc", float("nan"))
+        version = metrics.get("policy_version", 0)
         if self._bar is not None:
             self._bar.set_postfix(
-                reward=f"{metrics['rollout/reward_mean']:+.3f}",
-                acc=f"{metrics['rollout/acc']:.3f}",
-                v=metrics.get("policy_version"),
+                reward=f"{reward:+.3f}",
+                acc=f"{acc:.3f}",
+                v=version,
+                tok_s=f"{metrics.get('perf/learner_tokens_per_s', float('nan')):.0f}",
                 refresh=False,
             )
             self._bar.update(step - self._bar.n)
-        if step % self.cfg.log_every == 0:
+        if due:
             log.info(
                 "step %d: reward %.3f acc %.3f loss %.4f staleness %.2f v%d",
                 step,
-                metrics["rollout/reward_mean"],
-                metrics["rollout/acc"],
+                reward,
+                acc,
                 metrics.get("actor/pg_loss", float("nan")),
-                metrics["stream/staleness_mean"],
-                metrics.get("policy_version", 0),
+                metrics.get("stream/staleness_mean", float("nan")),
+                version,
             )
 
+    def _log_wandb(self, metrics: dict[str, Any], step: int) -> None:
+        if self._wandb is None:
+            return
+        try:
+            numbers = {k: v for k, v in metrics.items() if isinstance(v, Real)}
+            self._wandb.log(numbers, step=step)
+        except Exception as exc:  # as in _start_wandb: training goes on without wandb
+            log.warning(
+                "wandb logging failed; continuing without it (%s: %s)", type(exc).__name__, exc
+            )
+            self._wandb = None
+
     def _append(self, metrics: dict[str, Any]) -> None:
-        line = json.dumps({"time": time.time(), **metrics}) + "\n"
+        line = json.dumps({"time": time.time(), **metrics}, default=_plain) + "\n"
         fs, run = self.run.fs, self.run
         if run.is_local:
             fs.makedirs(run.join("metrics"), exist_ok=True)
-            with fs.open(run.join("metrics", "learner.jsonl"), "a") as f:
+            with fs.open(run.join("metrics", JSONL), "a") as f:
                 f.write(line)
             return
         name = f"learner-{int(metrics.get('step', 0)):08d}"
@@ -191,19 +256,42 @@ class MetricsReporter:
             name += f"-pretrain-{int(metrics['value_pretrain_step']):06d}"
         fs.pipe_file(run.join("metrics", f"{name}.json"), line.encode())
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Close the bar and finish the wandb run (marked failed with `failed`)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._close_wandb(failed=failed)
+
+    def _close_wandb(self, *, failed: bool = False) -> None:
+        """Finish the wandb run, if one is open; the JSONL and the bar go on."""
         if self._wandb is not None:
             try:
-                self._wandb.finish()
-            except Exception as exc:
-                log.warning("wandb did not finish cleanly (%s)", exc)
+                self._wandb.finish(exit_code=1 if failed else 0)
+            except Exception as exc:  # the JSONL is complete; only wandb's copy may lag
+                log.warning("wandb did not finish cleanly (%s: %s)", type(exc).__name__, exc)
             self._wandb = None
 
     def __enter__(self) -> MetricsReporter:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self.close(failed=exc_type is not None)
+
+
+def _plain(value: Any) -> Any:
+    """numpy and torch scalars as Python numbers for JSON."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not a number")
+
+
+def _end_last_line(jsonl: Path) -> None:
+    """A learner killed mid-write left a line without its newline: end it, so the next record
+    starts on a line of its own (`read_metrics` skips the cut one)."""
+    if not jsonl.exists() or jsonl.stat().st_size == 0:
+        return
+    with jsonl.open("rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
