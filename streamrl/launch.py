@@ -190,13 +190,24 @@ def run_process(
     watcher = threading.Thread(
         target=_stop_when_set, args=(process, stop, grace_s), daemon=True, name="stop-watcher"
     )
+    reader = threading.Thread(
+        target=_forward_lines, args=(process, on_line), daemon=True, name="output-reader"
+    )
     watcher.start()
+    reader.start()
+    code = process.wait()
+    # Its helpers (a reward worker pool, torchrun's ranks) may outlive it and hold the output
+    # pipe open: a component's process group ends with it.
+    _signal_group(process, signal.SIGKILL)
+    reader.join(timeout=10)
+    watcher.join()
+    return code
+
+
+def _forward_lines(process: subprocess.Popen[str], on_line: Callable[[str], None]) -> None:
     assert process.stdout is not None
     for line in process.stdout:
         on_line(line.rstrip("\n"))
-    code = process.wait()
-    watcher.join()
-    return code
 
 
 def _stop_when_set(process: subprocess.Popen[str], stop: threading.Event, grace_s: float) -> None:

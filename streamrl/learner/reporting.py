@@ -132,6 +132,7 @@ class MetricsReporter:
             file=sys.stderr,
             dynamic_ncols=True,
             mininterval=0,
+            disable=None,  # a terminal only: under a supervisor the INFO lines say it
         )
 
     @property
