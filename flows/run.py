@@ -5,7 +5,8 @@
 
 Parameters: `preset` (an algorithm preset: dapo, vapo, grpo, ...), `size` (a size preset such
 as smollm2-cpu or qwen2.5-7b-dapo), `config_file`, `overrides` (dotted, `learner.lr=1e-6`),
-`run_uri` (default: the configuration's), `generators` (default: generator.count), `resume`.
+`run_uri` (default: the configuration's, else a fresh ./runs/<preset>-<time>), `generators`
+(default: generator.count), `resume`.
 
 Supervision: the learner and each generator are tasks (one process per attempt; retries
 restart them — the learner from its checkpoint). When the learner reaches its step budget it
@@ -32,7 +33,7 @@ from flows.components import (
     stop_event,
 )
 from storage.control import request_stop, stop_requested
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig, StorageConfig, load_config
 from streamrl.launch import open_run_location, prepare_run, reserve_generator_indexes
 
 __all__ = ["streamrl_run", "supervise"]
@@ -130,6 +131,8 @@ def streamrl_run(
         extra.append(f"storage.run_uri={run_uri}")
     presets = [preset, size] if size else [preset]
     config = load_config(presets, config_file, extra)
+    if config.storage.run_uri == StorageConfig().run_uri and not resume:  # a fresh run each time
+        config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     config, _ = prepare_run(config, resume=resume)
     count = generators if generators is not None else config.generator.count
     return supervise(config, generators=count, retries=generator_retries)
