@@ -203,7 +203,7 @@ class LearnerPhase:
         step_s, sync_s = metrics["perf/step_s"], metrics["perf/weight_sync_s"]
         self.train_windows.append((started, started + step_s))
         self.publish_windows.append((started + step_s, started + step_s + sync_s))
-        tokens = round(metrics["perf/learner_tokens_per_s"] * step_s)
+        tokens = round(metrics["perf/learner_tokens_per_s"] * (step_s - metrics["perf/wait_s"]))
         return {"tokens": tokens, "step_s": step_s, "sync_s": sync_s, "wall_s": wall_s}
 
     def finish(self, warmup: int) -> dict[str, Any]:

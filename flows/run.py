@@ -110,7 +110,9 @@ def supervise(
         "restarts": dict(restarts(run_uri)),
         "last_metrics": latest,
     }
-    logger.info("run complete: %s", summary)
+    logger.info(
+        "run complete: %s, %d steps, restarts %s", run_uri, summary["steps"], summary["restarts"]
+    )
     return summary
 
 

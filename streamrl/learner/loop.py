@@ -252,6 +252,7 @@ class Learner:
                 f"(streamrl generator --run {self.run_location.uri} --index 0) or raise "
                 "learner.stream_timeout_s"
             ) from exc
+        collected = time.perf_counter()
         train = TrainBatch.from_groups(batch.groups)
         mini_batches = make_mini_batches(
             train,
@@ -270,10 +271,16 @@ class Learner:
             train_policy=train_policy,
             value_clip=getattr(algorithm, "value_clip", 0.5),
         )
-        step_s = time.perf_counter() - started
+        done = time.perf_counter()
         tokens = sum(m.num_loss_tokens for m in mini_batches)
         metrics.update(batch.metrics() | rollout_metrics(batch))
-        metrics.update({"perf/step_s": step_s, "perf/learner_tokens_per_s": tokens / step_s})
+        metrics.update(
+            {
+                "perf/step_s": done - started,
+                "perf/wait_s": collected - started,  # waiting for B accepted groups
+                "perf/learner_tokens_per_s": tokens / max(done - collected, 1e-9),
+            }
+        )
         return batch, metrics
 
     def train_step(self) -> dict[str, float]:
