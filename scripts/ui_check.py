@@ -2,7 +2,7 @@
 
     python scripts/ui_check.py --flow-run FLOW_RUN_ID [--api http://127.0.0.1:4200/api] [--out DIR]
 
-Renders the flow run's page, its Artifacts tab and the metrics-table artifact's page in headless
+Renders the flow run's page and its metrics-table and progress artifacts' pages in headless
 Chromium (`chromium` on PATH, e.g. `apt-get install chromium`), saves a screenshot of each into
 `--out`, and fails unless the rendered pages show the flow run's name, its state and the
 artifacts' content (the metrics table's rows). The API URL defaults to PREFECT_API_URL.
@@ -72,10 +72,11 @@ def main() -> int:
 
     run, artifacts = asyncio.run(_flow_run(args.flow_run))
     table = max((a for a in artifacts if a.type == "markdown"), key=lambda a: a.created)
+    progress = next(a for a in artifacts if a.type == "progress")
     pages = {
-        "flow-run": (f"{ui}/runs/flow-run/{run.id}", [run.name, run.state.name]),
-        "artifacts": (f"{ui}/runs/flow-run/{run.id}?tab=Artifacts", [table.key]),
-        "metrics-table": (f"{ui}/artifacts/key/{table.key}", ["reward (mean)", "accuracy"]),
+        "flow-run": (f"{ui}/runs/flow-run/{run.id}", [run.name, run.state.name, "learner"]),
+        "metrics-table": (f"{ui}/artifacts/artifact/{table.id}", ["reward (mean)", "accuracy"]),
+        "progress": (f"{ui}/artifacts/artifact/{progress.id}", [progress.key, "100"]),
     }
     failures = []
     for name, (url, expected) in pages.items():
