@@ -45,6 +45,7 @@ __all__ = [
     "StreamTimeoutError",
     "StreamWriter",
     "UploadedSegment",
+    "orphan_segments",
     "quarantined",
     "read_log",
     "sweep_orphans",
@@ -467,19 +468,17 @@ def _modified(info: dict) -> float:
     return float(value or 0.0)
 
 
-def sweep_orphans(run: Location, grace_s: float, *, now: float | None = None) -> list[str]:
-    """Delete segment folders that no commit record names and that are older than `grace_s`.
-
-    A writer commits within moments of its upload, so an uncommitted segment older than the
-    grace period belongs to a writer that died. Returns the names removed.
-    """
+def orphan_segments(run: Location, grace_s: float, *, now: float | None = None) -> list[str]:
+    """Segment folders that no commit record names and whose newest object is older than
+    `grace_s`: a writer commits within moments of its upload, so these belong to writers that
+    died."""
     stream = run.child("stream")
     folder = stream.child("segments")
     if not folder.fs.exists(folder.path):
         return []
     committed = {r.segment for r in read_log(run)}
     now = time.time() if now is None else now
-    removed = []
+    orphans = []
     for path in folder.fs.ls(folder.path, detail=False):
         name = path.rstrip("/").rsplit("/", 1)[-1]
         if name in committed:
@@ -487,6 +486,14 @@ def sweep_orphans(run: Location, grace_s: float, *, now: float | None = None) ->
         # Only objects count: some S3 servers list an emptied folder for a while after.
         infos = [i for i in folder.fs.find(path, detail=True).values() if i["type"] == "file"]
         if infos and now - max(_modified(i) for i in infos) >= grace_s:
-            folder.fs.rm(path, recursive=True)
-            removed.append(name)
+            orphans.append(name)
+    return orphans
+
+
+def sweep_orphans(run: Location, grace_s: float, *, now: float | None = None) -> list[str]:
+    """Delete the `orphan_segments`; returns the names removed."""
+    folder = run.child("stream", "segments")
+    removed = orphan_segments(run, grace_s, now=now)
+    for name in removed:
+        folder.fs.rm(folder.join(name), recursive=True)
     return removed

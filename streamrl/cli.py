@@ -242,6 +242,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES_SWEEP = """\
+examples:
+  streamrl sweep ./runs/mine                    segments older than storage.sweep_grace_s
+  streamrl sweep s3://bucket/runs/big --grace-s 600 --dry-run
+Deletes replay-stream segments that no commit record names (their writer died before
+committing) once they are older than the grace period; committed data is never touched.
+"""
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from storage.stream import orphan_segments, sweep_orphans
+    from streamrl.launch import open_existing_run
+
+    config, run = open_existing_run(args.run)
+    grace = config.storage.sweep_grace_s if args.grace_s is None else args.grace_s
+    if args.dry_run:
+        names = orphan_segments(run, grace)
+        print(f"{len(names)} orphaned segment(s) older than {grace:.0f}s would be removed")
+    else:
+        names = sweep_orphans(run, grace)
+        print(f"removed {len(names)} orphaned segment(s) older than {grace:.0f}s")
+    for name in names:
+        print(f"  {name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -359,6 +385,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=3, metavar="N", help="restarts per generator"
     )
     run.set_defaults(func=_cmd_run)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="delete replay-stream segments of writers that died before committing",
+        description="Remove uncommitted (orphaned) stream segments older than a grace period.",
+        epilog=EXAMPLES_SWEEP,
+        formatter_class=raw,
+    )
+    sweep.add_argument("run", metavar="RUN_URI", help="the run's root URI")
+    sweep.add_argument(
+        "--grace-s", type=float, metavar="S", help="age threshold (default storage.sweep_grace_s)"
+    )
+    sweep.add_argument("--dry-run", action="store_true", help="list, do not delete")
+    sweep.set_defaults(func=_cmd_sweep)
 
     from streamrl import cli_eval, cli_status  # their own modules: eval, export, status
 
