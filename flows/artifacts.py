@@ -87,9 +87,10 @@ class RunArtifacts:
     _progress_id: UUID | None = field(default=None, init=False)
     _shown_step: int = field(default=-1, init=False)
 
-    def refresh(self) -> dict[str, Any] | None:
-        """Update progress and, if a new step was logged, the metrics table; the latest
-        learner metrics (None before the first step)."""
+    def refresh(self, *, final: bool = False) -> dict[str, Any] | None:
+        """Update progress and, if a new step was logged (or `final`: the run is over, and
+        evaluation may have finished since), the metrics table; the latest learner metrics
+        (None before the first step)."""
         total = self.config.learner.total_steps
         self.link_wandb(read_wandb_link(self.run))
         history = read_metrics(self.run)
@@ -104,7 +105,7 @@ class RunArtifacts:
             )
         else:
             update_progress_artifact(self._progress_id, progress)
-        if latest is not None and step != self._shown_step:
+        if latest is not None and (step != self._shown_step or final):
             self._shown_step = step
             create_markdown_artifact(
                 markdown=metrics_table(latest, total, _latest_eval(self.run)),

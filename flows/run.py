@@ -101,7 +101,7 @@ def supervise(
         stop_event(run_uri).set()
     for future in [learner, *workers.values()]:
         future.wait()
-    latest = artifacts.refresh()
+    latest = artifacts.refresh(final=True)
     if failure is not None:
         raise RunFailedError(failure)
     summary = {

@@ -77,7 +77,9 @@ def test_deployment_of_the_streamrl_flow_completes_with_artifacts(prefect_server
     run_dir = tmp_path / "run"
 
     runner = Runner(name="e2e", limit=1)
-    runner.add_flow(streamrl_run, name="dapo", parameters=_flow_kwargs(run_dir, steps=4))
+    evaluation = ["eval.every_versions=2", "eval.max_prompts=4", "eval.k=2"]
+    parameters = _flow_kwargs(run_dir, 4, *evaluation)
+    runner.add_flow(streamrl_run, name="dapo", parameters=parameters)
     created = run_deployment("streamrl/dapo", timeout=0)
     asyncio.run(runner.start(run_once=True))
 
@@ -97,11 +99,17 @@ def test_deployment_of_the_streamrl_flow_completes_with_artifacts(prefect_server
     progress = [a for a in artifacts if a.type == "progress"]
     assert progress[0].data == pytest.approx(100.0)  # updated in place
     tables = sorted((a for a in artifacts if a.type == "markdown"), key=lambda a: a.created)
-    assert len(tables) >= 2  # refreshed as steps arrived
+    assert tables  # re-published as steps arrive (how many depends on timing) and at the end
     table = tables[-1].data
     last = json.loads((run_dir / "metrics" / "learner.jsonl").read_text().splitlines()[-1])
     assert f"{last['rollout/reward_mean']:.3f}" in table
     assert "step 4 / 4" in table
+    # The evaluator task scored versions 2 and 4 (every 2nd, and the last) in its own process.
+    evaluated = [
+        json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()
+    ]
+    assert [r["version"] for r in evaluated] == [2, 4]
+    assert "val/acc_greedy (v4)" in table
 
 
 def _wait_for(predicate, timeout_s: float = 300.0) -> None:
