@@ -22,7 +22,7 @@ from prefect.artifacts import (
 from storage.fs import Location
 from streamrl.config import RunConfig
 from streamrl.evaluation import read_eval_records
-from streamrl.learner.reporting import read_metrics, read_wandb_link
+from streamrl.learner.reporting import latest_metrics, read_wandb_link
 
 __all__ = ["RunArtifacts", "metrics_table"]
 
@@ -93,8 +93,7 @@ class RunArtifacts:
         (None before the first step)."""
         total = self.config.learner.total_steps
         self.link_wandb(read_wandb_link(self.run))
-        history = read_metrics(self.run)
-        latest = history[-1] if history else None
+        latest = latest_metrics(self.run)
         step = int(latest["step"]) if latest else 0
         progress = 100.0 * min(step, total) / total
         if self._progress_id is None:

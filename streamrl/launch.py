@@ -315,7 +315,7 @@ class LocalRun:
                     thread.join(timeout=0.5)
         except KeyboardInterrupt:
             self.failures.append("interrupted (Ctrl-C)")
-            self._stop_all(run, "interrupted")
+            self._abort(run, "interrupted")
             for thread in threads:
                 thread.join()
         if self.failures:
@@ -331,7 +331,7 @@ class LocalRun:
             component.exit_code = run_process(component.argv, line, self.stop)
             if component.exit_code == 0 or self.stop.is_set():
                 if component.name == "learner" and component.exit_code == 0:
-                    self._stop_all(run, "the learner finished")
+                    self._finish()
                 return
             if component.restarts >= component.restarts_allowed:
                 tail = "\n    ".join(component.tail[-10:])
@@ -339,7 +339,7 @@ class LocalRun:
                     f"{component.name} failed for good (exit code {component.exit_code} after "
                     f"{component.restarts} restarts); its last lines:\n    {tail}"
                 )
-                self._stop_all(run, f"{component.name} failed")
+                self._abort(run, f"{component.name} failed")
                 return
             component.restarts += 1
             self.on_line(
@@ -348,19 +348,19 @@ class LocalRun:
                 f"{component.restarts_allowed}",
             )
 
-    def _stop_all(self, run: Location, reason: str) -> None:
-        """Stop marker for the generators (they flush and exit), then a deadline for all."""
+    def _finish(self) -> None:
+        """The learner is done and has set the stop marker: the generators flush and exit, the
+        evaluator scores the last version; whatever still runs after a grace period is stopped."""
+        deadline = threading.Timer(FINISH_GRACE_S, self.stop.set)
+        deadline.daemon = True  # never keeps `streamrl run` alive once everything exited
+        deadline.start()
+
+    def _abort(self, run: Location, reason: str) -> None:
+        """Stop everything now: the stop marker (so nothing restarts into the run), then
+        SIGTERM to every process."""
         if not stop_requested(run):
             request_stop(run, reason)
-
-        def deadline() -> None:
-            time.sleep(FINISH_GRACE_S)
-            self.stop.set()
-
-        if reason != "the learner finished":
-            self.stop.set()
-        else:
-            threading.Thread(target=deadline, daemon=True).start()
+        self.stop.set()
 
 
 # -- summaries -------------------------------------------------------------------------------

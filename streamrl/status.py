@@ -44,7 +44,7 @@ from storage.records import CommitRecord, Cursor
 from storage.stream import quarantined, read_log
 from storage.weights import WeightStore
 from streamrl.evaluation import read_eval_records
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.reporting import latest_metrics
 
 __all__ = [
     "GeneratorStatus",
@@ -143,16 +143,14 @@ def read_status(run: Location, *, previous: RunStatus | None = None) -> RunStatu
     config = _current_config(run, manifest.config)
     total_steps = int(config["learner"]["total_steps"])
     stop_reason = _stop_reason(run)
-    logged = read_metrics(run)
-    metrics = [m for m in logged if "value_pretrain_step" not in m]
-    last_metrics = logged[-1] if logged else None
+    last_metrics = latest_metrics(run)  # value pre-training records carry step 0
     checkpoint_step, checkpoint = _latest_checkpoint(CheckpointStore(run))
     weights = WeightStore(run)
     weight_versions = tuple(weights.versions())
     weight_version = weights.latest_version() if weight_versions else None
     stream = read_stream(run, since=previous.stream if previous is not None else None)
 
-    step = max(int(metrics[-1]["step"]) if metrics else 0, checkpoint_step or 0)
+    step = max(int(last_metrics["step"]) if last_metrics else 0, checkpoint_step or 0)
     policy_version, consumed, source = _learner_position(last_metrics, checkpoint, stream)
     started = bool(stream.commits or last_metrics or checkpoint_step is not None)
     state, reason = _decide_state(stop_reason, step, total_steps, started)

@@ -34,7 +34,14 @@ from storage.fs import Location, put_if_absent
 from streamrl.config import LoggingConfig
 from streamrl.models import cache_root
 
-__all__ = ["MetricsReporter", "read_metrics", "read_wandb_link", "wandb_dir", "wandb_mode"]
+__all__ = [
+    "MetricsReporter",
+    "latest_metrics",
+    "read_metrics",
+    "read_wandb_link",
+    "wandb_dir",
+    "wandb_mode",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +62,45 @@ def read_metrics(run: Location) -> list[dict[str, Any]]:
         lines += fs.cat_file(jsonl).decode().splitlines()
     for path in sorted(fs.glob(run.join("metrics", "learner-*.json"))):
         lines.append(fs.cat_file(path).decode())
-    records: dict[tuple[Any, Any], dict[str, Any]] = {}
+    return _in_order(_parse(lines, run))
+
+
+def latest_metrics(run: Location, tail_bytes: int = 256 * 1024) -> dict[str, Any] | None:
+    """The newest learner record, reading only the end of the JSONL (or the newest object on
+    an object store): cheap enough to poll every few seconds on a long run."""
+    fs = run.fs
+    if not fs.exists(run.join("metrics")):
+        return None
+    lines: list[str] = []
+    jsonl = run.join("metrics", JSONL)
+    if fs.exists(jsonl):
+        size = fs.size(jsonl)
+        tail = fs.cat_file(jsonl, start=max(0, size - tail_bytes)).decode(errors="replace")
+        lines = tail.splitlines()[1:] if size > tail_bytes else tail.splitlines()
+    else:  # object names sort by step, then value pre-training step
+        names = sorted(fs.glob(run.join("metrics", "learner-*.json")))
+        lines = [fs.cat_file(names[-1]).decode()] if names else []
+    records = _in_order(_parse(lines, run))
+    return records[-1] if records else None
+
+
+def _parse(lines: list[str], run: Location) -> list[dict[str, Any]]:
+    records = []
     for line in lines:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             log.warning("skipping a partly written metrics line in %s: %.80s", run.uri, line)
-            continue
-        records[(record.get("step"), record.get("value_pretrain_step"))] = record
+    return records
+
+
+def _in_order(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By (step, value pre-training step); of a record logged twice, the last."""
+    latest = {(r.get("step"), r.get("value_pretrain_step")): r for r in records}
     return sorted(
-        records.values(), key=lambda r: (r.get("step", 0), r.get("value_pretrain_step") or 0)
+        latest.values(), key=lambda r: (r.get("step", 0), r.get("value_pretrain_step") or 0)
     )
 
 

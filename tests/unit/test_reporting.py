@@ -11,7 +11,12 @@ import pytest
 
 from storage.fs import open_location
 from streamrl.config import LoggingConfig
-from streamrl.learner.reporting import MetricsReporter, read_metrics, read_wandb_link
+from streamrl.learner.reporting import (
+    MetricsReporter,
+    latest_metrics,
+    read_metrics,
+    read_wandb_link,
+)
 
 
 def _step(step: int, reward: float = 0.5) -> dict:
@@ -97,6 +102,7 @@ def test_object_store_layout_is_one_object_per_record(seaweedfs):
         "learner-00000001.json",
         "learner-00000002.json",
     ]
+    assert latest_metrics(run) == records[-1]  # the newest object alone
 
 
 def test_offline_wandb_keeps_one_run_id_across_resumes(tmp_path):
@@ -151,3 +157,16 @@ def test_other_ranks_report_nothing(tmp_path):
         assert reporter.wandb_url is None
     assert not (tmp_path / "run" / "metrics").exists()
     assert not (tmp_path / "run" / "wandb").exists()
+
+
+def test_latest_metrics_reads_only_the_tail_of_a_long_log(tmp_path):
+    run = open_location(str(tmp_path / "run"))
+    assert latest_metrics(run) is None
+    with MetricsReporter(
+        run, LoggingConfig(wandb_mode="disabled"), config={}, total_steps=400
+    ) as r:
+        for step in range(1, 401):
+            r.log(_step(step, reward=step / 1000))
+    latest = latest_metrics(run, tail_bytes=1000)  # far less than the file: a cut first line
+    assert latest == read_metrics(run)[-1]
+    assert latest["step"] == 400
