@@ -12,7 +12,8 @@ Publishing is two steps: `write_shards` uploads the shards (concurrently on S3),
 writes the manifest and then LATEST. A version exists exactly when its manifest does: a
 publisher killed before `commit` leaves a folder that no reader lists or opens, and that
 `retain` deletes once a newer version is committed. Versions are immutable; publishing one
-that has a manifest fails. Readers verify the size and sha256 of every shard before
+that has a manifest fails; a state dict holding NaN or inf is refused before anything is
+written. Readers verify the size and sha256 of every shard before
 deserialising it. One publisher per run (the learner's rank 0) is assumed: two publishers of
 the same version could overwrite each other's shards, which loading would then detect.
 """
@@ -43,6 +44,7 @@ __all__ = [
     "WeightStore",
     "WeightVersionExistsError",
     "WeightVersionNotFoundError",
+    "NonFiniteWeightsError",
 ]
 
 MANIFEST_FORMAT = "streamrl.weights.v1"
@@ -66,8 +68,29 @@ class WeightVersionNotFoundError(StorageError):
     """The version has no manifest (never committed, dead publish, or removed by `retain`)."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """A state dict to publish holds NaN or ±inf; nothing of that version was written."""
+
+
 def _shard_file(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def _check_finite(version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Refuse NaN/inf weights before anything is uploaded: generators would sample garbage."""
+    bad = [
+        name
+        for name, value in state_dict.items()
+        if value.is_floating_point() and not bool(torch.isfinite(value).all())
+    ]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteWeightsError(
+            f"refusing to publish weights v{version}: {len(bad)} tensor(s) hold NaN or inf "
+            f"({shown}). Nothing was written and LATEST is unchanged; the training that "
+            "produced them diverged (lower learner.lr, keep learner.grad_clip on) — resume "
+            "from the last committed checkpoint"
+        )
 
 
 def _check_int(value: object, minimum: int, what: str) -> None:
@@ -245,6 +268,7 @@ class WeightStore:
                 raise TypeError(f"state_dict keys must be non-empty strings, got {name!r}")
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a Tensor")
+        _check_finite(version, state_dict)
         if self.fs.exists(self._path(version, MANIFEST_NAME)):
             raise self._exists_error(version)
         groups = _plan_shards(state_dict, shard_bytes)

@@ -148,9 +148,15 @@ class RewardConfig(_Component):
         "path 'package.module:function'.",
     )
     timeout_s: float = Field(
-        10.0, gt=0.0, description="Per-call time limit; a response that exceeds it scores wrong."
+        10.0, gt=0.0, description="Per-call time limit; a call that exceeds it fails (on_error)."
     )
     workers: int = Field(2, ge=1, description="Processes scoring responses in parallel.")
+    on_error: Literal["drop_group", "score_zero"] = Field(
+        "drop_group",
+        description="A group with a reward call that raised or timed out: drop_group leaves it "
+        "out of the stream, score_zero trains on it with 0 for the failed responses (as wrong). "
+        "Both count the failures in the stream's commit records (shown by `streamrl status`).",
+    )
 
     @field_validator("fn")
     @classmethod
@@ -205,6 +211,20 @@ class GeneratorConfig(_Component):
         default_factory=RewardConfig, description="The reward function and its sandbox."
     )
 
+    @model_validator(mode="after")
+    def _sampling_the_learner_can_score(self) -> GeneratorConfig:
+        # vLLM's processed log-probs renormalise over the top-k / nucleus set; the learner
+        # scores the full softmax(z / T), so every importance ratio would be biased.
+        if self.top_p < 1.0 or self.top_k > 0:
+            raise ValueError(
+                f"generator.top_p={self.top_p} / generator.top_k={self.top_k} truncate the "
+                "sampling distribution, but the learner scores the full softmax(z / "
+                "temperature): every importance weight would be biased. Use generator.top_p=1.0 "
+                "and generator.top_k=0 (the DAPO recipe's setting) and steer exploration with "
+                "generator.temperature"
+            )
+        return self
+
 
 class LearnerConfig(_Component):
     """The FSDP2 learner: batching, optimiser, staleness, publishing and checkpoints."""
@@ -250,6 +270,12 @@ class LearnerConfig(_Component):
     keep_checkpoints: int = Field(2, ge=1, description="Committed checkpoints retained.")
     stream_timeout_s: float = Field(
         600.0, gt=0.0, description="Fail when the stream yields no data for this long."
+    )
+    max_skipped_updates: int = Field(
+        5,
+        ge=1,
+        description="Fail the learner after this many optimiser updates in a row were skipped "
+        "for a non-finite gradient norm (each skip is counted and logged).",
     )
     nproc_per_node: int = Field(1, ge=1, description="Learner processes (ranks) per node.")
     device: Literal["auto", "cpu", "cuda"] = Field(

@@ -21,9 +21,11 @@ def random_group(
     generator_id: str = "gen0",
     vocab: int = 50_000,
 ) -> ScoredGroup:
-    """One group with random tokens, log-probs ≤ 0, ±1 rewards and mixed finish reasons."""
+    """One group with random tokens, log-probs ≤ 0, mixed finish reasons and a random
+    correctness per response: raw score 1 or 0, rule reward +1 or −1."""
     lengths = rng.integers(min_len, max_len + 1, size=group_size)
     truncated = lengths == max_len
+    rewards = rng.choice([-1.0, 1.0], size=group_size).astype(np.float32)
     now = time.time()
     return ScoredGroup(
         prompt_id=prompt_id,
@@ -31,8 +33,8 @@ def random_group(
         ground_truth=str(int(rng.integers(0, 100))),
         response_tokens=[rng.integers(0, vocab, size=n, dtype=np.int32) for n in lengths],
         behaviour_logprobs=[-rng.exponential(1.0, size=n).astype(np.float32) for n in lengths],
-        rewards=rng.choice([-1.0, 1.0], size=group_size).astype(np.float32),
-        raw_scores=rng.random(group_size).astype(np.float32),
+        rewards=rewards,
+        raw_scores=(rewards > 0).astype(np.float32),
         truncated=truncated,
         finish_reasons=["length" if t else "stop" for t in truncated],
         policy_version=policy_version,

@@ -44,16 +44,18 @@ def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
     return advantages.float().unsqueeze(-1) * mask.float()
 
 
-def groups_with_signal(rewards: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
-    """Dynamic-sampling predicate (DAPO): a group carries signal iff its rewards are not all equal.
+def groups_with_signal(scores: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+    """Whether each group's `scores` are not all equal: `[N]` → `[num_groups]` bool.
 
-    With a binary verifier this is 0 < accuracy < 1. Returns `[num_groups]` bool.
+    Dynamic sampling (DAPO) and GPG's M ask this of the raw verifier scores (correctness):
+    with a binary verifier it is 0 < #correct < G. Asked of shaped rewards it would let an
+    all-wrong group through on its overlong penalties alone.
     """
-    rewards = rewards.float()
-    hi = torch.full((num_groups,), -torch.inf, device=rewards.device)
-    lo = torch.full((num_groups,), torch.inf, device=rewards.device)
-    hi = hi.scatter_reduce(0, group_index, rewards, reduce="amax")
-    lo = lo.scatter_reduce(0, group_index, rewards, reduce="amin")
+    scores = scores.float()
+    hi = torch.full((num_groups,), -torch.inf, device=scores.device)
+    lo = torch.full((num_groups,), torch.inf, device=scores.device)
+    hi = hi.scatter_reduce(0, group_index, scores, reduce="amax")
+    lo = lo.scatter_reduce(0, group_index, scores, reduce="amin")
     return hi > lo
 
 
@@ -95,16 +97,21 @@ def rloo_advantages(rewards: Tensor, group_index: Tensor, num_groups: int) -> Te
     return torch.where(sizes > 1, rewards - others, torch.zeros_like(rewards))
 
 
-def gpg_advantages(rewards: Tensor, group_index: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
+def gpg_advantages(
+    rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """GPG: A_i = α · (R_i − mean_g R), α = B / (B − M).
 
-    B is the number of groups in the batch and M the number of groups with zero reward
-    variance; α rescales the gradient so that groups without signal do not dilute it.
+    B is the number of groups in the batch and M the number of groups without signal — all
+    responses equally correct by their raw verifier `scores` (`[N]`; without shaping the
+    rewards themselves, the default); α rescales the gradient so that groups without signal
+    do not dilute it.
 
     Returns `(advantages [N], alpha scalar)`.
     """
     rewards = rewards.float()
-    informative = groups_with_signal(rewards, group_index, num_groups).sum().float()
+    scores = rewards if scores is None else scores
+    informative = groups_with_signal(scores, group_index, num_groups).sum().float()
     alpha = torch.where(
         informative > 0, num_groups / informative.clamp(min=1.0), torch.ones_like(informative)
     )

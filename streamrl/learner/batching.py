@@ -6,8 +6,11 @@ a `StreamBatch` of B accepted groups with the cursor after the last one consumed
 token-budget `MicroBatch`es with global loss denominators, and each rank's share of those.
 
 Filters, in order (a group dropped by the first is not counted by the second): staleness,
-`current_version − policy_version > max_staleness`; then, with dynamic sampling on, rewards all
-equal. Reading on until B groups pass *is* DAPO's dynamic sampling, done by streaming.
+`current_version − policy_version > max_staleness`; then, with dynamic sampling on, a group
+without signal: all responses equally correct (raw verifier scores all equal — for a binary
+verifier, not 0 < #correct < G). Correctness decides, never the shaped reward: an all-wrong
+group whose overlong penalties differ teaches nothing about correctness. Reading on until B
+groups pass *is* DAPO's dynamic sampling, done by streaming.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "IncompatibleGroupError",
     "MicroBatch",
     "MiniBatch",
+    "RolloutSums",
     "StreamBatch",
     "TrainBatch",
     "make_mini_batches",
@@ -53,26 +57,69 @@ class FilterCounts:
         return FilterCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
+@dataclass
+class RolloutSums:
+    """Sums over the responses of some groups, for the rollout metrics. A response is correct
+    when its raw verifier score is ≥ 1."""
+
+    responses: int = 0
+    reward: float = 0.0
+    correct: int = 0
+    length: int = 0
+    truncated: int = 0
+
+    def add(self, group: ScoredGroup) -> None:
+        self.responses += group.group_size
+        self.reward += float(np.sum(group.rewards, dtype=np.float64))
+        self.correct += int(np.count_nonzero(np.asarray(group.raw_scores) >= 1.0))
+        self.length += int(np.sum(group.response_lengths))
+        self.truncated += int(np.count_nonzero(group.truncated))
+
+    @classmethod
+    def of(cls, groups: Sequence[ScoredGroup]) -> RolloutSums:
+        sums = cls()
+        for group in groups:
+            sums.add(group)
+        return sums
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """`<prefix>/reward_mean`, `/acc`, `/response_len_mean`, `/truncated_frac`: means over
+        responses."""
+        n = max(self.responses, 1)
+        return {
+            f"{prefix}/reward_mean": self.reward / n,
+            f"{prefix}/acc": self.correct / n,
+            f"{prefix}/response_len_mean": self.length / n,
+            f"{prefix}/truncated_frac": self.truncated / n,
+        }
+
+
 @dataclass(frozen=True)
 class StreamBatch:
     """B accepted groups in stream order; `cursor_after` is the reader position just past the
     last group consumed (accepted or dropped): checkpoint it to resume at the next group.
     `staleness: [B] int64` = current_version − policy_version per group; `counts` covers this
-    batch, `totals` every batch of the collector so far."""
+    batch, `totals` every batch of the collector so far; `consumed` sums the responses of every
+    group this batch consumed, accepted or dropped (what the generators produced)."""
 
     groups: tuple[ScoredGroup, ...]
     cursor_after: Cursor
     counts: FilterCounts
     totals: FilterCounts
     staleness: np.ndarray
+    consumed: RolloutSums = field(default_factory=RolloutSums)
 
     def metrics(self) -> dict[str, float]:
         """`stream/staleness_mean`, `_max`, `stream/dropped_stale`, `stream/dropped_zero_var`
-        (ALGORITHMS.md), `stream/accepted`, `stream/consumed`; `stream/*_total` cumulative."""
+        (ALGORITHMS.md), `stream/accepted`, `stream/consumed`; `stream/*_total` cumulative;
+        `rollout/*` over every consumed group and `rollout_accepted/*` over the trained ones."""
         counts = {f"stream/{k}": float(v) for k, v in asdict(self.counts).items()}
         totals = {f"stream/{k}_total": float(v) for k, v in asdict(self.totals).items()}
         mean, top = float(self.staleness.mean()), float(self.staleness.max())
-        return {"stream/staleness_mean": mean, "stream/staleness_max": top} | counts | totals
+        rollout = self.consumed.metrics("rollout")
+        accepted = RolloutSums.of(self.groups).metrics("rollout_accepted")
+        staleness = {"stream/staleness_mean": mean, "stream/staleness_max": top}
+        return staleness | counts | totals | rollout | accepted
 
 
 @dataclass
@@ -97,14 +144,15 @@ class BatchCollector:
         """Consume `groups` until B are accepted, reading `cursor()` after each one. `EOFError`
         if the iterator ends first (a StreamReader raises `StreamTimeoutError` instead)."""
         accepted: list[ScoredGroup] = []
-        counts, after = FilterCounts(), cursor()
+        counts, after, consumed = FilterCounts(), cursor(), RolloutSums()
         for group in groups:  # a StreamReader's cursor is past `group` once it is yielded
             after = cursor()
             counts.consumed += 1
             self.check(group)
+            consumed.add(group)
             if current_version - group.policy_version > self.max_staleness:
                 counts.dropped_stale += 1
-            elif self.dynamic_sampling and np.ptp(group.rewards) == 0:  # all equal
+            elif self.dynamic_sampling and np.ptp(group.raw_scores) == 0:  # equally correct
                 counts.dropped_zero_var += 1
             else:
                 accepted.append(group)
@@ -115,7 +163,8 @@ class BatchCollector:
         counts.accepted = len(accepted)
         self.totals = self.totals + counts
         staleness = np.array([current_version - g.policy_version for g in accepted], np.int64)
-        return StreamBatch(tuple(accepted), after, counts, replace(self.totals), staleness)
+        totals = replace(self.totals)
+        return StreamBatch(tuple(accepted), after, counts, totals, staleness, consumed)
 
     def check(self, group: ScoredGroup) -> None:
         """Raise `IncompatibleGroupError` if the model cannot train on `group`."""

@@ -6,7 +6,13 @@ every `checkpoint_every` steps and at the end (model, optimiser, step, policy ve
 cursor, filter totals, RNG), one JSON line of metrics per step in `<run>/metrics/learner.jsonl`,
 and the run's stop marker when `total_steps` is reached.
 Waits for: B accepted groups; the stream reader blocks, and `stream_timeout_s` without a new
-group is an error naming the cursor.
+group is an error naming the cursor. Only rank 0 reads the stream: it decides which groups form
+the batch (and whether the stream timed out) and hands the batch to every rank, so ranks can
+never train on different data or disagree about an error.
+
+An optimiser update with a non-finite gradient norm is skipped and counted; after
+`max_skipped_updates` in a row the learner fails (nothing of the diverged state is published:
+the weight store also refuses NaN/inf tensors).
 
 Models: the policy; for a KL term a reference policy (frozen initial weights, or an EMA of the
 policy that is checkpointed); for VAPO a critic with its own optimiser, pre-trained on the
@@ -26,14 +32,13 @@ import logging
 import time
 from dataclasses import asdict
 
-import numpy as np
 import torch
 
 from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
 from storage.control import request_stop
 from storage.fs import Location
 from storage.records import Cursor
-from storage.stream import StreamReader, StreamTimeoutError
+from storage.stream import StreamReader, StreamTimeoutError, quarantined
 from storage.weights import WeightStore
 from streamrl.config import RunConfig
 from streamrl.learner.batching import (
@@ -55,28 +60,18 @@ from streamrl.learner.step import (
 )
 from streamrl.learner.topology import Topology
 
-__all__ = ["IncompatibleCheckpointError", "Learner", "rollout_metrics"]
+__all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
 
 
 class IncompatibleCheckpointError(ValueError):
     """A checkpoint whose models this learner cannot load; the message lists the differences."""
 
 
+class DivergedError(RuntimeError):
+    """Too many optimiser updates in a row had a non-finite gradient norm."""
+
+
 log = logging.getLogger(__name__)
-
-
-def rollout_metrics(batch: StreamBatch) -> dict[str, float]:
-    """rollout/* metrics of the accepted groups (ALGORITHMS.md names)."""
-    rewards = np.concatenate([g.rewards for g in batch.groups])
-    scores = np.concatenate([g.raw_scores for g in batch.groups])
-    lengths = np.concatenate([g.response_lengths for g in batch.groups])
-    truncated = np.concatenate([g.truncated for g in batch.groups])
-    return {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/acc": float((scores >= 1.0).mean()),
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/truncated_frac": float(truncated.mean()),
-    }
 
 
 class Learner:
@@ -105,6 +100,9 @@ class Learner:
             cursor = Cursor.from_dict(state.stream_cursor)
             totals = FilterCounts(**state.extra.get("filter_totals", {}))
             self.value_pretrained = state.extra.get("value_pretrained", True)
+            for name, (in_a_row, total) in state.extra.get("skipped_updates", {}).items():
+                part = self._trainables()[name]
+                part.skipped_in_a_row, part.skipped_total = in_a_row, total
             log.info("resumed at step %d, version %d, stream %s", self.step, self.version, cursor)
         self.reporter = MetricsReporter(
             run,
@@ -114,16 +112,21 @@ class Learner:
             start_step=self.step,
             enabled=topology.is_main,
         )
-        self.reader = StreamReader(run, cursor)
-        self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
-        self.collector = BatchCollector(
-            batch_groups=cfg.batch_groups,
-            max_staleness=cfg.max_staleness,
-            dynamic_sampling=algorithm.dynamic_sampling,
-            vocab_size=self.vocab_size,
-            max_seq_len=config.model.max_model_len,
-            totals=totals,
-        )
+        # The stream is read on rank 0 only (see `_collect`).
+        self.reader: StreamReader | None = None
+        self.collector: BatchCollector | None = None
+        if topology.is_main:
+            self.reader = StreamReader(run, cursor)
+            self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
+            self._quarantined_before = len(quarantined(run))
+            self.collector = BatchCollector(
+                batch_groups=cfg.batch_groups,
+                max_staleness=cfg.max_staleness,
+                dynamic_sampling=algorithm.dynamic_sampling,
+                vocab_size=self.vocab_size,
+                max_seq_len=config.model.max_model_len,
+                totals=totals,
+            )
 
     def _build_models(self) -> StepModels:
         """Policy, and the critic / reference the algorithm needs, sharded over the topology."""
@@ -169,6 +172,13 @@ class Learner:
                 ),
             )
         return models
+
+    def _trainables(self) -> dict[str, Trainable]:
+        """The models that learn, by metric prefix."""
+        parts = {"actor": self.models.policy}
+        if self.models.critic is not None:
+            parts["critic"] = self.models.critic
+        return parts
 
     def _app_state(self) -> dict[str, ModelState]:
         models = self.models
@@ -241,17 +251,33 @@ class Learner:
             self._checkpoint(batch)
         return history
 
+    def _collect(self) -> tuple[StreamBatch, dict[str, float]]:
+        """The next batch and the stream's health metrics, decided on rank 0 and handed to
+        every rank (an error there, e.g. a stream timeout, raises on every rank)."""
+
+        def on_main() -> tuple[StreamBatch, dict[str, float]]:
+            reader, seen_before = self.reader, len(self.reader.stats.quarantined)
+            try:
+                batch = self.collector.collect(self._groups, lambda: reader.cursor, self.version)
+            except StreamTimeoutError as exc:
+                raise StreamTimeoutError(
+                    f"{exc}; the learner is at step {self.step}. Start generators for this run "
+                    f"(streamrl generator --run {self.run_location.uri} --index 0) or raise "
+                    "learner.stream_timeout_s"
+                ) from exc
+            seen = len(reader.stats.quarantined)
+            return batch, {
+                "stream/quarantined": float(seen - seen_before),
+                "stream/quarantined_total": float(self._quarantined_before + seen),
+                "stream/read_retries_total": float(reader.stats.transient_errors),
+            }
+
+        return self.topology.decide_on_main(on_main)
+
     def _train_batch(self, *, train_policy: bool = True) -> tuple[StreamBatch, dict[str, float]]:
         """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
-        try:
-            batch = self.collector.collect(self._groups, lambda: self.reader.cursor, self.version)
-        except StreamTimeoutError as exc:
-            raise StreamTimeoutError(
-                f"{exc}; the learner is at step {self.step}. Start generators for this run "
-                f"(streamrl generator --run {self.run_location.uri} --index 0) or raise "
-                "learner.stream_timeout_s"
-            ) from exc
+        batch, stream_metrics = self._collect()
         collected = time.perf_counter()
         train = TrainBatch.from_groups(batch.groups)
         mini_batches = make_mini_batches(
@@ -273,7 +299,7 @@ class Learner:
         )
         done = time.perf_counter()
         tokens = sum(m.num_loss_tokens for m in mini_batches)
-        metrics.update(batch.metrics() | rollout_metrics(batch))
+        metrics.update(batch.metrics() | stream_metrics)
         metrics.update(
             {
                 "perf/step_s": done - started,
@@ -288,6 +314,7 @@ class Learner:
         cfg = self.config.learner
         batch, metrics = self._train_batch()
         self.step += 1
+        self._check_skipped_updates(metrics)
         if self.step % cfg.publish_every == 0:
             metrics["perf/weight_sync_s"] = self._publish()
         if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
@@ -295,6 +322,31 @@ class Learner:
         metrics.update({"step": self.step, "policy_version": self.version})
         self.reporter.log(metrics)
         return metrics
+
+    def _check_skipped_updates(self, metrics: dict[str, float]) -> None:
+        """Warn about skipped updates; fail once `max_skipped_updates` came in a row."""
+        limit = self.config.learner.max_skipped_updates
+        for name, part in self._trainables().items():
+            skipped = int(metrics.get(f"{name}/skipped_updates", 0))
+            if not skipped:
+                continue
+            log.warning(
+                "step %d: skipped %d %s update(s): the gradient norm is %s (%d in a row, %d in "
+                "all; the learner stops at %d in a row)",
+                self.step, skipped, name, metrics[f"{name}/grad_norm"], part.skipped_in_a_row,
+                part.skipped_total, limit,
+            )  # fmt: skip
+            if part.skipped_in_a_row >= limit:
+                metrics.update({"step": self.step, "policy_version": self.version})
+                self.reporter.log(metrics)
+                raise DivergedError(
+                    f"step {self.step}: the last {part.skipped_in_a_row} {name} optimiser "
+                    "updates all had a non-finite gradient norm (NaN/inf), so none was applied "
+                    f"(learner.max_skipped_updates={limit}). Training has diverged or the data "
+                    "holds extreme values: lower learner.lr (and keep learner.grad_clip set), "
+                    "check the rewards in the stream, then resume from the last checkpoint "
+                    "(nothing diverged was published or checkpointed)"
+                )
 
     def _publish(self) -> float:
         """Gather the full weights and publish the next version; seconds taken."""
@@ -319,8 +371,12 @@ class Learner:
             policy_version=self.version,
             stream_cursor=batch.cursor_after.to_dict(),
             extra={
-                "filter_totals": asdict(self.collector.totals),
+                "filter_totals": asdict(batch.totals),
                 "value_pretrained": self.value_pretrained,
+                "skipped_updates": {
+                    name: [part.skipped_in_a_row, part.skipped_total]
+                    for name, part in self._trainables().items()
+                },
                 "layout": self._layout(),
             },
         )

@@ -19,6 +19,9 @@ A step has two passes over this rank's micro-batches:
    ranks), so the gradients FSDP sums over ranks are exactly the full mini-batch's gradient,
    whatever the token budget or the world size. Policy loss (+ β·KL, + μ·NLL of correct
    responses, − c_H·entropy); for VAPO the critic's clipped value loss, its own optimiser.
+   An update whose gradient norm is not finite is skipped and counted
+   (`actor/skipped_updates`, `critic/skipped_updates`); the learner decides when too many in a
+   row end the run.
 
 `train_policy=False` is VAPO's value pre-training: only the critic learns, on the frozen policy's
 responses. An EMA reference moves toward the policy after each step that trained it.
@@ -26,6 +29,7 @@ responses. An EMA reference moves toward the policy after each step that trained
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -90,22 +94,37 @@ class StepSettings:
 
 @dataclass
 class Trainable:
-    """A model with its optimiser and (optional) learning-rate schedule."""
+    """A model with its optimiser and (optional) learning-rate schedule, and the count of
+    updates skipped for a non-finite gradient: in a row (reset by an applied update) and in
+    all (the learner checkpoints both)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    skipped_in_a_row: int = 0
+    skipped_total: int = 0
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def update(self, grad_clip: float | None) -> float:
-        """Clip, step, advance the schedule; the gradient norm before clipping."""
+    def update(self, grad_clip: float | None) -> tuple[float, bool]:
+        """Clip, step, advance the schedule: the gradient norm before clipping, and whether the
+        update was applied.
+
+        A non-finite norm (NaN/inf anywhere in the gradients, the same verdict on every rank:
+        the norm is global) skips the update: the gradients are zeroed and neither the
+        parameters, the optimiser moments nor the schedule move."""
         norm = clip_grad_norm(self.model, grad_clip)
+        if not math.isfinite(norm):
+            self.zero_grad()
+            self.skipped_in_a_row += 1
+            self.skipped_total += 1
+            return norm, False
+        self.skipped_in_a_row = 0
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return norm
+        return norm, True
 
 
 @dataclass
@@ -161,7 +180,7 @@ def outcome_advantages(algorithm: AlgorithmConfig, batch: TrainBatch) -> Tensor 
         case "rloo":
             return rloo_advantages(rewards, groups, num_groups)
         case "gpg":
-            return gpg_advantages(rewards, groups, num_groups)[0]
+            return gpg_advantages(rewards, groups, num_groups, batch.raw_scores)[0]
     return None
 
 
@@ -429,14 +448,14 @@ def train_on_batch(
     exact: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
     tokens = torch.zeros((), dtype=torch.float64)
     ev_stats = torch.zeros(5, dtype=torch.float64, device=device)
-    grad_norms: dict[str, list[float]] = defaultdict(list)
-    trained = [models.policy] if train_policy else []
+    updates: dict[str, list[tuple[float, bool]]] = defaultdict(list)  # (grad norm, applied)
+    trained = {"actor": models.policy} if train_policy else {}
     if models.critic is not None:
-        trained.append(models.critic)
-    for part in trained:
+        trained["critic"] = models.critic
+    for part in trained.values():
         part.model.train()
     for mini, mine, targets in zip(mini_batches, micros, scored, strict=True):
-        for part in trained:
+        for part in trained.values():
             part.zero_grad()
         for micro, target in zip(mine, targets, strict=True):
             metrics: dict[str, Tensor] = {}
@@ -459,10 +478,8 @@ def train_on_batch(
                 else:
                     weighted[name] += value * micro.num_tokens
             tokens += micro.num_tokens
-        if train_policy:
-            grad_norms["actor/grad_norm"].append(models.policy.update(settings.grad_clip))
-        if models.critic is not None:
-            grad_norms["critic/grad_norm"].append(models.critic.update(settings.grad_clip))
+        for prefix, part in trained.items():
+            updates[prefix].append(part.update(settings.grad_clip))
     if train_policy and models.reference is not None and _kl(algorithm).reference == "ema":
         _ema_update(models.reference, models.policy.model, _kl(algorithm).ema_tau)
 
@@ -477,8 +494,10 @@ def train_on_batch(
     if models.critic is not None:
         out["critic/explained_var"] = _explained_variance(topology.all_reduce_sum(ev_stats))
         out["critic/lr"] = models.critic.optimizer.param_groups[0]["lr"]
-    for name, norms in grad_norms.items():
-        out[name] = sum(norms) / len(norms)
+    for prefix, results in updates.items():
+        out[f"{prefix}/grad_norm"] = sum(norm for norm, _ in results) / len(results)
+        out[f"{prefix}/skipped_updates"] = float(sum(not applied for _, applied in results))
+        out[f"{prefix}/skipped_updates_total"] = float(trained[prefix].skipped_total)
     if train_policy:
         out["actor/lr"] = models.policy.optimizer.param_groups[0]["lr"]
     return out

@@ -20,10 +20,11 @@ from storage.checkpoints import CheckpointStore
 from storage.control import stop_requested
 from storage.fs import open_location
 from storage.manifest import create_run
+from storage.records import ScoredGroup
 from storage.stream import StreamTimeoutError, StreamWriter
 from storage.weights import WeightStore
 from streamrl.config import load_config
-from streamrl.learner.loop import IncompatibleCheckpointError, Learner
+from streamrl.learner.loop import DivergedError, IncompatibleCheckpointError, Learner
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
 
@@ -238,3 +239,69 @@ def test_an_empty_stream_times_out_naming_the_stream_and_writes_nothing(tmp_path
     assert WeightStore(run).versions() == []
     assert CheckpointStore(run).committed_steps() == []
     assert not (run_dir / "metrics").exists()
+
+
+# -- non-finite gradients -------------------------------------------------------------------
+
+
+def _write_poisoned_stream(run_dir, poisoned: int, clean: int = 20) -> None:
+    """`poisoned` groups whose rewards overflow float32 in the group mean (GRPO advantages and
+    the loss become NaN), then `clean` ordinary groups."""
+    rng = np.random.default_rng(1)
+    groups = []
+    for i in range(poisoned + clean):
+        group = random_group(rng, prompt_id=f"p{i}", vocab=600, max_len=24, prompt_len=10)
+        scores = np.array([1.0, 0.0, 1.0, 0.0], np.float32)  # mixed: dynamic sampling keeps it
+        rewards = np.array([3e38, 3e38, 3e38, 2e38] if i < poisoned else 2 * scores - 1)
+        groups.append(
+            ScoredGroup(
+                **{**group.__dict__, "rewards": rewards.astype(np.float32), "raw_scores": scores}
+            )  # fmt: skip
+        )
+    StreamWriter(open_location(str(run_dir)), "gen0").write(groups)
+
+
+def _assert_all_finite(state: dict[str, torch.Tensor]) -> None:
+    for name, tensor in state.items():
+        assert torch.isfinite(_full(tensor)).all(), name
+
+
+def test_a_batch_with_infinite_loss_is_skipped_and_nothing_published_is_broken(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    _write_poisoned_stream(run_dir, poisoned=4)  # the whole first batch (two updates)
+    run = open_location(str(run_dir))
+    learner = Learner(_config(run_dir, total_steps=2), run, topology)
+    initial = {k: _full(v).clone() for k, v in learner.models.policy.model.state_dict().items()}
+    learner.train_step()
+    for name, value in learner.models.policy.model.state_dict().items():  # nothing applied
+        assert torch.equal(_full(value), initial[name]), name
+    learner.train_step()  # clean data trains again
+    store = WeightStore(run)
+    assert store.versions() == [1, 2]
+    _assert_all_finite(store.load(1)[0])
+    _assert_all_finite(store.load(2)[0])
+    assert any(not torch.equal(store.load(2)[0][k], initial[k]) for k in initial)
+    metrics = [
+        json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    ]
+    assert [m["actor/skipped_updates"] for m in metrics] == [2, 0]
+    assert [m["actor/skipped_updates_total"] for m in metrics] == [2, 2]
+    assert not np.isfinite(metrics[0]["actor/grad_norm"])
+
+
+def test_too_many_skipped_updates_in_a_row_fail_the_learner_naming_step_and_fix(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    _write_poisoned_stream(run_dir, poisoned=12)
+    run = open_location(str(run_dir))
+    config = _config(run_dir, total_steps=5)
+    config.learner.max_skipped_updates = 3
+    learner = Learner(config, run, topology)
+    with pytest.raises(DivergedError, match=r"step 2: the last 4 actor optimiser updates") as e:
+        learner.run()
+    assert "lower learner.lr" in str(e.value)
+    store = WeightStore(run)
+    assert store.versions() == [1]  # step 1 published (unchanged weights); step 2 never
+    _assert_all_finite(store.load(1)[0])
+    assert CheckpointStore(run).committed_steps() == []
+    lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    assert [json.loads(x)["actor/skipped_updates_total"] for x in lines] == [2, 4]

@@ -520,6 +520,18 @@ def test_gpg_alpha_hand_example() -> None:
     _close(adv, [2.0, 0.0, -2.0, 0.0, 0.0, -1.0, 1.0], atol=1e-6, rtol=1e-6)
 
 
+def test_gpg_counts_groups_without_signal_on_correctness_not_shaped_rewards() -> None:
+    """Group 0 is all wrong, its rewards differ only by an overlong penalty: no signal, so
+    M = 1 and α = 2 (counting it on the rewards would give α = 1)."""
+    gi = torch.tensor([0, 0, 1, 1], dtype=torch.int64)
+    scores = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    rewards = torch.tensor([-1.0, -1.25, 1.0, -1.0])
+    adv, alpha = gpg_advantages(rewards, gi, 2, scores)
+    assert alpha.item() == pytest.approx(2.0)
+    _close(adv, [0.25, -0.25, 2.0, -2.0], atol=1e-6, rtol=1e-6)
+    assert gpg_advantages(rewards, gi, 2)[1].item() == pytest.approx(1.0)
+
+
 def test_gpg_alpha_is_one_when_every_group_has_zero_variance() -> None:
     """M = B → α = 1 (documented departure) and every advantage is 0, no NaN/inf."""
     gi = torch.tensor([0, 0, 1, 2, 2, 2], dtype=torch.int64)

@@ -12,7 +12,8 @@ import torch
 from storage.fs import open_location
 from storage.records import Cursor, ScoredGroup
 from storage.stream import StreamReader, StreamWriter
-from streamrl.algorithms import aggregate, groups_with_signal
+from streamrl.algorithms import aggregate, grpo_advantages, groups_with_signal
+from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.learner.batching import (
     BatchCollector,
     IncompatibleGroupError,
@@ -26,11 +27,17 @@ from tests.stream_data import random_group
 VOCAB = 1000
 
 
-def _group(rng, i: int, version: int = 0, rewards=None, **kwargs) -> ScoredGroup:
+def _group(rng, i: int, version: int = 0, rewards=None, scores=None, **kwargs) -> ScoredGroup:
+    """A random group; `rewards` (shaped) and `scores` (raw correctness, default: reward > 0)
+    replace the random ones when given."""
     kwargs = {"vocab": VOCAB, "prompt_len": int(rng.integers(1, 9)), **kwargs}
     group = random_group(rng, prompt_id=f"p{i}", policy_version=version, **kwargs)
     if rewards is not None:
-        group = ScoredGroup(**{**group.__dict__, "rewards": np.asarray(rewards, np.float32)})
+        rewards = np.asarray(rewards, np.float32)
+        scores = (rewards > 0).astype(np.float32) if scores is None else scores
+        group = ScoredGroup(
+            **{**group.__dict__, "rewards": rewards, "raw_scores": np.asarray(scores, np.float32)}
+        )
     return group
 
 
@@ -94,8 +101,8 @@ def test_dynamic_sampling_drops_exactly_the_all_equal_groups_when_enabled(enable
     patterns = [[1, 1, 1], [1, -1, 1], [-1, -1, -1], [0.5, 0.5, 0.5], [0, 0, 0.25], [1, 1, 1]]
     rng = np.random.default_rng(2)
     groups = [_group(rng, i, group_size=3, rewards=r) for i, r in enumerate(patterns)]
-    rewards = torch.tensor([r for p in patterns for r in p])
-    signal = groups_with_signal(rewards, torch.arange(len(patterns)).repeat_interleave(3), 6)
+    scores = torch.tensor(np.concatenate([g.raw_scores for g in groups]))
+    signal = groups_with_signal(scores, torch.arange(len(patterns)).repeat_interleave(3), 6)
     expected = [i for i in range(6) if signal[i] or not enabled]
     collector = _collector(len(expected), dynamic_sampling=enabled)
     batch = _collect(collector, groups + _groups(3, seed=9))  # spare groups left unread
@@ -103,6 +110,57 @@ def test_dynamic_sampling_drops_exactly_the_all_equal_groups_when_enabled(enable
     dropped = (expected[-1] + 1 - len(expected)) if enabled else 0
     assert (batch.counts.dropped_zero_var, batch.counts.dropped_stale) == (dropped, 0)
     assert batch.cursor_after == Cursor(0, expected[-1] + 1)
+
+
+def test_dynamic_sampling_decides_on_correctness_not_on_overlong_shaped_rewards():
+    """DAPO keeps a group iff 0 < #correct < G. With overlong shaping on, an all-wrong group
+    whose answers got different length penalties has unequal rewards but no signal: dropped.
+    A mixed group whose rewards are shaped is kept, with its shaped rewards."""
+    max_tokens, cache = 20, 4
+    lengths = np.array([20, 12, 18, 5])  # penalties 0, 0, −0.5 (18 > 16), 0 … −1 for > 20
+    penalty = overlong_penalty(torch.tensor(lengths), max_tokens, cache).numpy()
+    rng = np.random.default_rng(5)
+    all_wrong = scale_rule_reward(torch.zeros(4)).numpy() + penalty
+    mixed = scale_rule_reward(torch.tensor([1.0, 0, 0, 1])).numpy() + penalty
+    all_right = scale_rule_reward(torch.ones(4)).numpy() + penalty
+    groups = [
+        _group(rng, 0, rewards=all_wrong, scores=np.zeros(4)),
+        _group(rng, 1, rewards=all_right, scores=np.ones(4)),
+        _group(rng, 2, rewards=mixed, scores=np.array([1.0, 0, 0, 1])),
+    ]
+    assert np.ptp(all_wrong) > 0 and np.ptp(all_right) > 0  # the shaped rewards do differ
+    batch = _collect(_collector(1, dynamic_sampling=True), groups)
+    assert [g.prompt_id for g in batch.groups] == ["p2"]
+    assert batch.counts.dropped_zero_var == 2
+    np.testing.assert_array_equal(batch.groups[0].rewards, mixed)
+    # GRPO on the kept group uses the shaped rewards; on the all-wrong group it would have
+    # turned a −0.5 length penalty into advantages of order one.
+    train = TrainBatch.from_groups(batch.groups)
+    advantages = grpo_advantages(train.rewards, train.group_index, 1)
+    expected = (mixed - mixed.mean()) / (mixed.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-5)
+
+
+def test_rollout_metrics_cover_every_consumed_group_and_the_accepted_ones_apart():
+    """rollout/* over every group read (accepted or dropped: what the generators produce);
+    rollout_accepted/* over the groups trained on."""
+    rng = np.random.default_rng(6)
+    groups = [
+        _group(rng, 0, rewards=[1, 1, 1, 1]),  # all right: dropped
+        _group(rng, 1, rewards=[-1, -1, -1, -1]),  # all wrong: dropped
+        _group(rng, 2, rewards=[1, -1, -1, -1]),  # kept
+    ]
+    batch = _collect(_collector(1, dynamic_sampling=True), groups)
+    metrics = batch.metrics()
+    assert metrics["rollout/acc"] == pytest.approx(5 / 12)
+    assert metrics["rollout_accepted/acc"] == pytest.approx(1 / 4)
+    assert metrics["rollout/reward_mean"] == pytest.approx(-2 / 12)
+    assert metrics["rollout_accepted/reward_mean"] == pytest.approx(-0.5)
+    lengths = [len(t) for g in groups for t in g.response_tokens]
+    assert metrics["rollout/response_len_mean"] == pytest.approx(np.mean(lengths))
+    assert metrics["rollout_accepted/response_len_mean"] == pytest.approx(np.mean(lengths[8:]))
+    truncated = np.concatenate([g.truncated for g in groups])
+    assert metrics["rollout/truncated_frac"] == pytest.approx(truncated.mean())
 
 
 def test_a_stale_zero_variance_group_counts_as_stale_and_totals_accumulate():

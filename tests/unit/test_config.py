@@ -232,6 +232,17 @@ def test_wrong_type_and_out_of_range_are_all_reported() -> None:
     assert "algorithm.importance.cap" in text
 
 
+@pytest.mark.parametrize("override", ["generator.top_p=0.9", "generator.top_k=50"])
+def test_truncated_sampling_is_refused_because_the_learner_scores_the_full_softmax(override):
+    """vLLM renormalises its log-probs over the top-k / nucleus set; the learner scores
+    softmax(z / T) over the whole vocabulary, so every importance weight would be biased."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=[override])
+    text = problems(excinfo)
+    assert "importance weight would be biased" in text
+    assert "generator.top_p=1.0 and generator.top_k=0" in text
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

@@ -236,6 +236,16 @@ def test_entropy_peaked_and_two_point_hand_examples():
     _close(got, [[0.0]])
 
 
+@pytest.mark.parametrize("offset", [30.0, 300.0])
+def test_entropy_is_exact_at_large_logit_offsets(offset):
+    """Softmax is shift-invariant, so H(z + c) = H(z); at c = +30 the form lse − Σ p·z loses
+    ~1e-4 in float32, the log-softmax form stays within float32 rounding of the fp64 value."""
+    logits = _logits(11) * 2.0 + offset
+    reference = _naive_entropy(logits.double(), 1.0, torch.float64)  # the same float32 input
+    got = entropy_from_logits(logits, chunk_tokens=5)
+    torch.testing.assert_close(got.double(), reference, atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("seed", [7, 8])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_tokens", CHUNKS)

@@ -16,6 +16,7 @@ import torch
 
 from storage.fs import Location, open_location
 from storage.weights import (
+    NonFiniteWeightsError,
     WeightIntegrityError,
     WeightManifest,
     WeightStore,
@@ -281,3 +282,19 @@ def test_bad_state_dicts_and_configs_are_refused(tmp_path):
     with pytest.raises(TypeError, match="model_config must be JSON-serialisable"):
         store.publish(1, {"a": torch.ones(1)}, model_config={"dtype": torch.float32})
     assert store.versions() == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_before_anything_is_written(run_location, bad):
+    """A NaN/inf tensor (a diverged learner) is never published: clear error naming it,
+    no object of the version written, LATEST still on the previous version."""
+    store = WeightStore(run_location)
+    store.publish(1, _state_dict(0))
+    state = _state_dict(1)
+    state["layers.0.mlp.bias"][3] = bad
+    with pytest.raises(NonFiniteWeightsError, match=r"v2: 1 tensor\(s\) hold NaN or inf"):
+        store.publish(2, state)
+    assert store.versions() == [1]
+    assert store.latest_version() == 1
+    assert not run_location.fs.exists(run_location.join("weights", "v00000002"))
+    _assert_exact(store.load()[0], _state_dict(0))
