@@ -37,6 +37,7 @@ import torch
 from storage.fs import Location, StorageError, put_if_absent
 
 __all__ = [
+    "NonFiniteWeightsError",
     "ShardInfo",
     "TensorSpec",
     "WeightIntegrityError",
@@ -44,7 +45,6 @@ __all__ = [
     "WeightStore",
     "WeightVersionExistsError",
     "WeightVersionNotFoundError",
-    "NonFiniteWeightsError",
 ]
 
 MANIFEST_FORMAT = "streamrl.weights.v1"

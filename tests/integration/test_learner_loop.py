@@ -253,11 +253,8 @@ def _write_poisoned_stream(run_dir, poisoned: int, clean: int = 20) -> None:
         group = random_group(rng, prompt_id=f"p{i}", vocab=600, max_len=24, prompt_len=10)
         scores = np.array([1.0, 0.0, 1.0, 0.0], np.float32)  # mixed: dynamic sampling keeps it
         rewards = np.array([3e38, 3e38, 3e38, 2e38] if i < poisoned else 2 * scores - 1)
-        groups.append(
-            ScoredGroup(
-                **{**group.__dict__, "rewards": rewards.astype(np.float32), "raw_scores": scores}
-            )  # fmt: skip
-        )
+        fields = {**group.__dict__, "rewards": rewards.astype(np.float32), "raw_scores": scores}
+        groups.append(ScoredGroup(**fields))
     StreamWriter(open_location(str(run_dir)), "gen0").write(groups)
 
 

@@ -12,7 +12,7 @@ import torch
 from storage.fs import open_location
 from storage.records import Cursor, ScoredGroup
 from storage.stream import StreamReader, StreamWriter
-from streamrl.algorithms import aggregate, grpo_advantages, groups_with_signal
+from streamrl.algorithms import aggregate, groups_with_signal, grpo_advantages
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.learner.batching import (
     BatchCollector,
@@ -128,7 +128,8 @@ def test_dynamic_sampling_decides_on_correctness_not_on_overlong_shaped_rewards(
         _group(rng, 1, rewards=all_right, scores=np.ones(4)),
         _group(rng, 2, rewards=mixed, scores=np.array([1.0, 0, 0, 1])),
     ]
-    assert np.ptp(all_wrong) > 0 and np.ptp(all_right) > 0  # the shaped rewards do differ
+    assert np.ptp(all_wrong) > 0  # the shaped rewards do differ
+    assert np.ptp(all_right) > 0
     batch = _collect(_collector(1, dynamic_sampling=True), groups)
     assert [g.prompt_id for g in batch.groups] == ["p2"]
     assert batch.counts.dropped_zero_var == 2
