@@ -7,7 +7,8 @@ The local filesystem is also the test backend; S3 is exercised against a real S3
 Credentials and endpoints come from the standard places only — AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY / AWS_PROFILE / AWS_ENDPOINT_URL in the environment, or fsspec/s3fs
 options — and are never logged or written into a run. Transient S3 errors are retried by
-s3fs/botocore themselves.
+s3fs/botocore themselves for a few seconds; what still fails reaches the caller (the stream
+reader then retries for as long as it waits: `storage.stream_reader`).
 
 `put_if_absent` is the one coordination primitive the run layout needs: create an object
 only if no object of that name exists (S3 `If-None-Match: *`; locally a complete temporary

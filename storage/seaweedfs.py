@@ -6,7 +6,8 @@ and the local stack.
 
 One `weed server` process (master, volume, filer and S3 gateway) on free loopback ports with
 its own data folder and access keys. It ignores SIGTERM while it has clients, so `stop()`
-kills it.
+kills it. `kill()` then `start()` brings the same server back (same ports, keys and data), for
+tests of what clients do while the store is down.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class SeaweedFS:
         self.secret_key = secrets.token_hex(16)
         self.startup_timeout_s = startup_timeout_s
         self.endpoint_url = ""
+        self._ports: list[int] | None = None  # chosen on the first start, kept for restarts
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -95,6 +97,9 @@ class SeaweedFS:
         }
 
     def start(self) -> SeaweedFS:
+        """Start the server (again, after `kill()`: on the same ports with the same data)."""
+        if self._process is not None:
+            raise RuntimeError("SeaweedFS is already running; kill() it first")
         data = self.data_dir / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "s3.json"
@@ -104,7 +109,8 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
         config.write_text(json.dumps({"identities": [identity]}))
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+        self._ports = self._ports or _free_ports(8)
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self._ports
         self.endpoint_url = f"http://127.0.0.1:{s3}"
         command = [
             weed_binary(),
@@ -128,7 +134,7 @@ class SeaweedFS:
             "-s3.port.lance=0",
             f"-s3.config={config}",
         ]
-        log = open(self.data_dir / "weed.log", "wb")  # noqa: SIM115 - lives as long as the server
+        log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - lives as long as the server
         self._process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -170,13 +176,17 @@ class SeaweedFS:
             f"(last error: {last_error!r}); see {self.data_dir / 'weed.log'}"
         )
 
-    def stop(self) -> None:
-        """Kill the server (it ignores SIGTERM) and remove its data if we made the folder."""
+    def kill(self) -> None:
+        """Kill the server (it ignores SIGTERM), keeping its data, ports and keys."""
         if self._process is not None and self._process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait(timeout=30)
         self._process = None
+
+    def stop(self) -> None:
+        """Kill the server and remove its data if we made the folder."""
+        self.kill()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 

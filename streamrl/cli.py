@@ -248,20 +248,26 @@ examples:
   streamrl sweep s3://bucket/runs/big --grace-s 600 --dry-run
 Deletes replay-stream segments that no commit record names (their writer died before
 committing) once they are older than the grace period; committed data is never touched.
+A grace shorter than the writers' commit deadline plus a margin is refused (the error names
+the minimum): a segment that young may still be committed.
 """
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from storage.stream import orphan_segments, sweep_orphans
+    from storage.stream import SweepGraceError, orphan_segments, sweep_orphans
     from streamrl.launch import open_existing_run
 
     config, run = open_existing_run(args.run)
     grace = config.storage.sweep_grace_s if args.grace_s is None else args.grace_s
+    try:
+        names = (orphan_segments if args.dry_run else sweep_orphans)(run, grace)
+    except SweepGraceError as exc:
+        given = "--grace-s" if args.grace_s is not None else "storage.sweep_grace_s"
+        print(f"streamrl sweep: {exc} ({given})", file=sys.stderr)
+        return 2
     if args.dry_run:
-        names = orphan_segments(run, grace)
         print(f"{len(names)} orphaned segment(s) older than {grace:.0f}s would be removed")
     else:
-        names = sweep_orphans(run, grace)
         print(f"removed {len(names)} orphaned segment(s) older than {grace:.0f}s")
     for name in names:
         print(f"  {name}")
@@ -408,7 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if hasattr(signal, "SIGPIPE"):  # `streamrl config show | head` exits quietly
+    # `streamrl config show | head` exits quietly. Only as the program (argv from the command
+    # line): a process calling main() as a library keeps Python's SIGPIPE handling, or a write
+    # to any dead child's pipe would kill it.
+    if argv is None and hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     logging.basicConfig(

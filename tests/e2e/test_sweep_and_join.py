@@ -39,8 +39,11 @@ def test_sweep_removes_only_uncommitted_segments_past_the_grace_period(tmp_path)
     orphan = run_dir / "stream" / "segments" / "gen9-dead-000000"
     orphan.mkdir(parents=True)
     (orphan / "zarr.json").write_text("{}")
+    empty = run_dir / "stream" / "segments" / "gen8-dead-000000"  # killed before any object
+    (empty / "rewards" / "c").mkdir(parents=True)
     old = time.time() - 7200
-    os.utime(orphan / "zarr.json", (old, old))
+    for path in (orphan / "zarr.json", empty / "rewards" / "c", empty / "rewards", empty):
+        os.utime(path, (old, old))
 
     def sweep(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -51,11 +54,16 @@ def test_sweep_removes_only_uncommitted_segments_past_the_grace_period(tmp_path)
     dry = sweep("--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "gen9-dead-000000" in dry.stdout
+    assert "gen8-dead-000000" in dry.stdout
     assert orphan.exists()
     assert "0 orphaned" in sweep("--grace-s", "86400").stdout  # younger than the grace period
+    too_short = sweep("--grace-s", "60")  # a segment that young may still be committed
+    assert too_short.returncode == 2
+    assert "use a grace of at least 600s (--grace-s)" in too_short.stderr
     done = sweep()
-    assert "removed 1" in done.stdout
+    assert "removed 2" in done.stdout
     assert not orphan.exists()
+    assert not empty.exists()
     assert len(list(read_log(run))) == 1  # the committed segment is intact
     assert len(list((run_dir / "stream" / "segments").iterdir())) == 1
 

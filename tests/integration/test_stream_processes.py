@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,7 +20,13 @@ import pytest
 
 from storage.fs import Location
 from storage.seaweedfs import SeaweedFS
-from storage.stream import StreamReader, StreamTimeoutError, read_log, sweep_orphans
+from storage.stream import (
+    StreamReader,
+    StreamTimeoutError,
+    min_sweep_grace_s,
+    read_log,
+    sweep_orphans,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +125,7 @@ def test_sigkilled_writer_loses_no_committed_group_and_leaves_only_sweepable_orp
         uploads = 0
         assert proc.stdout is not None
         for line in proc.stdout:
-            kind, value = line.split()
+            kind, value, *_ = line.split()
             if kind == "committed":
                 committed_upto = int(value)
             elif kind == "uploaded":
@@ -163,7 +170,8 @@ def test_sigkilled_writer_loses_no_committed_group_and_leaves_only_sweepable_orp
     }
     orphans = stored - committed
     assert len(orphans) == 5
-    removed = sweep_orphans(run_location, grace_s=0.0)
+    grace = min_sweep_grace_s()  # the writers are dead: their orphans may as well be that old
+    removed = sweep_orphans(run_location, grace, now=time.time() + grace)
     assert set(removed) == orphans
     left = {
         p.split("/segments/")[1].split("/")[0]
