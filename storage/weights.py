@@ -26,7 +26,7 @@ import os
 import posixpath
 import re
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -37,6 +37,7 @@ import torch
 from storage.fs import Location, StorageError, put_if_absent
 
 __all__ = [
+    "IntactVersion",
     "NonFiniteWeightsError",
     "ShardInfo",
     "TensorSpec",
@@ -221,6 +222,17 @@ def _cpu_contiguous(names: list[str], state_dict: Mapping[str, torch.Tensor]) ->
     return out
 
 
+@dataclass(frozen=True)
+class IntactVersion:
+    """What `WeightStore.load_newest_intact` found: the version loaded (None: none intact) and
+    its tensors, the versions that failed verification (→ why) and those that vanished."""
+
+    version: int | None
+    tensors: dict[str, torch.Tensor]
+    corrupt: dict[int, str]
+    vanished: list[int]
+
+
 class WeightStore:
     """Versions of one run's policy weights under `<run>/weights/` (see module docstring)."""
 
@@ -379,6 +391,28 @@ class WeightStore:
         if manifest.version != version:
             raise WeightIntegrityError(f"manifest of v{version:08d} says {manifest.version}")
         return manifest
+
+    def load_newest_intact(self, newer_than: int = 0, skip: Collection[int] = ()) -> IntactVersion:
+        """The newest committed version above `newer_than` and not in `skip` whose manifest and
+        shards all verify, with its tensors (`version` None if there is none). Versions found
+        corrupt on the way, or removed by `retain` while being read, are reported, not raised:
+        one bad publication must not stop the readers of the ones around it."""
+        corrupt: dict[int, str] = {}
+        vanished: list[int] = []
+        for version in sorted(self.versions(), reverse=True):
+            if version <= newer_than:
+                break
+            if version in skip:
+                continue
+            try:
+                tensors, _ = self.load(version)
+            except WeightIntegrityError as exc:
+                corrupt[version] = str(exc)
+            except WeightVersionNotFoundError:
+                vanished.append(version)
+            else:
+                return IntactVersion(version, tensors, corrupt, vanished)
+        return IntactVersion(None, {}, corrupt, vanished)
 
     def load(self, version: int | None = None) -> tuple[dict[str, torch.Tensor], WeightManifest]:
         """All tensors of `version` (default: `latest_version()`) on CPU, every shard verified."""

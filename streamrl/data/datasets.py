@@ -16,8 +16,9 @@ Iteration order, for N generators that must never duplicate work:
 - iteration is endless: after its share of epoch e a shard goes on with epoch e + 1;
 - `PromptPosition(epoch, offset)` is the place of the next prompt: `offset` counts the prompts
   this shard has already taken in `epoch`. `PromptIterator.position` reports it, and
-  `iterate(..., start=position)` resumes exactly there. A position is meaningful only for the
-  same dataset, shuffle_seed, max_prompt_len, tokenizer and num_shards.
+  `iterate(..., start=position)` resumes exactly there; `skip=` names positions after `start`
+  to pass over (prompts already done: a generator's groups finish out of order). A position is
+  meaningful only for the same dataset, shuffle_seed, max_prompt_len, tokenizer and num_shards.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ class Prompt:
     ground_truth: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class PromptPosition:
     """Where a shard's iteration stands: the next prompt is number `offset` of `epoch`."""
 
@@ -197,9 +198,14 @@ class PromptSource:
         return order
 
     def iterate(
-        self, shard: int = 0, num_shards: int = 1, start: PromptPosition | None = None
+        self,
+        shard: int = 0,
+        num_shards: int = 1,
+        start: PromptPosition | None = None,
+        skip: Collection[PromptPosition] = (),
     ) -> PromptIterator:
-        """Endless iterator over this shard's prompts, from `start` (default: the beginning)."""
+        """Endless iterator over this shard's prompts, from `start` (default: the beginning),
+        passing over the positions in `skip`."""
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
         if num_shards > len(self.prompts):
@@ -207,14 +213,20 @@ class PromptSource:
                 f"{num_shards} generators share a dataset of {len(self.prompts)} prompts, so "
                 "some would get none; use fewer generators (generator.count) or more prompts"
             )
-        return PromptIterator(self, shard, num_shards, start or PromptPosition())
+        return PromptIterator(self, shard, num_shards, start or PromptPosition(), skip)
 
 
 class PromptIterator(Iterator[Prompt]):
-    """One shard's endless walk over a `PromptSource`; `position` is where the next prompt is."""
+    """One shard's endless walk over a `PromptSource`; `position` is where the next prompt is
+    (never one of the `skip` positions)."""
 
     def __init__(
-        self, source: PromptSource, shard: int, num_shards: int, start: PromptPosition
+        self,
+        source: PromptSource,
+        shard: int,
+        num_shards: int,
+        start: PromptPosition,
+        skip: Collection[PromptPosition] = (),
     ) -> None:
         if start.epoch < 0 or start.offset < 0:
             raise ValueError(f"a prompt position is never negative, got {start}")
@@ -226,6 +238,8 @@ class PromptIterator(Iterator[Prompt]):
                 f"offset {self._offset} is past the {len(self._order)} prompts of shard {shard} "
                 f"in epoch {self._epoch}"
             )
+        self._skip = set(skip)
+        self._pass_skipped()
 
     def _shard_order(self, epoch: int) -> list[int]:
         return self.source.epoch_order(epoch)[self.shard :: self.num_shards]
@@ -237,10 +251,19 @@ class PromptIterator(Iterator[Prompt]):
             return PromptPosition(self._epoch + 1, 0)
         return PromptPosition(self._epoch, self._offset)
 
+    def _pass_skipped(self) -> None:
+        """Move past the positions to skip (each is skipped once, then forgotten)."""
+        while self._skip and (position := self.position) in self._skip:
+            self._skip.remove(position)
+            if position.epoch != self._epoch:
+                self._order = self._shard_order(position.epoch)
+            self._epoch, self._offset = position.epoch, position.offset + 1
+
     def __next__(self) -> Prompt:
         if self._offset == len(self._order):
             self._epoch, self._offset = self._epoch + 1, 0
             self._order = self._shard_order(self._epoch)
         prompt = self.source.prompts[self._order[self._offset]]
         self._offset += 1
+        self._pass_skipped()
         return prompt

@@ -29,11 +29,16 @@ def build_generator(
 ) -> Iterator[GeneratorLoop]:
     """Everything one generator needs, built from the run's configuration and released on exit.
 
-    Fails fast — before vLLM starts — on a bad dataset field, reward name or model path.
+    Fails fast — before vLLM starts — on a bad dataset field, reward name or model path. Each
+    call is one more start of generator `index` in the run: it continues the data shard after
+    what earlier starts committed and draws a seed of its own (`streamrl.generator.progress`).
+    The weights are read and verified before vLLM starts: the newest intact version (corrupt
+    ones are skipped and counted), or exactly `policy_version` when given.
     """
-    from storage.weights import WeightStore
+    from storage.weights import IntactVersion, WeightStore
     from streamrl.data import PromptPosition, PromptSource
-    from streamrl.generator.engine import Engine
+    from streamrl.generator.engine import Engine, generator_seed
+    from streamrl.generator.progress import PromptLedger, resume_prompts
     from streamrl.models import resolve_model_path
     from streamrl.rewards import RewardScorer, resolve_reward
 
@@ -43,32 +48,55 @@ def build_generator(
     model_path = resolve_model_path(config.model.path)
     resolve_reward(cfg.reward.fn)
     source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
+    generator_id = f"gen{index}"
     # The run's `count` generators split the data; one added later (index ≥ count) walks shard
     # index mod count from another epoch, so its prompt order differs from the original's.
-    shard, epoch = index % cfg.count, index // cfg.count
-    prompts = source.iterate(shard=shard, num_shards=cfg.count, start=PromptPosition(epoch=epoch))
-    version = WeightStore(run).latest_version() if policy_version is None else policy_version
-    engine = Engine(model_path, config.model, cfg, seed=cfg.seed + index)
-    if version:
-        engine.load_weights(WeightStore(run).iter_tensors(version), version)
+    prompts, progress = resume_prompts(
+        run,
+        generator_id,
+        source,
+        shard=index % cfg.count,
+        num_shards=cfg.count,
+        first_start=PromptPosition(epoch=index // cfg.count),
+    )
+    store = WeightStore(run)
+    if policy_version is None:
+        weights = store.load_newest_intact()
+    elif policy_version == 0:  # the model's own weights
+        weights = IntactVersion(None, {}, {}, [])
+    else:
+        weights = IntactVersion(policy_version, store.load(policy_version)[0], {}, [])
+    seed = generator_seed(cfg.seed, index, progress.starts)
+    engine = Engine(model_path, config.model, cfg, seed=seed)
+    if weights.version is not None:
+        engine.load_weights(weights.tensors.items(), weights.version)
+    weights.tensors.clear()  # loaded: not to be held for the generator's whole life
+    log.info(
+        "generator %s: start %d, seed %d, prompts from %s (%d committed after it), weights v%d",
+        generator_id, progress.starts, seed, prompts.position, len(progress.committed_after),
+        engine.policy_version,
+    )  # fmt: skip
     writer = StreamWriter(
         run,
-        f"gen{index}",
+        generator_id,
         compression=config.storage.compression,
         level=config.storage.compression_level,
     )
     with RewardScorer(
         cfg.reward.fn, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
     ) as scorer:
-        yield GeneratorLoop(
+        loop = GeneratorLoop(
             config=config,
             run=run,
             engine=engine,
             prompts=prompts,
             scorer=scorer,
             writer=writer,
-            generator_id=f"gen{index}",
+            generator_id=generator_id,
+            ledger=PromptLedger(prompts, run=run, progress=progress),
         )
+        loop.skip_unusable_weights(weights)
+        yield loop
 
 
 def run_generator(

@@ -5,21 +5,31 @@ The engine is vLLM's own `LLMEngine` (built through `vllm.LLM`), driven request 
 scheduler step and returns the groups that finished. Nothing waits for a whole batch.
 
 Behaviour log-probs are vLLM's *processed* log-probs of each sampled token — log-softmax of
-the logits after temperature (and top-k / top-p, when set) — i.e. exactly the distribution the
-token was drawn from, returned in fp32.
+the logits after temperature — i.e. exactly the distribution the token was drawn from, returned
+in fp32. (Top-k / top-p would renormalise them over a truncated set the learner does not score;
+the configuration refuses them.)
 
-Live weight update (`load_weights`): new tensors are loaded in place into the running model
-(`model_runner.reload_weights`); a tied lm_head is re-packed (vLLM's CPU backend keeps a packed
-copy of it for its GEMM); then the prefix cache is reset *including running requests*, so
-requests in flight are recomputed with the new weights rather than continuing on KV entries of
-the old ones. A request records the oldest version that produced any of its tokens.
+Live weight update (`load_weights`) is one sequence whether vLLM's engine core runs in this
+process (the CPU default) or in a process of its own (the CUDA default, where it steps on its
+own between our calls): pause scheduling with the requests kept (`sleep(level=0,
+mode="keep")`: no step runs until resumed), load the new tensors in place in every worker
+(`model_runner.reload_weights`; a tied lm_head is re-packed, vLLM's CPU backend keeps a packed
+copy of it for its GEMM), reset the prefix cache *including running requests*, resume. No step
+ever runs new weights over KV entries of the old ones: requests in flight are recomputed with
+the new weights. A request records the oldest version that produced any of its tokens. The
+tensors reach the workers as safetensors bytes through a named worker method
+(`WeightReloadExtension`): vLLM's RPC to another process carries neither callables nor tensors.
 
-Per-request sampling seeds are not supported by vLLM's CPU backend; the engine itself is
-seeded (`seed`), and per-request seeds are used on CUDA only.
+Seeds: generator `index` of a run, on its `start`-th start, is seeded `generator_seed(...)`, a
+63-bit hash, so restarts never replay a random stream. The engine (`LLM(seed=...)`, all that
+vLLM's CPU backend supports: per-request seeds fail there) gets it modulo 2^32; on CUDA request
+k also gets `request_seed(seed, k, G)`, spaced G apart because vLLM seeds sample i with
+seed + i — so no two samples share a seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -27,11 +37,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 
 from streamrl.config import GeneratorConfig, ModelConfig
 
-__all__ = ["Completion", "Engine", "FinishedGroup", "configure_cpu_environment", "use_cuda"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "FinishedGroup",
+    "WeightReloadExtension",
+    "configure_cpu_environment",
+    "generator_seed",
+    "request_seed",
+    "use_cuda",
+]
+
+SEED_MODULUS = 2**63  # request seeds stay below it; sample seeds (+ i < G) below 2^64
+_ENGINE_SEED_MODULUS = 2**32  # LLM(seed=...) seeds numpy, which takes 32 bits
+_RELOAD_CHUNK_BYTES = 512 * 1024**2  # safetensors bytes per blob sent to the workers
 
 
 def use_cuda(device: str) -> bool:
@@ -41,16 +65,35 @@ def use_cuda(device: str) -> bool:
     return device == "auto" and torch.cuda.is_available()
 
 
-def configure_cpu_environment(kv_cache_gib: int, cores: str | None = None) -> None:
+def generator_seed(base_seed: int, index: int, start: int) -> int:
+    """The seed of generator `index` on its `start`-th start (1 = first) in a run seeded
+    `base_seed`: a 63-bit hash, so generators and restarts draw unrelated random streams."""
+    key = f"streamrl-generator:{base_seed}:{index}:{start}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % SEED_MODULUS
+
+
+def request_seed(engine_seed: int, request: int, group_size: int) -> int:
+    """The seed of request number `request` (0-based) of an engine seeded `engine_seed`.
+
+    vLLM seeds sample i of a request with seed + i, so requests are spaced G apart: within one
+    engine every (request, sample) seed is distinct; two engines' seeds (63-bit hashes) meet
+    only if they land within G × requests of each other."""
+    return (engine_seed + request * group_size) % SEED_MODULUS
+
+
+def configure_cpu_environment(
+    kv_cache_gib: int, cores: str | None = None, *, engine_process: bool = False
+) -> None:
     """Set vLLM's CPU-backend environment (before vllm is imported): KV-cache size, OpenMP
-    thread binding to the cores this process may use, and in-process engine execution."""
+    thread binding to the cores this process may use, and whether the engine core runs in a
+    process of its own (`engine_process`) or in this one."""
     if cores is None:
         allowed = sorted(os.sched_getaffinity(0))
         cores = ",".join(str(c) for c in allowed)
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
 
 
 @dataclass(frozen=True)
@@ -93,7 +136,9 @@ class Engine:
     ) -> None:
         self.cuda = use_cuda(generator.device)
         if not self.cuda:
-            configure_cpu_environment(generator.cpu_kv_cache_gib)
+            configure_cpu_environment(
+                generator.cpu_kv_cache_gib, engine_process=generator.cpu_engine_process
+            )
         from vllm import LLM  # after the environment is set
 
         from streamrl.models import resolve_model_path
@@ -105,10 +150,11 @@ class Engine:
             "tokenizer": resolve_model_path(model.tokenizer) if model.tokenizer else model_path,
             "dtype": model.dtype,
             "max_model_len": model.max_model_len,
-            "seed": self.seed,
+            "seed": self.seed % _ENGINE_SEED_MODULUS,
             "trust_remote_code": model.trust_remote_code,
             "logprobs_mode": "processed_logprobs",
             "enforce_eager": generator.enforce_eager or not self.cuda,
+            "worker_extension_cls": f"{__name__}.{WeightReloadExtension.__name__}",
         }
         if self.cuda:
             engine_args["gpu_memory_utilization"] = generator.gpu_memory_utilization
@@ -154,10 +200,10 @@ class Engine:
 
         if request_id is None:
             request_id = f"r{self._next_request}"
+        seed = request_seed(self.seed, self._next_request, self.generator.group_size)
         self._next_request += 1
         ids = [int(t) for t in prompt_token_ids]
-        request_seed = self.seed * 1_000_003 + self._next_request if self.cuda else None
-        params = self.sampling_params(request_seed, greedy=greedy)
+        params = self.sampling_params(seed if self.cuda else None, greedy=greedy)
         self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
         self._in_flight[request_id] = (ids, self.policy_version, time.time())
         return request_id
@@ -209,14 +255,20 @@ class Engine:
     # -- weights -----------------------------------------------------------------------------
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Load new weights in place, reset the prefix cache, record `version`; the seconds
-        taken, reading `tensors` included.
+        """Load new weights in place, atomically for the requests in flight, and record
+        `version`; the seconds taken, reading `tensors` included.
 
-        Requests in flight keep their version (the oldest that produced any of their tokens)
-        and are recomputed with the new weights."""
+        Reads and serialises every tensor before pausing, so a failing read (e.g. a corrupt
+        shard) leaves the engine untouched. Requests in flight keep their version (the oldest
+        that produced any of their tokens) and are recomputed with the new weights."""
         start = time.perf_counter()
-        self.llm.collective_rpc(_reload_in_worker, args=(list(tensors),))
-        self._engine.reset_prefix_cache(reset_running_requests=True)
+        blobs = _safetensors_blobs(tensors)
+        self._engine.sleep(level=0, mode="keep")  # pause: requests stay, no step runs
+        try:
+            self.llm.collective_rpc("reload_streamrl_weights", args=(blobs,))
+            self._engine.reset_prefix_cache(reset_running_requests=True)
+        finally:
+            self._engine.wake_up(tags=["scheduling"])  # resume
         self.policy_version = version
         return time.perf_counter() - start
 
@@ -232,18 +284,45 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
     )
 
 
-def _reload_in_worker(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside each vLLM worker: in-place reload, then re-pack a tied lm_head."""
-    runner = worker.model_runner
-    runner.reload_weights(weights_iterator=iter(tensors))
-    model = runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    tied = (
-        lm_head is not None
-        and embed is not None
-        and lm_head.weight.data_ptr() == embed.weight.data_ptr()
-    )
-    method = getattr(lm_head, "quant_method", None)
-    if tied and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(lm_head)
+def _safetensors_blobs(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[bytes]:
+    """`tensors` as safetensors files of about `_RELOAD_CHUNK_BYTES` each (picklable, so they
+    cross to an engine core in another process)."""
+    blobs: list[bytes] = []
+    chunk: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    size = 0
+    for name, tensor in tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.untyped_storage().data_ptr() in storages:  # tied: safetensors refuses sharing
+            tensor = tensor.clone()
+        storages.add(tensor.untyped_storage().data_ptr())
+        chunk[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= _RELOAD_CHUNK_BYTES:
+            blobs.append(safetensors.torch.save(chunk))
+            chunk, storages, size = {}, set(), 0
+    if chunk:
+        blobs.append(safetensors.torch.save(chunk))
+    return blobs
+
+
+class WeightReloadExtension:
+    """Mixed into every vLLM worker (`worker_extension_cls`): in-place weight reload by name."""
+
+    def reload_streamrl_weights(self, blobs: list[bytes]) -> None:
+        """Load the tensors of `blobs` (safetensors bytes) in place, then re-pack a tied
+        lm_head."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        tensors = (item for blob in blobs for item in safetensors.torch.load(blob).items())
+        runner.reload_weights(weights_iterator=tensors)
+        model = runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        tied = (
+            lm_head is not None
+            and embed is not None
+            and lm_head.weight.data_ptr() == embed.weight.data_ptr()
+        )
+        method = getattr(lm_head, "quant_method", None)
+        if tied and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)

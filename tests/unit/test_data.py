@@ -189,6 +189,25 @@ def test_iteration_resumes_from_a_position(tokenizer: Any) -> None:
         source.iterate(1, 2, start=PromptPosition(0, shard_size + 1))
 
 
+def test_iteration_passes_over_skipped_positions(tokenizer: Any) -> None:
+    source = PromptSource(DataConfig(path="builtin:math"), tokenizer=tokenizer)
+    shard_size = len(range(1, len(source), 2))
+    walk = source.iterate(1, 2, start=PromptPosition(0, shard_size - 4))
+    positions, ids = [], []
+    for _ in range(8):  # crosses into epoch 1
+        positions.append(walk.position)
+        ids.append(next(walk).prompt_id)
+    skip = {positions[0], positions[2], positions[3], positions[4]}  # (1, 0) is positions[4]
+    resumed = source.iterate(1, 2, start=positions[0], skip=skip)
+    assert resumed.position == positions[1]
+    kept = []
+    for _ in range(4):
+        kept.append((resumed.position, next(resumed).prompt_id))
+    expected = [(p, i) for p, i in zip(positions, ids, strict=True) if p not in skip]
+    assert kept == expected
+    assert resumed.position == walk.position
+
+
 def test_builtin_arithmetic_answers_are_right(tokenizer: Any) -> None:
     rows = builtin_rows("arithmetic")
     assert rows == builtin_rows("arithmetic")  # deterministic

@@ -1,0 +1,84 @@
+"""Generator progress: how often each generator index has started and where its prompts stand.
+
+    <run>/generators/<writer_id>.json    `GeneratorProgress`, rewritten whole at each start and
+                                         after each segment its generator commits
+
+A restarted generator reads it to continue its data shard where its commits stopped, and to
+seed itself apart from its earlier lives. One process per writer id is assumed (generator
+indexes are claimed); the object is replaced atomically (a rename locally, one PUT on S3), so
+a reader sees the old record or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass
+
+from storage.fs import Location
+
+__all__ = ["GeneratorProgress", "read_progress", "write_progress"]
+
+
+@dataclass(frozen=True)
+class GeneratorProgress:
+    """One generator index's progress (positions are (epoch, offset) of its data shard).
+
+    Invariants: `starts` ≥ 0 counts the processes that have started as `writer_id`;
+    `next_prompt` is the first position whose group is not committed to the stream;
+    `committed_after` lists, ascending, the positions after it whose groups are committed
+    (groups finish out of order). Written only after the commits it describes.
+    """
+
+    writer_id: str
+    starts: int = 0
+    next_prompt: tuple[int, int] = (0, 0)
+    committed_after: tuple[tuple[int, int], ...] = ()
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "next_prompt", tuple(self.next_prompt))
+        after = tuple(tuple(p) for p in self.committed_after)
+        object.__setattr__(self, "committed_after", after)
+        if self.starts < 0 or min(self.next_prompt) < 0:
+            raise ValueError(f"progress of {self.writer_id}: starts and positions are ≥ 0")
+        if list(after) != sorted(set(after)) or (after and after[0] <= self.next_prompt):
+            raise ValueError(
+                f"progress of {self.writer_id}: committed_after must ascend, after next_prompt"
+            )
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> GeneratorProgress:
+        try:
+            return cls(**json.loads(data))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"generator progress record is unreadable: {exc}") from None
+
+
+def _path(run: Location, writer_id: str) -> str:
+    return run.join("generators", f"{writer_id}.json")
+
+
+def read_progress(run: Location, writer_id: str) -> GeneratorProgress | None:
+    """The progress of `writer_id`, or None before its first start."""
+    try:
+        return GeneratorProgress.from_json(run.fs.cat_file(_path(run, writer_id)))
+    except FileNotFoundError:
+        return None
+
+
+def write_progress(run: Location, progress: GeneratorProgress) -> None:
+    """Replace the progress record of `progress.writer_id` (atomically)."""
+    path, data = _path(run, progress.writer_id), progress.to_json()
+    if not run.is_local:
+        run.fs.pipe_file(path, data)  # one PUT: the old object or the new one
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

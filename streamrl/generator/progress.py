@@ -1,0 +1,96 @@
+"""Where a generator stands in its data shard, kept in the run so a restart continues there.
+
+A prompt is *taken* when submitted to the engine, *collected* when its scored group goes to the
+stream writer (or is dropped by the reward-failure policy) and *committed* by the writer's next
+segment. After each commit the ledger writes `GeneratorProgress`: the first position not
+committed, and the committed positions after it. A restart (`resume_prompts`) iterates from
+that first position and skips the committed ones, so it redoes exactly what its predecessor
+lost — prompts in flight, being scored or in the open segment — and repeats nothing committed.
+The one exception: a death between a commit and the progress write that follows repeats that
+segment's prompts (at most `segment_groups` of them); nothing is ever skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from storage.fs import Location
+from storage.progress import GeneratorProgress, read_progress, write_progress
+from streamrl.data import PromptIterator, PromptPosition, PromptSource
+
+__all__ = ["PromptLedger", "resume_prompts"]
+
+
+def resume_prompts(
+    run: Location,
+    writer_id: str,
+    source: PromptSource,
+    *,
+    shard: int,
+    num_shards: int,
+    first_start: PromptPosition,
+) -> tuple[PromptIterator, GeneratorProgress]:
+    """Count one more start of `writer_id` in the run and return its prompts, continuing after
+    what its earlier lives committed (from `first_start` on its first start), with its
+    progress record (`starts` counts this start)."""
+    previous = read_progress(run, writer_id)
+    if previous is None:
+        previous = GeneratorProgress(writer_id, next_prompt=(first_start.epoch, first_start.offset))
+    progress = replace(previous, starts=previous.starts + 1, updated_at=time.time())
+    write_progress(run, progress)
+    prompts = source.iterate(
+        shard,
+        num_shards,
+        start=PromptPosition(*progress.next_prompt),
+        skip=[PromptPosition(*p) for p in progress.committed_after],
+    )
+    return prompts, progress
+
+
+class PromptLedger:
+    """Tracks taken → collected → committed prompts of one generator (module docstring) and,
+    given a run and a progress record, writes the progress after each commit."""
+
+    def __init__(
+        self,
+        prompts: PromptIterator,
+        *,
+        run: Location | None = None,
+        progress: GeneratorProgress | None = None,
+    ) -> None:
+        self.prompts = prompts
+        self.run, self.progress = run, progress
+        self._taken: dict[str, PromptPosition] = {}  # request id → position, not collected
+        self._collected: list[PromptPosition] = []  # since the last commit
+        self._committed: set[PromptPosition] = set()  # after the first uncommitted position
+        if progress is not None:
+            self._committed = {PromptPosition(*p) for p in progress.committed_after}
+
+    def take(self, request_id: str, position: PromptPosition) -> None:
+        """The prompt at `position` (the iterator's `position` before it was drawn) went to the
+        engine as `request_id`."""
+        self._taken[request_id] = position
+
+    def collected(self, request_id: str) -> None:
+        """`request_id`'s group went to the stream writer (or was dropped on purpose)."""
+        self._collected.append(self._taken.pop(request_id))
+
+    def committed(self) -> GeneratorProgress | None:
+        """Everything collected is now in a committed segment: update (and, with a run,
+        write) the progress record."""
+        self._committed.update(self._collected)
+        self._collected = []
+        first = min(self._taken.values(), default=self.prompts.position)
+        self._committed = {p for p in self._committed if p > first}
+        if self.progress is None:
+            return None
+        self.progress = replace(
+            self.progress,
+            next_prompt=(first.epoch, first.offset),
+            committed_after=tuple((p.epoch, p.offset) for p in sorted(self._committed)),
+            updated_at=time.time(),
+        )
+        if self.run is not None:
+            write_progress(self.run, self.progress)
+        return self.progress

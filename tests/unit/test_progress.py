@@ -1,0 +1,96 @@
+"""A generator's prompt progress: committed prompts are never redone, lost ones always are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from storage.fs import Location, open_location
+from storage.progress import GeneratorProgress, read_progress, write_progress
+from streamrl.config import DataConfig
+from streamrl.data import PromptPosition, PromptSource
+from streamrl.generator.progress import PromptLedger, resume_prompts
+from streamrl.models.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def source() -> PromptSource:
+    return PromptSource(DataConfig(path="builtin:math"), tokenizer=build_tokenizer())
+
+
+def test_progress_record_round_trips_and_is_replaced(run_location: Location):
+    assert read_progress(run_location, "gen0") is None
+    first = GeneratorProgress("gen0", 1, (0, 2), ((0, 3), (1, 0)), 1.5)
+    write_progress(run_location, first)
+    assert read_progress(run_location, "gen0") == first
+    second = GeneratorProgress("gen0", 2, (1, 1))
+    write_progress(run_location, second)
+    assert read_progress(run_location, "gen0") == second
+    assert read_progress(run_location, "gen1") is None
+
+
+def test_progress_record_rejects_committed_positions_before_the_next_prompt():
+    with pytest.raises(ValueError, match="committed_after"):
+        GeneratorProgress("gen0", 1, (0, 5), ((0, 4),))
+    with pytest.raises(ValueError, match="committed_after"):
+        GeneratorProgress("gen0", 1, (0, 1), ((0, 4), (0, 3)))
+
+
+def _start(run: Location, source: PromptSource) -> tuple[Any, PromptLedger, GeneratorProgress]:
+    prompts, progress = resume_prompts(
+        run, "gen0", source, shard=0, num_shards=2, first_start=PromptPosition()
+    )
+    return prompts, PromptLedger(prompts, run=run, progress=progress), progress
+
+
+def _take(prompts, ledger: PromptLedger, count: int, first_id: int) -> dict[str, str]:
+    """Submit `count` prompts as requests r<first_id>...; request id → prompt id."""
+    taken = {}
+    for n in range(first_id, first_id + count):
+        position = prompts.position
+        taken[f"r{n}"] = next(prompts).prompt_id
+        ledger.take(f"r{n}", position)
+    return taken
+
+
+def test_a_restart_redoes_exactly_the_uncommitted_prompts(tmp_path, source: PromptSource):
+    run = open_location(str(tmp_path / "run"))
+    walk = source.iterate(0, 2)
+    order = [next(walk).prompt_id for _ in range(12)]
+    prompts, ledger, progress = _start(run, source)
+    assert progress.starts == 1
+    taken = _take(prompts, ledger, 8, 0)
+    assert list(taken.values()) == order[:8]
+    for request in ("r0", "r1", "r3", "r4", "r6"):  # groups finish out of order
+        ledger.collected(request)
+    ledger.committed()
+    ledger.collected("r2")  # collected, but its segment is never committed: lost
+    assert read_progress(run, "gen0").next_prompt == (0, 2)
+    assert read_progress(run, "gen0").committed_after == ((0, 3), (0, 4), (0, 6))
+
+    # The process dies here. The next start redoes r2, r5, r7, then goes on from position 8.
+    prompts, ledger, progress = _start(run, source)
+    assert progress.starts == 2
+    taken = _take(prompts, ledger, 5, 100)
+    assert list(taken.values()) == [order[2], order[5], order[7], order[8], order[9]]
+    for request in ("r101", "r100", "r103"):
+        ledger.collected(request)
+    ledger.committed()
+    assert read_progress(run, "gen0").next_prompt == (0, 7)
+    assert read_progress(run, "gen0").committed_after == ((0, 8),)
+
+    prompts, _, progress = _start(run, source)
+    assert progress.starts == 3
+    assert [next(prompts).prompt_id for _ in range(3)] == [order[7], order[9], order[10]]
+
+
+def test_with_nothing_in_flight_the_next_prompt_is_the_iterators(tmp_path, source):
+    run = open_location(str(tmp_path / "run"))
+    prompts, ledger, _ = _start(run, source)
+    _take(prompts, ledger, 3, 0)
+    for request in ("r2", "r0", "r1"):
+        ledger.collected(request)
+    ledger.committed()
+    assert read_progress(run, "gen0").next_prompt == (0, 3)
+    assert read_progress(run, "gen0").committed_after == ()
