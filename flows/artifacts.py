@@ -2,7 +2,8 @@
 
 `RunArtifacts.refresh()` reads the run's metrics straight from storage and updates the
 progress artifact (learner steps / total) and, when a new step arrived, re-publishes the
-markdown table under the run's key (Prefect keeps every version of a keyed artifact).
+markdown table under the run's key (Prefect keeps every version of a keyed artifact). The table
+also shows the generators' failed reward calls, tallied from the stream's commit records.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from storage.fs import Location
 from streamrl.config import RunConfig
 from streamrl.evaluation import read_eval_records
 from streamrl.learner.reporting import latest_metrics, read_wandb_link
+from streamrl.status import StreamStatus, read_stream
 
 __all__ = ["RunArtifacts", "metrics_table"]
 
@@ -37,6 +39,7 @@ ROWS = (
     ("staleness mean / max", ("stream/staleness_mean", "stream/staleness_max"), "{:.2f} / {:.0f}"),
     ("dropped stale (total)", "stream/dropped_stale_total", "{:.0f}"),
     ("dropped zero-variance (total)", "stream/dropped_zero_var_total", "{:.0f}"),
+    ("quarantined segments (total)", "stream/quarantined_total", "{:.0f}"),
     ("learner tokens/s", "perf/learner_tokens_per_s", "{:.0f}"),
     ("step time (s)", "perf/step_s", "{:.2f}"),
     ("policy loss", "actor/pg_loss", "{:.4f}"),
@@ -53,9 +56,13 @@ def _key(run_uri: str) -> str:
 
 
 def metrics_table(
-    metrics: dict[str, Any], total_steps: int, evaluation: dict[str, Any] | None = None
+    metrics: dict[str, Any],
+    total_steps: int,
+    evaluation: dict[str, Any] | None = None,
+    stream: StreamStatus | None = None,
 ) -> str:
-    """A markdown table of the latest learner metrics (and evaluation, when there is one)."""
+    """A markdown table of the latest learner metrics (and evaluation, when there is one), with
+    the reward failures of the commit log `stream` (in all, and per generator that had any)."""
     lines = [
         f"### streamrl — step {metrics.get('step', 0):.0f} / {total_steps}",
         "",
@@ -66,6 +73,12 @@ def metrics_table(
         names = names if isinstance(names, tuple) else (names,)
         if all(n in metrics for n in names):
             lines.append(f"| {label} | {fmt.format(*(float(metrics[n]) for n in names))} |")
+    if stream is not None:
+        failures = "reward errors / timeouts / groups dropped"
+        for who, counts in (("total", stream), *((g.writer_id, g) for g in stream.generators)):
+            counted = (counts.reward_errors, counts.reward_timeouts, counts.reward_dropped_groups)
+            if who == "total" or any(counted):
+                lines.append(f"| {failures} ({who}) | {' / '.join(map(str, counted))} |")
     for name, value in sorted((evaluation or {}).items()):
         if name.startswith("val/"):
             lines.append(f"| {name} (v{evaluation.get('version', '?')}) | {float(value):.3f} |")
@@ -86,6 +99,7 @@ class RunArtifacts:
     wandb_url: str | None = None
     _progress_id: UUID | None = field(default=None, init=False)
     _shown_step: int = field(default=-1, init=False)
+    _stream: StreamStatus | None = field(default=None, init=False)
 
     def refresh(self, *, final: bool = False) -> dict[str, Any] | None:
         """Update progress and, if a new step was logged (or `final`: the run is over, and
@@ -106,8 +120,9 @@ class RunArtifacts:
             update_progress_artifact(self._progress_id, progress)
         if latest is not None and (step != self._shown_step or final):
             self._shown_step = step
+            self._stream = read_stream(self.run, since=self._stream)  # new commits only
             create_markdown_artifact(
-                markdown=metrics_table(latest, total, _latest_eval(self.run)),
+                markdown=metrics_table(latest, total, _latest_eval(self.run), self._stream),
                 key=f"{_key(self.run.uri)}-metrics",
                 description=f"latest metrics of {self.run.uri}",
             )

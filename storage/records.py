@@ -152,6 +152,16 @@ class CommitRecord:
     names an immutable folder under `<run>/stream/segments/` whose every object is listed in
     `objects` with its size and CRC32, uploaded before this record was written. A reader trusts
     only segments that a commit record names.
+
+    Reward failures of the writer's generator, counted since the previous commit of the same
+    writer incarnation (so summing them over the log counts every failure once; those after an
+    incarnation's last commit are lost with its open segment):
+      * `reward_errors`: reward calls that raised, returned a non-score or lost their worker;
+      * `reward_timeouts`: reward calls killed at `generator.reward.timeout_s`;
+      * `reward_dropped_groups`: groups left out of the stream because one of their calls
+        failed (`generator.reward.on_error=drop_group`); none with `score_zero`, whose failed
+        responses are in the segment with score 0.
+    Records written before these fields existed read as 0.
     """
 
     seq: int
@@ -165,6 +175,9 @@ class CommitRecord:
     max_policy_version: int
     objects: dict[str, tuple[int, int]] = field(default_factory=dict)
     committed_at: float = 0.0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    reward_dropped_groups: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(

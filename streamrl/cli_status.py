@@ -21,7 +21,9 @@ Reads only the run's storage (run.json, stream commit log, checkpoints, weights,
 marker), so it works from any machine that can read the run, live or finished. State: not
 started, running (started, no stop marker), stopping (stop marker before total_steps) or
 finished (stop marker and the learner at total_steps). Stream lag = groups written − groups the
-learner consumed. Exit status 2 when there is no run at RUN_URI.
+learner consumed, leaving out quarantined segments (corrupt ones readers skip; counted apart).
+Failed reward calls (errors, timeouts) and the groups dropped for them come from the generators'
+commit records, per generator and in all. Exit status 2 when there is no run at RUN_URI.
 """
 
 _CLEAR_SCREEN = "\033[H\033[2J"

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from storage.stream_sweep import min_sweep_grace_s
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import (
     ALGORITHM_CLASSES,
@@ -49,6 +50,9 @@ __all__ = [
     "parse_overrides",
     "validate_config",
 ]
+
+
+MIN_SWEEP_GRACE_S = min_sweep_grace_s()
 
 
 class _Component(BaseModel):
@@ -203,6 +207,11 @@ class GeneratorConfig(_Component):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per generator engine (CUDA).")
     cpu_kv_cache_gib: int = Field(
         1, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."
+    )
+    cpu_engine_process: bool = Field(
+        False,
+        description="On vLLM's CPU build, run the engine core in a process of its own (as "
+        "vLLM does on CUDA) rather than in the generator's.",
     )
     enforce_eager: bool = Field(
         False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
@@ -374,7 +383,11 @@ class StorageConfig(_Component):
         3, ge=1, description="Published versions retained (LATEST is never deleted)."
     )
     sweep_grace_s: float = Field(
-        3600.0, gt=0.0, description="Uncommitted segments older than this are garbage."
+        3600.0,
+        ge=MIN_SWEEP_GRACE_S,
+        description="Uncommitted segments older than this are garbage. At least the writers' "
+        "commit deadline plus a margin (storage.stream_sweep), so a segment that can still be "
+        "committed is never removed.",
     )
 
     @field_validator("storage_options")

@@ -150,7 +150,9 @@ class Evaluator:
             [p.ground_truth for p in prompts],
             [p.text for p in prompts],
         )
-        correct = np.asarray(scores, dtype=np.float64) >= 1.0
+        # A failed reward call counts as wrong here (its score is 0): dropping it would bias
+        # accuracy upwards. The scorer logs and counts every failure.
+        correct = np.asarray(scores.values, dtype=np.float64) >= 1.0
         n = len(self.prompts)
         return {
             "version": version,

@@ -7,7 +7,9 @@ the report is the same wherever it is read from, for a live run and for a finish
     checkpoints/                       latest committed step, its policy version and cursor
     weights/                           latest published version, the versions kept
     stream/log/                        commits and groups written, per generator (commit
-                                       records carry group counts: no segment is read)
+                                       records carry group counts: no segment is read), and
+                                       the generators' failed reward calls and dropped groups
+    stream/quarantine/                 committed segments readers skip (not in the lag)
     metrics/learner*.json[l]           the learner's last step: version, consumed groups,
                                        staleness, rewards, throughput
     metrics/eval*.json[l]              the latest evaluation (val/* keys)
@@ -64,7 +66,9 @@ STOP_MARKER = ("control", "STOP")  # written by `storage.control.request_stop`
 @dataclass(frozen=True)
 class GeneratorStatus:
     """One generator id's share of the commit log. `incarnations`: the process lives that
-    committed under this id, oldest first (more than one = restarts)."""
+    committed under this id, oldest first (more than one = restarts). `reward_*`: its failed
+    reward calls and the groups it dropped for them, summed over its commit records (see
+    `storage.records.CommitRecord`)."""
 
     writer_id: str
     commits: int
@@ -72,12 +76,17 @@ class GeneratorStatus:
     incarnations: tuple[str, ...]
     last_commit_at: float
     policy_version: int  # newest version in its last commit
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    reward_dropped_groups: int = 0
 
 
 @dataclass(frozen=True)
 class StreamStatus:
-    """The commit log up to its head when read. `groups_before[s]` = groups committed at log
-    numbers < s (length commits + 1): turns a cursor into a count of groups."""
+    """The commit log up to its head when read. `groups` counts every committed group,
+    `quarantined_groups` those in the `quarantined` segments (log numbers `quarantined_seqs`),
+    which no reader yields. `reward_*`: the generators' totals. `groups_before[s]` = groups
+    committed at log numbers < s (length commits + 1): turns a cursor into a count of groups."""
 
     commits: int = 0
     groups: int = 0
@@ -86,11 +95,28 @@ class StreamStatus:
     newest_commit_at: float | None = None
     generators: tuple[GeneratorStatus, ...] = ()
     quarantined: int = 0
+    quarantined_groups: int = 0
+    quarantined_seqs: tuple[int, ...] = ()
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    reward_dropped_groups: int = 0
     groups_before: tuple[int, ...] = field(default=(0,), repr=False)
 
+    @property
+    def readable_groups(self) -> int:
+        """Committed groups outside quarantined segments: what readers can consume."""
+        return self.groups - self.quarantined_groups
+
     def groups_at(self, cursor: Cursor) -> int:
-        """Groups before `cursor` (consumed by a reader standing there)."""
-        return self.groups_before[min(cursor.seq, self.commits)] + cursor.offset
+        """Groups a reader standing at `cursor` has been given: those before it, less those
+        of quarantined segments it skipped."""
+        skipped = sum(
+            self._segment_groups(seq) for seq in self.quarantined_seqs if seq < cursor.seq
+        )
+        return self.groups_before[min(cursor.seq, self.commits)] + cursor.offset - skipped
+
+    def _segment_groups(self, seq: int) -> int:
+        return self.groups_before[seq + 1] - self.groups_before[seq]
 
 
 @dataclass(frozen=True)
@@ -100,7 +126,8 @@ class RunStatus:
     `step` is the learner's progress: its last metrics line, or its latest checkpoint if that
     is newer. `consumed_groups` comes from the last metrics line (`stream/consumed_total`) or
     else the checkpoint's stream cursor; `consumed_source` says which. `lag_groups` = groups
-    written − consumed. `last_metrics` is the learner's last JSON line as logged."""
+    written outside quarantined segments − consumed. `last_metrics` is the learner's last JSON
+    line as logged."""
 
     uri: str
     read_at: float
@@ -173,7 +200,7 @@ def read_status(run: Location, *, previous: RunStatus | None = None) -> RunStatu
         stream=stream,
         consumed_groups=consumed,
         consumed_source=source,
-        lag_groups=None if consumed is None else stream.groups - consumed,
+        lag_groups=None if consumed is None else stream.readable_groups - consumed,
         stop_reason=stop_reason,
         last_metrics=last_metrics,
         last_eval=evaluations[-1] if evaluations else None,
@@ -262,14 +289,23 @@ def read_stream(run: Location, *, since: StreamStatus | None = None) -> StreamSt
     newest = max((r.committed_at for r in records), default=None)
     if tally.newest_commit_at is not None:
         newest = max(tally.newest_commit_at, newest or 0.0)
+    commits = tally.commits + len(records)
+    # A segment quarantined after the log was read above is counted at the next read.
+    skipped = tuple(seq for seq in quarantined(run) if seq < commits)
     return StreamStatus(
-        commits=tally.commits + len(records),
+        commits=commits,
         groups=groups_before[-1],
         responses=tally.responses + sum(r.num_responses for r in records),
         tokens=tally.tokens + sum(r.num_tokens for r in records),
         newest_commit_at=newest,
         generators=tuple(sorted(generators.values(), key=lambda g: g.writer_id)),
-        quarantined=len(quarantined(run)),
+        quarantined=len(skipped),
+        quarantined_groups=sum(groups_before[s + 1] - groups_before[s] for s in skipped),
+        quarantined_seqs=skipped,
+        reward_errors=tally.reward_errors + sum(r.reward_errors for r in records),
+        reward_timeouts=tally.reward_timeouts + sum(r.reward_timeouts for r in records),
+        reward_dropped_groups=tally.reward_dropped_groups
+        + sum(r.reward_dropped_groups for r in records),
         groups_before=tuple(groups_before),
     )
 
@@ -287,6 +323,9 @@ def _count(seen: GeneratorStatus | None, record: CommitRecord) -> GeneratorStatu
         incarnations=incarnations,
         last_commit_at=max(seen.last_commit_at, record.committed_at),
         policy_version=record.max_policy_version,
+        reward_errors=seen.reward_errors + record.reward_errors,
+        reward_timeouts=seen.reward_timeouts + record.reward_timeouts,
+        reward_dropped_groups=seen.reward_dropped_groups + record.reward_dropped_groups,
     )
 
 
@@ -350,23 +389,29 @@ def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
     written = f"{st.groups} groups in {st.commits} commits"
     if st.newest_commit_at is not None:
         written += f", newest {_age(now - st.newest_commit_at)}"
-    if st.quarantined:
-        written += f", {st.quarantined} segments quarantined"
     yield "stream", written
+    if st.quarantined:
+        skipped = f"{_plural(st.quarantined, 'segment')} ({st.quarantined_groups} groups)"
+        yield "", f"quarantined: {skipped}, skipped by readers and left out of the lag"
     if s.consumed_groups is None:
         yield "", "consumed: none yet (no checkpoint or learner step)"
     else:
         yield "", f"consumed: {s.consumed_groups} groups ({s.consumed_source})"
         yield "", f"lag: {s.lag_groups} groups written, not yet consumed"
+    if st.commits:
+        yield "rewards", f"{_reward_failures(st)} in all"
     yield from _metrics_rows(s)
     if not st.generators:
         yield "generators", "none has committed yet"
     for g in st.generators:
         restarts = _restarts(len(g.incarnations) - 1)
+        failures = ""
+        if g.reward_errors or g.reward_timeouts or g.reward_dropped_groups:
+            failures = f"; {_reward_failures(g)}"
         yield (
             "generators" if g is st.generators[0] else "",
             f"{g.writer_id}: {g.groups} groups in {g.commits} commits, sampling v"
-            f"{g.policy_version}, last {_age(now - g.last_commit_at)}{restarts}",
+            f"{g.policy_version}, last {_age(now - g.last_commit_at)}{restarts}{failures}",
         )
     if s.last_eval is not None:
         values = "  ".join(
@@ -423,4 +468,17 @@ def _age(seconds: float) -> str:
 
 
 def _restarts(count: int) -> str:
-    return "" if count == 0 else f", {count} restart{'s' if count > 1 else ''}"
+    return "" if count == 0 else f", {_plural(count, 'restart')}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _reward_failures(counts: GeneratorStatus | StreamStatus) -> str:
+    """Failed reward calls and the groups they kept out of the stream."""
+    return (
+        f"{_plural(counts.reward_errors, 'reward error')}, "
+        f"{_plural(counts.reward_timeouts, 'reward timeout')}, "
+        f"{_plural(counts.reward_dropped_groups, 'group')} dropped for them"
+    )

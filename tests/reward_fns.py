@@ -62,3 +62,17 @@ def contains_seven(response: str, ground_truth: str, *, prompt: str | None = Non
     """A task a random-init tiny model can learn in a few CPU minutes: 1 when the response
     contains the digit 7 (under a tenth of its random responses do at first)."""
     return float("7" in response)
+
+
+def raises_on_odd_answer(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+    """Raises for an odd integer ground truth (about half the arithmetic prompts, every response
+    of their groups), else 1 for an exact answer: groups whose reward calls fail are told apart
+    from their ground truth alone."""
+    if int(ground_truth) % 2:
+        raise ValueError(f"no verifier for odd answers ({ground_truth})")
+    return float(response.strip() == ground_truth.strip())
+
+
+def always_raises(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+    """A broken reward: raises on every call."""
+    raise ValueError("this reward function is broken")

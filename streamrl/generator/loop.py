@@ -2,13 +2,19 @@
 
 Consumes: prompts from this generator's shard of the dataset, and published weight versions.
 Produces: `ScoredGroup`s in the replay stream, one segment every `segment_groups` groups or
-`segment_seconds` seconds, whichever comes first.
+`segment_seconds` seconds, whichever comes first. A group with a failed reward call (raised or
+timed out) is left out or trained on with score 0, per `generator.reward.on_error`; either way
+the failures are counted in the next commit record.
 Waits for: nothing but vLLM — it never waits for the learner. It keeps `prompts_in_flight`
 prompts in the engine, scores finished groups in a process pool while the engine goes on, and
 between engine steps polls `LATEST` every `weight_poll_s` seconds and loads a newer version in
 place.
+A corrupt version is skipped for good (counted, logged) and the newest intact one above the
+current is loaded instead.
 Stops when: the run's stop marker appears or `stop` is set (e.g. by SIGTERM); it then scores
 what has finished, flushes its open segment and returns. A SIGKILL loses at most that segment.
+After every commit the `PromptLedger` records how far the prompts are committed, so a restart
+continues there.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,21 +33,34 @@ from storage.control import stop_requested
 from storage.fs import Location
 from storage.records import ScoredGroup
 from storage.stream import StreamWriter
-from storage.weights import WeightStore, WeightVersionNotFoundError
+from storage.weights import IntactVersion, WeightStore
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
-from streamrl.data import Prompt
+from streamrl.data import Prompt, PromptIterator
 from streamrl.generator.engine import Engine, FinishedGroup
-from streamrl.rewards import RewardScorer
+from streamrl.generator.progress import PromptLedger
+from streamrl.rewards import RewardScorer, Scores
 
-__all__ = ["GeneratorLoop", "GeneratorStats"]
+__all__ = ["BrokenRewardError", "GeneratorLoop", "GeneratorStats"]
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_GROUPS_IN_A_ROW = 32
+
+
+class BrokenRewardError(RuntimeError):
+    """The reward function failed on every response of many groups in a row."""
 
 
 @dataclass
 class GeneratorStats:
-    """Counters since the loop started (the throughput log line reports their rates)."""
+    """Counters since the loop started (the throughput log line reports their rates).
+
+    `groups`, `responses`, ... count what was written to the stream; `reward_errors` and
+    `reward_timeouts` count failed reward calls, `dropped_groups` the groups they kept out of
+    the stream (`generator.reward.on_error=drop_group`). `corrupt_weight_versions` counts
+    published versions that failed verification (skipped for good), `weight_update_failures`
+    versions that vanished (removed by retention) while being read."""
 
     groups: int = 0
     responses: int = 0
@@ -54,6 +72,10 @@ class GeneratorStats:
     weight_updates: int = 0
     weight_update_s: float = 0.0
     weight_update_failures: int = 0
+    corrupt_weight_versions: int = 0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    dropped_groups: int = 0
 
 
 class GeneratorLoop:
@@ -65,10 +87,11 @@ class GeneratorLoop:
         config: RunConfig,
         run: Location,
         engine: Engine,
-        prompts: Iterator[Prompt],
+        prompts: PromptIterator,
         scorer: RewardScorer,
         writer: StreamWriter,
         generator_id: str,
+        ledger: PromptLedger | None = None,
     ) -> None:
         self.config = config
         self.run_location = run
@@ -79,8 +102,11 @@ class GeneratorLoop:
         self.weights = WeightStore(run)
         self.generator_id = generator_id
         self.stats = GeneratorStats()
+        self.ledger = ledger or PromptLedger(prompts)
+        self._corrupt_versions: set[int] = set()
+        self._failed_in_a_row = 0  # groups whose every reward call failed
         self._prompts_by_request: dict[str, Prompt] = {}
-        self._scoring: deque[tuple[FinishedGroup, Prompt, Future[list[float]]]] = deque()
+        self._scoring: deque[tuple[FinishedGroup, Prompt, Future[Scores]]] = deque()
         self._score_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="score")
         self._next_poll = 0.0
         self._started = time.monotonic()
@@ -111,9 +137,11 @@ class GeneratorLoop:
         write what has been scored."""
         cfg = self.config.generator
         while self.engine.num_in_flight < cfg.prompts_in_flight:
+            position = self.prompts.position
             prompt = next(self.prompts)
             request_id = self.engine.submit(prompt.token_ids)
             self._prompts_by_request[request_id] = prompt
+            self.ledger.take(request_id, position)
         for group in self.engine.step():
             prompt = self._prompts_by_request.pop(group.request_id)
             texts = [c.text for c in group.completions]
@@ -138,7 +166,37 @@ class GeneratorLoop:
         """Turn scored groups into stream records, in the order they finished."""
         while self._scoring and (wait or self._scoring[0][2].done()):
             group, prompt, future = self._scoring.popleft()
-            self.writer.append(self._record(group, prompt, future.result()))
+            self.ledger.collected(group.request_id)
+            scores = future.result()
+            if not self._dropped_for_failures(scores):
+                self.writer.append(self._record(group, prompt, scores.values))
+
+    def _dropped_for_failures(self, scores: Scores) -> bool:
+        """Count a group's failed reward calls (in `stats` and the next commit record); True
+        when the group is to be left out of the stream (`generator.reward.on_error`).
+
+        Raises `BrokenRewardError` when every call of the last `MAX_FAILED_GROUPS_IN_A_ROW`
+        groups failed: a reward that never scores is a bug to fix, not data to train on."""
+        self._failed_in_a_row = self._failed_in_a_row + 1 if scores.all_failed else 0
+        if self._failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
+            raise BrokenRewardError(
+                f"generator {self.generator_id}: the reward function "
+                f"{self.config.generator.reward.fn!r} failed on every response of the last "
+                f"{self._failed_in_a_row} groups ({self.stats.reward_errors + scores.errors} "
+                f"errors, {self.stats.reward_timeouts + scores.timeouts} timeouts so far). Its "
+                "traceback is in this generator's log; fix the function (or raise "
+                "generator.reward.timeout_s if it only runs out of time)"
+            )
+        if not scores.any_failed:
+            return False
+        drop = self.config.generator.reward.on_error == "drop_group"
+        self.stats.reward_errors += scores.errors
+        self.stats.reward_timeouts += scores.timeouts
+        self.stats.dropped_groups += int(drop)
+        self.writer.count_reward_failures(
+            errors=scores.errors, timeouts=scores.timeouts, dropped_groups=int(drop)
+        )
+        return drop
 
     def _record(self, group: FinishedGroup, prompt: Prompt, scores: list[float]) -> ScoredGroup:
         algorithm = self.config.algorithm
@@ -174,8 +232,10 @@ class GeneratorLoop:
         )
 
     def _flush(self) -> None:
+        """Commit the open segment, then record the prompts it covers as committed."""
         if self.writer.flush() is not None:
             self.stats.segments += 1
+            self.ledger.committed()
 
     def _drain(self) -> None:
         """On stop: drop unfinished requests, finish scoring what the engine completed and
@@ -200,28 +260,40 @@ class GeneratorLoop:
         if stop_requested(self.run_location):
             log.info("generator %s: stop marker found", self.generator_id)
             return True
+        current = self.engine.policy_version
         latest = self.weights.latest_version()
-        if latest is not None and latest > self.engine.policy_version:
-            try:
-                seconds = self.engine.load_weights(self.weights.iter_tensors(latest), latest)
-            except WeightVersionNotFoundError as exc:  # retention removed it mid-read
-                self.stats.weight_update_failures += 1
-                log.warning("generator %s: weights v%d vanished (%s); retrying at the next poll",
-                            self.generator_id, latest, exc)  # fmt: skip
-                return False
+        if latest is None or latest <= current or latest in self._corrupt_versions:
+            return False
+        found = self.weights.load_newest_intact(newer_than=current, skip=self._corrupt_versions)
+        self.skip_unusable_weights(found)
+        if found.version is not None:
+            seconds = self.engine.load_weights(found.tensors.items(), found.version)
             self.stats.weight_updates += 1
             self.stats.weight_update_s += seconds
-            log.info(
-                "generator %s: loaded weights v%d in %.2fs", self.generator_id, latest, seconds
-            )
+            log.info("generator %s: loaded weights v%d in %.2fs",
+                     self.generator_id, found.version, seconds)  # fmt: skip
         return False
+
+    def skip_unusable_weights(self, found: IntactVersion) -> None:
+        """Count and log the versions `found` could not use: corrupt ones are never read again
+        (versions are immutable), vanished ones were removed by retention."""
+        for version, why in found.corrupt.items():
+            self._corrupt_versions.add(version)
+            self.stats.corrupt_weight_versions += 1
+            log.warning("generator %s: skipping corrupt weights v%d for good: %s",
+                        self.generator_id, version, why)  # fmt: skip
+        for version in found.vanished:
+            self.stats.weight_update_failures += 1
+            log.warning("generator %s: weights v%d vanished while being read (retention)",
+                        self.generator_id, version)  # fmt: skip
 
     def _log_throughput(self) -> None:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         s = self.stats
         log.info(
             "generator %s: %.2f groups/s, %.1f tokens/s, reward mean %.3f, acc %.3f, "
-            "truncated %.3f, weights v%d (%d updates, %.2fs each), scoring timeouts %d errors %d",
+            "truncated %.3f, weights v%d (%d updates, %.2fs each), reward timeouts %d errors %d "
+            "(%d groups dropped)",
             self.generator_id,
             s.groups / elapsed,
             s.tokens / elapsed,
@@ -231,7 +303,8 @@ class GeneratorLoop:
             self.engine.policy_version,
             s.weight_updates,
             s.weight_update_s / max(s.weight_updates, 1),
-            self.scorer.stats.timeouts,
-            self.scorer.stats.errors,
+            s.reward_timeouts,
+            s.reward_errors,
+            s.dropped_groups,
         )
         self._next_log = time.monotonic() + 30.0

@@ -35,8 +35,9 @@ class RewardFn(Protocol):
 
     Returns a score in [0, 1] (1 = correct) or a bool. It must be deterministic, must not rely
     on state shared between calls, and may take at most `reward.timeout_s` seconds; raising,
-    timing out or returning anything else scores 0.0 and is counted as a failure. A function
-    without the `prompt` keyword is accepted too and called without it.
+    timing out or returning anything else is counted as a failure (its group is dropped, or
+    scored 0.0, per `reward.on_error`). A function without the `prompt` keyword is accepted
+    too and called without it.
     """
 
     def __call__(

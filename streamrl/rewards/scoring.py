@@ -2,8 +2,10 @@
 
 `RewardScorer` runs the reward function in a `ProcessPoolExecutor` of `workers` spawned
 processes. A reward function is user code over model output: it may raise, return garbage,
-loop forever or crash its interpreter. None of that reaches the caller: such a call scores 0.0
-(incorrect), is counted in `RewardScorer.stats` and is logged.
+loop forever or crash its interpreter. None of that raises in the caller: such a call scores
+0.0, is marked failed in the batch's `Scores` (so the caller can drop the group instead of
+training on it as wrong; `generator.reward.on_error`), is counted in `RewardScorer.stats` and
+is logged.
 
 How the time limit is kept. A running task cannot be cancelled in a ProcessPoolExecutor, so:
 
@@ -19,7 +21,8 @@ How the time limit is kept. A running task cannot be cancelled in a ProcessPoolE
 
 Workers are spawned, not forked: the generator process holds vLLM/torch threads, and a fork
 would copy their locks mid-flight. Each worker resolves the reward by name again (so a user
-function must be importable, see `streamrl.rewards.registry`).
+function must be importable, see `streamrl.rewards.registry`), and dies with the process that
+started it, even a SIGKILLed one (`streamrl.rewards.worker.init_worker`).
 
 `score()` may be called from several threads; batches are then scored one after another.
 Scores are raw, in [0, 1]; `streamrl.algorithms.shaping.scale_rule_reward` maps them to the
@@ -30,14 +33,21 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from streamrl.rewards.registry import resolve_reward
 from streamrl.rewards.worker import (
@@ -51,9 +61,40 @@ from streamrl.rewards.worker import (
 if TYPE_CHECKING:
     from streamrl.config import RewardConfig
 
-__all__ = ["RewardScorer", "ScoringStats"]
+__all__ = ["Failure", "RewardScorer", "Scores", "ScoringStats"]
 
 log = logging.getLogger(__name__)
+
+Failure = Literal["error", "timeout"]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One batch's outcome, in input order.
+
+    `values[i]`: response i's score in [0, 1], 0.0 when its call failed.
+    `failures[i]`: None when the reward scored it, else why not: "error" (it raised, returned
+    something other than a score, or its worker process died) or "timeout".
+    """
+
+    values: list[float]
+    failures: list[Failure | None]
+
+    @property
+    def errors(self) -> int:
+        return self.failures.count("error")
+
+    @property
+    def timeouts(self) -> int:
+        return self.failures.count("timeout")
+
+    @property
+    def any_failed(self) -> bool:
+        return any(f is not None for f in self.failures)
+
+    @property
+    def all_failed(self) -> bool:
+        return bool(self.failures) and all(f is not None for f in self.failures)
 
 
 @dataclass
@@ -74,7 +115,7 @@ class RewardScorer:
     shut down on exit.
 
         with RewardScorer("math", workers=2, timeout_s=10.0) as scorer:
-            scores = scorer.score(responses, ground_truths)
+            scores = scorer.score(responses, ground_truths).values
     """
 
     def __init__(self, fn: str, *, workers: int = 2, timeout_s: float = 10.0) -> None:
@@ -89,6 +130,7 @@ class RewardScorer:
         self.stats = ScoringStats()
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
+        self._spawner: ThreadPoolExecutor | None = None  # the one thread that starts pools
         self._worker_pids: list[int] = []
         self._tracebacks_logged: set[str] = set()
 
@@ -129,15 +171,26 @@ class RewardScorer:
             if self._pool is not None:
                 _kill_workers(self._pool)
                 self._pool, self._worker_pids = None, []
+            if self._spawner is not None:
+                self._spawner.shutdown(wait=True)
+                self._spawner = None
 
     def _start_pool(self) -> ProcessPoolExecutor:
+        """A pool whose workers have all started, started from the scorer's own thread: a
+        worker is killed when the thread that started it ends (`die_with_parent`), so a pool
+        must not be started from a caller's thread, which may end while the pool is in use."""
+        if self._spawner is None:
+            self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-pool")
+        return self._spawner.submit(self._new_pool).result()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")
         barrier = context.Barrier(self.workers)
         pool = ProcessPoolExecutor(
             max_workers=self.workers,
             mp_context=context,
             initializer=init_worker,
-            initargs=(self.fn, barrier),
+            initargs=(self.fn, barrier, os.getpid()),
         )
         # The pool spawns one process per submit while none is idle, so `workers` submits
         # start all of them; the barrier returns only once each one is running.
@@ -168,11 +221,12 @@ class RewardScorer:
         responses: list[str],
         ground_truths: list[str],
         prompts: list[str] | None = None,
-    ) -> list[float]:
-        """One score in [0, 1] per response, in input order.
+    ) -> Scores:
+        """One score in [0, 1] per response, in input order, and which calls failed.
 
         A call that raises, returns something other than a score, exceeds `timeout_s` or
-        kills its worker scores 0.0 and is counted in `stats`; this never raises for them.
+        kills its worker scores 0.0, is marked in `Scores.failures` and counted in `stats`;
+        this never raises for them.
         """
         if len(ground_truths) != len(responses) or (
             prompts is not None and len(prompts) != len(responses)
@@ -197,8 +251,9 @@ class RewardScorer:
 
     def _score_batch(
         self, responses: list[str], ground_truths: list[str], prompts: list[str] | None
-    ) -> list[float]:
+    ) -> Scores:
         scores = [0.0] * len(responses)
+        failures: list[Failure | None] = [None] * len(responses)
         waiting = deque(range(len(responses)))
         running: dict[Future[float], tuple[int, float]] = {}  # → (index, deadline)
         self.stats.calls += len(responses)
@@ -229,40 +284,43 @@ class RewardScorer:
                     scores[i] = future.result()
                 elif isinstance(exc, BrokenProcessPool):
                     broken = True
-                    self._count_error(i, responses[i], "its worker process died")
+                    failures[i] = self._count_error(i, responses[i], "its worker process died")
                 elif isinstance(exc, RewardValueError):
-                    self._count_error(i, responses[i], str(exc))
+                    failures[i] = self._count_error(i, responses[i], str(exc))
                 else:
-                    self._count_error(i, responses[i], "it raised", exc)
+                    failures[i] = self._count_error(i, responses[i], "it raised", exc)
             now = time.monotonic()
             overdue = [f for f, (_, deadline) in running.items() if deadline <= now]
             if broken:
                 # Every call still in the broken pool is lost with it.
                 for i, _ in running.values():
-                    self._count_error(i, responses[i], "another call's worker process died")
+                    failures[i] = self._count_error(
+                        i, responses[i], "another call's worker process died"
+                    )
                 running.clear()
                 self._replace_pool()
             elif overdue:
                 for future in overdue:
                     i, _ = running.pop(future)
-                    self._count_timeout(i, responses[i])
+                    failures[i] = self._count_timeout(i, responses[i])
                 waiting.extendleft(sorted((i for i, _ in running.values()), reverse=True))
                 running.clear()
                 self._replace_pool()
-        return scores
+        return Scores(scores, failures)
 
-    def _count_timeout(self, index: int, response: str) -> None:
+    def _count_timeout(self, index: int, response: str) -> Failure:
         self.stats.timeouts += 1
         log.warning(
             "reward %r exceeded timeout_s=%.3g on response %d of the batch (%s); its worker was "
-            "killed and it scores 0. Raise generator.reward.timeout_s if such calls are "
-            "legitimately slow.",
+            "killed and the call counts as failed (score 0). Raise generator.reward.timeout_s "
+            "if such calls are legitimately slow.",
             self.fn, self.timeout_s, index, _preview(response),
         )  # fmt: skip
+        return "timeout"
 
     def _count_error(
         self, index: int, response: str, what: str, exc: BaseException | None = None
-    ) -> None:
+    ) -> Failure:
         """Count a failed call; an exception's (remote) traceback is logged for the first
         failure of its type, its one-line form for every one."""
         self.stats.errors += 1
@@ -272,10 +330,11 @@ class RewardScorer:
             self._tracebacks_logged.add(kind)
             what = f"{what} {kind}: {exc}"
         log.warning(
-            "reward %r failed on response %d of the batch (%s): %s; it scores 0",
+            "reward %r failed on response %d of the batch (%s): %s; it counts as failed (score 0)",
             self.fn, index, _preview(response), what,
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
+        return "error"
 
 
 def _preview(response: str, limit: int = 60) -> str:

@@ -21,12 +21,20 @@ from storage.control import request_stop
 from storage.fs import Location, StorageError, open_location
 from storage.manifest import create_run
 from storage.records import Cursor
-from storage.stream import StreamWriter, read_log
+from storage.stream import StreamWriter, quarantined, read_log
 from storage.weights import WeightStore
 from streamrl.config import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
-from streamrl.status import FINISHED, NOT_STARTED, RUNNING, STOPPING, format_status, read_status
+from streamrl.status import (
+    FINISHED,
+    NOT_STARTED,
+    RUNNING,
+    STOPPING,
+    format_status,
+    read_status,
+    to_json,
+)
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +162,97 @@ def test_status_command_prints_the_figures_and_json(finished_run):
     assert (body["state"], body["step"], body["policy_version"]) == ("finished", 3, 3)
     assert (body["stream"]["groups"], body["consumed_groups"]) == (40, consumed)
     assert body["lag_groups"] == 40 - consumed
+
+
+def test_quarantined_segments_are_shown_and_left_out_of_the_lag(tmp_path):
+    """A real learner trains past a corrupted segment (it quarantines it and logs
+    stream/quarantined_total); the status counts it apart and the lag leaves its groups out,
+    whether consumption comes from the learner's metrics or from its checkpoint's cursor."""
+    from flows.artifacts import metrics_table
+
+    run_dir = tmp_path / "quarantine"
+    config = _config(run_dir, 3, "learner.checkpoint_every=2")
+    _create(run_dir, config)
+    run = open_location(str(run_dir))
+    _write_stream(run, 40)
+    corrupt = list(read_log(run))[1]
+    key = sorted(corrupt.objects)[0]
+    path = run.join("stream", "segments", corrupt.segment, key)
+    run.fs.pipe_file(path, bytes(b ^ 0xFF for b in run.fs.cat_file(path)))
+    with Topology.from_env("cpu") as topology:
+        learner = Learner(config, run, topology)
+        assert learner.run() == 3
+
+    assert quarantined(run) == [1]
+    status = read_status(run)
+    consumed = learner.collector.totals.consumed
+    last = _metrics_lines(run_dir)[-1]
+    assert consumed == last["stream/consumed_total"] == status.consumed_groups
+    assert (status.stream.quarantined, status.stream.quarantined_groups) == (1, SEGMENT_GROUPS)
+    assert status.stream.groups == 40
+    assert status.lag_groups == 40 - SEGMENT_GROUPS - consumed
+    checkpoint = CheckpointStore(run).read_state(3)
+    assert status.stream.groups_at(Cursor.from_dict(checkpoint.stream_cursor)) == consumed
+    table = format_status(status)
+    assert "quarantined: 1 segment (4 groups)" in table
+    assert f"lag: {40 - SEGMENT_GROUPS - consumed} groups" in table
+    assert json.loads(to_json(status))["stream"]["quarantined"] == 1
+
+    assert last["stream/quarantined_total"] == 1
+    assert "| quarantined segments (total) | 1 |" in metrics_table(last, 3, None, status.stream)
+
+
+def test_reward_failures_are_shown_per_generator_and_in_all(tmp_path):
+    """Counts from the commit records; a record written before they existed counts none."""
+    from flows.artifacts import metrics_table
+
+    run_dir = tmp_path / "rewards"
+    _create(run_dir, _config(run_dir, 5))
+    run = open_location(str(run_dir))
+    rng = np.random.default_rng(0)
+    groups = [random_group(rng, prompt_id=f"p{i}", vocab=600) for i in range(8)]
+    gen0, gen1 = StreamWriter(run, "gen0"), StreamWriter(run, "gen1")
+    gen0.count_reward_failures(errors=4, timeouts=1, dropped_groups=2)
+    gen0.write(groups[:3])
+    old = gen1.write(groups[3:5])
+    gen0.count_reward_failures(errors=3, dropped_groups=1)
+    gen0.write(groups[5:])
+    body = json.loads(old.to_json())
+    for key in ("reward_errors", "reward_timeouts", "reward_dropped_groups"):
+        del body[key]
+    (run_dir / "stream" / "log" / f"{old.seq:012d}.json").write_text(json.dumps(body))
+
+    status = read_status(run)
+    gen0_status, gen1_status = status.stream.generators
+    tally = status.stream
+    assert (tally.reward_errors, tally.reward_timeouts, tally.reward_dropped_groups) == (7, 1, 3)
+    assert (gen0_status.reward_errors, gen0_status.reward_timeouts) == (7, 1)
+    assert gen0_status.reward_dropped_groups == 3
+    assert (gen1_status.reward_errors, gen1_status.reward_timeouts) == (0, 0)
+    assert gen1_status.reward_dropped_groups == 0
+    failures = "7 reward errors, 1 reward timeout, 3 groups dropped for them"
+    table = format_status(status).splitlines()
+    assert f"rewards    {failures} in all" in table
+    assert any(
+        line.startswith("generators gen0: 6 groups") and f"; {failures}" in line for line in table
+    )
+    assert any("gen1: 2 groups" in line and "reward" not in line for line in table)
+
+    gen1.count_reward_failures(timeouts=2)
+    gen1.write(groups[:1])
+    again = read_status(run, previous=status)  # the tally continues from the first read
+    assert (again.stream.reward_errors, again.stream.reward_timeouts) == (7, 3)
+    assert again.stream.generators[1].reward_timeouts == 2
+
+    shown = _status_cli(str(run_dir), "--json")
+    assert shown.returncode == 0, shown.stderr
+    stream = json.loads(shown.stdout)["stream"]
+    keys = ("reward_errors", "reward_timeouts", "reward_dropped_groups")
+    assert [stream[k] for k in keys] == [7, 3, 3]
+    markdown = metrics_table({"step": 1}, 5, None, again.stream)
+    assert "| reward errors / timeouts / groups dropped (total) | 7 / 3 / 3 |" in markdown
+    assert "| reward errors / timeouts / groups dropped (gen0) | 7 / 1 / 3 |" in markdown
+    assert "| reward errors / timeouts / groups dropped (gen1) | 0 / 2 / 0 |" in markdown
 
 
 def test_status_follows_a_live_learner_to_its_end(tmp_path):

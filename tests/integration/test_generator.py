@@ -189,6 +189,13 @@ def test_hanging_and_raising_rewards_are_counted_and_the_loop_goes_on(
     assert loop.stats.groups >= 4
     assert scorer.stats.timeouts == 1
     assert scorer.stats.errors == 1
+    # Both failures hit the first group scored (one worker, calls in turn): it is dropped
+    # (generator.reward.on_error=drop_group by default) and the next commit counts them.
+    assert (loop.stats.reward_timeouts, loop.stats.reward_errors) == (1, 1)
+    assert loop.stats.dropped_groups == 1
+    records = list(read_log(run))
+    assert sum(r.reward_timeouts for r in records) == sum(r.reward_errors for r in records) == 1
+    assert sum(r.reward_dropped_groups for r in records) == 1
     groups = list(
         zip(range(loop.stats.groups), StreamReader(run).groups(timeout_s=10), strict=False)
     )
@@ -212,6 +219,51 @@ def test_bad_input_fails_before_vllm_starts(config: RunConfig, tmp_path):
     bad_model = load_config(["dapo", "tiny-cpu"], overrides=[f"model.path={missing}"])
     with pytest.raises(ModelPathError, match="does not exist"):
         _build(bad_model, run)
+
+
+def _perturbed(hf_model, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: p.detach() + 0.1 * p.detach().std() * torch.randn(p.shape, generator=generator)
+        for name, p in hf_model.named_parameters()
+    }
+
+
+def _corrupt(run_dir: Path, version: int) -> None:
+    """Flip one byte of a stored shard: its sha256 no longer matches the manifest."""
+    shard = next((run_dir / "weights" / f"v{version:08d}").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_corrupt_weight_versions_are_skipped_at_start_and_when_polled(
+    config: RunConfig, tmp_path, hf_model
+):
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    store = WeightStore(run)
+    for version in (1, 2):
+        store.publish(version, _perturbed(hf_model, version))
+    _corrupt(run_dir, 2)  # the latest version
+
+    with build_generator(config, run, 0) as loop:
+        assert loop.engine.policy_version == 1  # the newest intact one
+        assert loop.stats.corrupt_weight_versions == 1
+
+        store.publish(3, _perturbed(hf_model, 3))
+        _corrupt(run_dir, 3)
+        for _ in range(3):  # found corrupt once, then never read again
+            loop._poll()
+        assert loop.engine.policy_version == 1
+        assert loop.stats.corrupt_weight_versions == 2
+        assert loop.stats.weight_updates == 0
+
+        store.publish(4, _perturbed(hf_model, 4))
+        loop._poll()
+        assert loop.engine.policy_version == 4
+        assert loop.stats.weight_updates == 1
+        assert loop.stats.corrupt_weight_versions == 2
 
 
 def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_path):

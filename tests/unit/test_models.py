@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -151,6 +152,9 @@ def test_models_cli(model_cache: Path, tiny_model: Path, capsys: pytest.CaptureF
     assert SMOLLM2 in listing
     assert main(["models", "prepare", "tiny-qwen3", "--cache-dir", str(model_cache)]) == 2
     assert "bundled names tiny-qwen2" in capsys.readouterr().err
+    # Called as a library, main() leaves SIGPIPE ignored (Python's default): with SIG_DFL a
+    # write to a dead child's pipe (a killed reward worker) would kill this process.
+    assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
 
 
 def _check_smollm2(path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -255,8 +256,11 @@ def test_math_scorer_scores_in_order_and_stops_its_workers_on_exit() -> None:
         pids = scorer.worker_pids
         assert len(pids) == 2
         assert all(_alive(pid) for pid in pids)
-        assert scorer.score(responses, truths, prompts=["p"] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
-        assert scorer.score([], []) == []
+        scores = scorer.score(responses, truths, prompts=["p"] * 5)
+        assert scores.values == [1.0, 1.0, 0.0, 1.0, 0.0]
+        assert scores.failures == [None] * 5
+        assert not scores.any_failed
+        assert scorer.score([], []).values == []
     assert scorer.stats.calls == 5
     assert (scorer.stats.timeouts, scorer.stats.errors) == (0, 0)
     assert not any(_alive(pid) for pid in pids)
@@ -264,23 +268,25 @@ def test_math_scorer_scores_in_order_and_stops_its_workers_on_exit() -> None:
 
 
 def test_failing_calls_score_zero_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    batch = {
-        "7": ("7", 1.0),
-        "raise": ("7", 0.0),
-        "8": ("7", 0.0),
-        "return:1.5": ("7", 0.0),
-        "return:text": ("7", 0.0),
-        "return:nan": ("7", 0.0),
-        "return:none": ("7", 0.0),
-        "return:true": ("7", 1.0),
-        "prompt": ("p", 1.0),
+    batch = {  # response: (ground truth, score, failure)
+        "7": ("7", 1.0, None),
+        "raise": ("7", 0.0, "error"),
+        "8": ("7", 0.0, None),  # wrong, not failed
+        "return:1.5": ("7", 0.0, "error"),
+        "return:text": ("7", 0.0, "error"),
+        "return:nan": ("7", 0.0, "error"),
+        "return:none": ("7", 0.0, "error"),
+        "return:true": ("7", 1.0, None),
+        "prompt": ("p", 1.0, None),
     }
     responses = list(batch)
-    truths = [truth for truth, _ in batch.values()]
+    truths = [truth for truth, _, _ in batch.values()]
     caplog.set_level(logging.WARNING, logger="streamrl.rewards.scoring")
     with RewardScorer(SCRIPTED, workers=2, timeout_s=10.0) as scorer:
         scores = scorer.score(responses, truths, prompts=["p"] * len(responses))
-    assert scores == [expected for _, expected in batch.values()]
+    assert scores.values == [expected for _, expected, _ in batch.values()]
+    assert scores.failures == [failure for _, _, failure in batch.values()]
+    assert (scores.errors, scores.timeouts, scores.any_failed) == (5, 0, True)
     assert (scorer.stats.errors, scorer.stats.timeouts, scorer.stats.pool_restarts) == (5, 0, 0)
     assert "ValueError: boom" in caplog.text
     assert "returned 1.5 of type float" in caplog.text
@@ -302,7 +308,8 @@ def test_hung_call_is_killed_at_the_timeout_and_later_calls_run(
         started = time.monotonic()
         scores = scorer.score(responses, ["hang", "sleep:1.3", "sleep:1.3", "7"])
         elapsed = time.monotonic() - started
-        assert scores == [0.0, 1.0, 1.0, 1.0]
+        assert scores.values == [0.0, 1.0, 1.0, 1.0]
+        assert scores.failures == ["timeout", None, None, None]
         assert timeout_s <= elapsed < 30.0
         assert (scorer.stats.timeouts, scorer.stats.errors, scorer.stats.pool_restarts) == (1, 0, 1)
         assert "exceeded timeout_s=2" in caplog.text
@@ -312,7 +319,7 @@ def test_hung_call_is_killed_at_the_timeout_and_later_calls_run(
         assert not set(new_pids) & set(old_pids)
 
         started = time.monotonic()
-        assert scorer.score(["7", "8", "7", "7"], ["7"] * 4) == [1.0, 0.0, 1.0, 1.0]
+        assert scorer.score(["7", "8", "7", "7"], ["7"] * 4).values == [1.0, 0.0, 1.0, 1.0]
         assert time.monotonic() - started < timeout_s
     assert scorer.stats.timeouts == 1
     assert not any(_alive(pid) for pid in new_pids)
@@ -321,10 +328,11 @@ def test_hung_call_is_killed_at_the_timeout_and_later_calls_run(
 def test_worker_that_dies_scores_zero_and_the_pool_is_replaced() -> None:
     with RewardScorer(SCRIPTED, workers=2, timeout_s=10.0) as scorer:
         old_pids = scorer.worker_pids
-        assert scorer.score(["crash"], ["crash"]) == [0.0]
+        crashed = scorer.score(["crash"], ["crash"])
+        assert (crashed.values, crashed.failures) == ([0.0], ["error"])
         assert (scorer.stats.errors, scorer.stats.pool_restarts) == (1, 1)
         assert not any(_alive(pid) for pid in old_pids)
-        assert scorer.score(["7", "8"], ["7", "7"]) == [1.0, 0.0]
+        assert scorer.score(["7", "8"], ["7", "7"]).values == [1.0, 0.0]
 
 
 def test_concurrent_batches_from_threads_are_each_scored_in_order() -> None:
@@ -335,6 +343,24 @@ def test_concurrent_batches_from_threads_are_each_scored_in_order() -> None:
         ThreadPoolExecutor(max_workers=2) as threads,
     ):
         futures = [threads.submit(scorer.score, *batch) for batch in batches * 3]
-        results = [future.result() for future in futures]
+        results = [future.result().values for future in futures]
     assert results == expected * 3
     assert scorer.stats.calls == 3 * (8 + 6)
+
+
+def test_a_pool_replaced_in_a_callers_thread_outlives_that_thread() -> None:
+    """Workers are killed when the thread that started them ends (their parent-death signal
+    follows the thread), so the scorer starts every pool from its own thread: a caller's thread
+    that hit a timeout and has ended leaves working workers behind."""
+    with RewardScorer(SCRIPTED, workers=1, timeout_s=1.0) as scorer:
+        caller = threading.Thread(target=scorer.score, args=(["hang"], ["hang"]))
+        caller.start()
+        caller.join()
+        assert (scorer.stats.timeouts, scorer.stats.pool_restarts) == (1, 1)
+        pids = scorer.worker_pids
+        time.sleep(1.0)
+        assert all(_alive(pid) for pid in pids)
+        scores = scorer.score(["7"], ["7"])
+        assert (scores.values, scores.failures) == ([1.0], [None])
+        assert scorer.stats.pool_restarts == 1
+        assert scorer.worker_pids == pids

