@@ -4,11 +4,7 @@ two-rank FSDP2 job on SeaweedFS that resumes in a fresh job with bit-identical l
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -26,9 +22,9 @@ from storage.checkpoints import (
 )
 from storage.fs import Location, StorageError
 from storage.seaweedfs import SeaweedFS
+from tests.integration.torchrun import torchrun
 
 WORKER = Path(__file__).with_name("fsdp_checkpoint_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
@@ -157,42 +153,15 @@ def test_damaged_checkpoint_is_refused(run_location: Location) -> None:
         store.load(1, _app_state(seed=0))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _torchrun(phase: str, uri: str, out: Path, env: dict[str, str]) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(WORKER),
-        f"--phase={phase}",
-        f"--uri={uri}",
-        "--steps=3",
-        f"--out={out}",
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{phase} job failed:\n{done.stdout}\n{done.stderr}"
+    torchrun(WORKER, f"--phase={phase}", f"--uri={uri}", "--steps=3", f"--out={out}", env=env)
 
 
 def test_fsdp2_two_ranks_resume_bit_identical(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
     """Job 1 trains 3 steps on 2 gloo ranks, checkpoints to S3, runs steps 3 and 4; a fresh
     job 2 loads the checkpoint and runs steps 3 and 4: every loss on every rank is equal."""
     uri = f"s3://{seaweedfs.bucket}/runs/{uuid.uuid4().hex[:12]}"
-    env = {
-        **os.environ,
-        **seaweedfs.env,
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-    }
+    env = {**seaweedfs.env, "MASTER_ADDR": "127.0.0.1"}
     _torchrun("save", uri, tmp_path, env)
     _torchrun("resume", uri, tmp_path, env)
     for rank in (0, 1):

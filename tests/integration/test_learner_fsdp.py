@@ -7,10 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,15 +19,9 @@ from streamrl.learner.optim import build_optimizer, build_scheduler, clip_grad_n
 from streamrl.learner.topology import Topology, TopologyError
 from streamrl.models import resolve_model_path
 from tests.integration import learner_fsdp_worker as worker
+from tests.integration.torchrun import torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +29,7 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The worker's outputs from one `torchrun --nproc_per_node 2` job."""
     out = tmp_path_factory.mktemp("fsdp")
     resolve_model_path(worker.MODEL)  # build the bundled model once, before two ranks race
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(Path(worker.__file__)),
-        f"--out={out}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout}\n{done.stderr}"
+    torchrun(worker.__file__, f"--out={out}")
     return out
 
 

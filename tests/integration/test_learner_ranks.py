@@ -4,10 +4,6 @@ batch, and a transient read error is retried, not quarantined."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -17,10 +13,8 @@ from storage.stream import StreamWriter, quarantined
 from streamrl.config import load_config
 from streamrl.models import resolve_model_path
 from tests.integration import learner_ranks_worker as worker
-from tests.integration.test_learner_fsdp import _free_port
+from tests.integration.torchrun import torchrun
 from tests.stream_data import random_group
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_rank0_decides_the_batch_and_a_transient_read_error_loses_nothing(tmp_path):
@@ -51,22 +45,7 @@ def test_rank0_decides_the_batch_and_a_transient_read_error_loses_nothing(tmp_pa
     expected = [g.prompt_id for g in groups if 0 < g.raw_scores.sum() < g.group_size][:8]
 
     resolve_model_path("tiny-qwen2")  # build the bundled model once, before two ranks race
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(Path(worker.__file__)),
-        f"--root={run_dir}",
-        f"--out={out}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    torchrun(worker.__file__, f"--root={run_dir}", f"--out={out}")
 
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["batches"] == ranks[1]["batches"]
