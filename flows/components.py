@@ -25,6 +25,7 @@ from streamrl.launch import (
     learner_command,
     run_process,
 )
+from streamrl.placement import ProcessPlacement
 
 __all__ = ["evaluator_task", "generator_task", "learner_task", "restarts", "stop_event"]
 
@@ -53,7 +54,7 @@ class ComponentExitError(RuntimeError):
     """A component's process exited with a non-zero code (one attempt of its task)."""
 
 
-def _run(name: str, argv: list[str], run_uri: str) -> None:
+def _run(name: str, argv: list[str], run_uri: str, placement: ProcessPlacement | None) -> None:
     logger = get_run_logger()
     attempt = task_run.run_count
     if attempt > 1:
@@ -70,7 +71,7 @@ def _run(name: str, argv: list[str], run_uri: str) -> None:
         level = logging.INFO if _NOTEWORTHY.search(line) else logging.DEBUG
         logger.log(level, "[%s] %s", name, line)
 
-    code = run_process(argv, on_line, stop)
+    code = run_process(argv, on_line, stop, placement=placement)
     if code != 0 and not stop.is_set():
         last = "\n".join(tail[-10:])
         raise ComponentExitError(f"{name} exited with code {code}; its last lines:\n{last}")
@@ -78,18 +79,22 @@ def _run(name: str, argv: list[str], run_uri: str) -> None:
 
 
 @task(name="learner", task_run_name="learner", retries=1, retry_delay_seconds=2)
-def learner_task(config: RunConfig) -> None:
-    """The learner (torchrun when it has several ranks) until its step budget."""
-    _run("learner", learner_command(config), config.storage.run_uri)
+def learner_task(config: RunConfig, placement: ProcessPlacement | None = None) -> None:
+    """The learner (torchrun when it has several ranks) until its step budget, on its
+    `placement`'s cores and GPUs (None: the worker's own environment)."""
+    _run("learner", learner_command(config), config.storage.run_uri, placement)
 
 
 @task(name="generator", task_run_name="generator-{index}", retries=3, retry_delay_seconds=2)
-def generator_task(config: RunConfig, index: int) -> None:
-    """Generator `index` until the run's stop marker."""
-    _run(f"gen{index}", generator_command(config, index), config.storage.run_uri)
+def generator_task(
+    config: RunConfig, index: int, placement: ProcessPlacement | None = None
+) -> None:
+    """Generator `index` until the run's stop marker, on its `placement` (as the learner's)."""
+    _run(f"gen{index}", generator_command(config, index), config.storage.run_uri, placement)
 
 
 @task(name="evaluator", task_run_name="evaluator", retries=1, retry_delay_seconds=2)
-def evaluator_task(config: RunConfig) -> None:
-    """Held-out evaluation of every E-th published version, until the run stops."""
-    _run("eval", evaluator_command(config), config.storage.run_uri)
+def evaluator_task(config: RunConfig, placement: ProcessPlacement | None = None) -> None:
+    """Held-out evaluation of every E-th published version, until the run stops, on its
+    `placement` (as the learner's)."""
+    _run("eval", evaluator_command(config), config.storage.run_uri, placement)

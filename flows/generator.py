@@ -15,7 +15,8 @@ from prefect import flow, get_run_logger
 
 from flows.components import generator_task
 from storage.fs import open_location
-from streamrl.launch import claim_generator_index, load_run_config
+from streamrl.launch import claim_generator_index
+from streamrl.runs import load_run_config
 
 __all__ = ["join_run"]
 

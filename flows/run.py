@@ -34,7 +34,9 @@ from flows.components import (
 )
 from storage.control import request_stop, stop_requested
 from streamrl.config import RunConfig, StorageConfig, load_config
-from streamrl.launch import open_run_location, prepare_run, reserve_generator_indexes
+from streamrl.launch import reserve_generator_indexes
+from streamrl.placement import PlacementPlan, plan_placement, write_placement
+from streamrl.runs import open_run_location, prepare_run
 
 __all__ = ["streamrl_run", "supervise"]
 
@@ -51,24 +53,34 @@ def _failed(future: PrefectFuture[Any]) -> bool:
 
 
 def supervise(
-    config: RunConfig, *, generators: int, retries: int = 3, evaluate: bool = True
+    config: RunConfig,
+    *,
+    generators: int,
+    retries: int = 3,
+    evaluate: bool = True,
+    placement: PlacementPlan | None = None,
 ) -> dict[str, Any]:
     """Start the run's components as tasks and watch them until the learner is done.
 
-    Returns a summary (steps, restarts, last metrics); raises `RunFailedError` after stopping
-    everything when a component failed for good."""
+    Every process starts from `placement` (default: `plan_placement` for this machine), logged
+    once and stored as `<run>/control/placement.json`. Returns a summary (steps, restarts, last
+    metrics); raises `RunFailedError` after stopping everything when a component failed for
+    good."""
     logger = get_run_logger()
     run_uri = config.storage.run_uri
+    plan = placement or plan_placement(config, generators=generators, evaluator=evaluate)
+    logger.info("%s", plan.describe())
     run = open_run_location(config)
+    write_placement(run, plan)
     artifacts = RunArtifacts(config, run)
     reserve_generator_indexes(run, generators, owner="streamrl flow")
-    learner = learner_task.submit(config)
+    learner = learner_task.submit(config, plan.learner)
     workers = {
-        f"generator-{i}": generator_task.with_options(retries=retries).submit(config, i)
-        for i in range(generators)
+        f"generator-{i}": generator_task.with_options(retries=retries).submit(config, i, placed)
+        for i, placed in enumerate(plan.generators)
     }
-    if evaluate and config.eval.every_versions > 0:
-        workers["evaluator"] = evaluator_task.submit(config)
+    if plan.evaluator is not None:
+        workers["evaluator"] = evaluator_task.submit(config, plan.evaluator)
     failure, shown = None, 0
     total = config.learner.total_steps
     while not learner.state.is_final():
@@ -135,6 +147,7 @@ def streamrl_run(
     config = load_config(presets, config_file, extra)
     if config.storage.run_uri == StorageConfig().run_uri and not resume:  # a fresh run each time
         config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    config, _ = prepare_run(config, resume=resume)
     count = generators if generators is not None else config.generator.count
-    return supervise(config, generators=count, retries=generator_retries)
+    placement = plan_placement(config, generators=count)  # refused before anything starts
+    config, _ = prepare_run(config, resume=resume)
+    return supervise(config, generators=count, retries=generator_retries, placement=placement)

@@ -12,7 +12,8 @@ reader then retries for as long as it waits: `storage.stream_reader`).
 
 `put_if_absent` is the one coordination primitive the run layout needs: create an object
 only if no object of that name exists (S3 `If-None-Match: *`; locally a complete temporary
-file hard-linked into place, which fails if the name is taken).
+file hard-linked into place, which fails if the name is taken). `replace_object` rewrites a
+small record (a progress record) so that readers see the old bytes or the new, never a part.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "StorageError",
     "open_location",
     "put_if_absent",
+    "replace_object",
 ]
 
 
@@ -223,3 +225,17 @@ def put_if_absent(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
         if _is_precondition_failure(exc):
             return False
         raise
+
+
+def replace_object(location: Location, path: str, data: bytes) -> None:
+    """Write `data` to `path`, replacing any object there; a reader sees the old object or the
+    new one, never a partial one (on S3 one PUT; locally a temporary file renamed into place)."""
+    if not location.is_local:
+        location.fs.pipe_file(path, data)
+        return
+    folder = posixpath.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = posixpath.join(folder, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

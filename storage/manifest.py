@@ -59,6 +59,9 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "generator.gpu_memory_utilization",
     "generator.tensor_parallel_size",
     "generator.cpu_kv_cache_gib",
+    "generator.cpu_cores",
+    "learner.gpus",
+    "learner.cpu_cores",
     "generator.enforce_eager",
     "generator.reward.workers",
     # Where metrics go, and held-out evaluation (it never touches training).

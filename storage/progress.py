@@ -12,11 +12,9 @@ a reader sees the old record or the new one.
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from dataclasses import asdict, dataclass
 
-from storage.fs import Location
+from storage.fs import Location, replace_object
 
 __all__ = ["GeneratorProgress", "read_progress", "write_progress"]
 
@@ -73,12 +71,4 @@ def read_progress(run: Location, writer_id: str) -> GeneratorProgress | None:
 
 def write_progress(run: Location, progress: GeneratorProgress) -> None:
     """Replace the progress record of `progress.writer_id` (atomically)."""
-    path, data = _path(run, progress.writer_id), progress.to_json()
-    if not run.is_local:
-        run.fs.pipe_file(path, data)  # one PUT: the old object or the new one
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    replace_object(run, _path(run, progress.writer_id), progress.to_json())

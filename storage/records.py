@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CommitRecord", "Cursor", "InvalidRecordError", "ScoredGroup"]
+__all__ = ["CommitRecord", "Cursor", "InvalidRecordError", "RolloutSums", "ScoredGroup"]
 
 
 class InvalidRecordError(ValueError):
@@ -144,6 +144,51 @@ def _check_tokens(tokens: np.ndarray, what: str) -> None:
         raise InvalidRecordError(f"{what} holds token ids outside int32 range [0, 2^31)")
 
 
+@dataclass
+class RolloutSums:
+    """Sums over the responses of some groups, for rollout metrics (the learner's `rollout/*`;
+    a commit record carries its segment's). A response is correct when its raw verifier score
+    is ≥ 1; `reward` sums shaped rewards, `length` response tokens."""
+
+    responses: int = 0
+    reward: float = 0.0
+    correct: int = 0
+    length: int = 0
+    truncated: int = 0
+
+    def add(self, group: ScoredGroup) -> None:
+        self.responses += group.group_size
+        self.reward += float(np.sum(group.rewards, dtype=np.float64))
+        self.correct += int(np.count_nonzero(np.asarray(group.raw_scores) >= 1.0))
+        self.length += int(np.sum(group.response_lengths))
+        self.truncated += int(np.count_nonzero(group.truncated))
+
+    def merge(self, other: RolloutSums) -> None:
+        self.responses += other.responses
+        self.reward += other.reward
+        self.correct += other.correct
+        self.length += other.length
+        self.truncated += other.truncated
+
+    @classmethod
+    def of(cls, groups: Sequence[ScoredGroup]) -> RolloutSums:
+        sums = cls()
+        for group in groups:
+            sums.add(group)
+        return sums
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """`<prefix>/reward_mean`, `/acc`, `/response_len_mean`, `/truncated_frac`: means over
+        responses."""
+        n = max(self.responses, 1)
+        return {
+            f"{prefix}/reward_mean": self.reward / n,
+            f"{prefix}/acc": self.correct / n,
+            f"{prefix}/response_len_mean": self.length / n,
+            f"{prefix}/truncated_frac": self.truncated / n,
+        }
+
+
 @dataclass(frozen=True)
 class CommitRecord:
     """One entry of the commit log, `<run>/stream/log/<seq:012d>.json`.
@@ -162,6 +207,10 @@ class CommitRecord:
         failed (`generator.reward.on_error=drop_group`); none with `score_zero`, whose failed
         responses are in the segment with score 0.
     Records written before these fields existed read as 0.
+
+    `rollout`: the sums of the segment's responses (`RolloutSums`), so a reader that skips a
+    segment unread (all its groups too stale) still counts what it held; None in records
+    written before the field existed (such segments are always read).
     """
 
     seq: int
@@ -178,11 +227,13 @@ class CommitRecord:
     reward_errors: int = 0
     reward_timeouts: int = 0
     reward_dropped_groups: int = 0
+    rollout: RolloutSums | None = None
 
     def to_json(self) -> bytes:
+        rollout = None if self.rollout is None else asdict(self.rollout)
+        objects = {k: list(v) for k, v in self.objects.items()}
         return json.dumps(
-            {**self.__dict__, "objects": {k: list(v) for k, v in self.objects.items()}},
-            sort_keys=True,
+            {**self.__dict__, "objects": objects, "rollout": rollout}, sort_keys=True
         ).encode()
 
     @classmethod
@@ -190,6 +241,8 @@ class CommitRecord:
         try:
             raw: dict[str, Any] = json.loads(data)
             raw["objects"] = {k: (int(v[0]), int(v[1])) for k, v in raw["objects"].items()}
+            if raw.get("rollout") is not None:
+                raw["rollout"] = RolloutSums(**raw["rollout"])
             record = cls(**raw)
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidRecordError(f"commit record {seq} is unreadable: {exc}") from None

@@ -38,10 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from storage.fs import Location, put_if_absent
-from storage.records import CommitRecord, ScoredGroup
+from storage.records import CommitRecord, RolloutSums, ScoredGroup
 from storage.segments import Compression, encode_segment
 from storage.stream_log import StorageUnavailableError, first_free, log_path, read_log, read_record
-from storage.stream_reader import ReaderStats, StreamReader, StreamTimeoutError, quarantined
+from storage.stream_reader import (
+    ReaderStats,
+    SkippedSegment,
+    StreamReader,
+    StreamTimeoutError,
+    quarantined,
+)
 from storage.stream_sweep import (
     COMMIT_DEADLINE_S,
     SweepGraceError,
@@ -53,6 +59,7 @@ from storage.stream_sweep import (
 __all__ = [
     "COMMIT_DEADLINE_S",
     "ReaderStats",
+    "SkippedSegment",
     "StorageUnavailableError",
     "StreamReader",
     "StreamTimeoutError",
@@ -184,6 +191,7 @@ class StreamWriter:
             num_tokens=sum(g.num_tokens for g in groups),
             min_policy_version=min(versions),
             max_policy_version=max(versions),
+            rollout=RolloutSums.of(groups),
             objects={k: (len(v), zlib.crc32(v)) for k, v in objects.items()},
         )
         self.stats.bytes += sum(len(v) for v in objects.values())

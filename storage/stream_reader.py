@@ -4,6 +4,16 @@ A `Cursor` (log number, group offset) is the position; each round fetches the ne
 records at once, keeps the contiguous run, fetches all their segments' objects at once, and
 checks sizes and CRC32s before decoding.
 
+Records too old to train on are not downloaded: when the reader is given
+`oldest_usable_version` (a callable, evaluated once per round as its records are fetched), a
+record whose `max_policy_version` is below it is passed over unread — the consumer gets one
+`SkippedSegment` with the number of groups it stands for and their rollout sums (from the
+record), and the cursor moves past the segment exactly as if those groups had been read one by
+one. Only whole segments with such sums are skipped (a cursor inside a segment, or a record
+written before records carried sums, is read as usual). Deciding with a bound read earlier than the
+consumer's own check (the prefetch thread reads ahead) is safe as long as the bound never
+decreases: a group below an earlier bound is below every later one.
+
 What a failed read means — only proof of corruption loses a committed segment:
 
 * **Corrupt** — an object's size or CRC32 differs from its commit record, or it does not
@@ -29,16 +39,16 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from storage.fs import Location, put_if_absent
-from storage.records import CommitRecord, Cursor, InvalidRecordError, ScoredGroup
+from storage.records import CommitRecord, Cursor, InvalidRecordError, RolloutSums, ScoredGroup
 from storage.segments import CorruptSegmentError, decode_segment
 from storage.stream_log import StorageUnavailableError, cat_objects, fetch_records, storage_io
 
-__all__ = ["ReaderStats", "StreamReader", "StreamTimeoutError", "quarantined"]
+__all__ = ["ReaderStats", "SkippedSegment", "StreamReader", "StreamTimeoutError", "quarantined"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,14 +74,29 @@ class ReaderStats:
         return len(self.quarantined)
 
 
-Round = list[tuple[Cursor, ScoredGroup | None]]
+@dataclass(frozen=True)
+class SkippedSegment:
+    """Committed segment `seq`, not downloaded because every one of its `num_groups` groups is
+    too old: each has policy_version ≤ `max_policy_version`, which was below the reader's
+    `oldest_usable_version` when the record was read. `rollout` sums its responses (from the
+    commit record)."""
+
+    seq: int
+    num_groups: int
+    max_policy_version: int
+    rollout: RolloutSums
+
+
+Round = list[tuple[Cursor, ScoredGroup | SkippedSegment | None]]
 
 
 class StreamReader:
     """Reads the stream in commit order from a cursor.
 
     Consumes: commit records and their segments. Produces: `ScoredGroup`s, one at a time, with
-    `cursor` pointing just past the last one returned (save it to resume exactly there).
+    `cursor` pointing just past the last one returned (save it to resume exactly there), and,
+    with `oldest_usable_version` set, a `SkippedSegment` in place of the groups of a segment
+    whose commit record says they are all older than that version (see the module docstring).
     Waits for: the next commit record, or a store that failed to answer; polls with back-off
     up to `max_poll_s` (idle) or `max_retry_wait_s` (storage errors).
     """
@@ -86,8 +111,11 @@ class StreamReader:
         prefetch_rounds: int = 2,
         max_retry_wait_s: float = 10.0,
         missing_grace_s: float = 30.0,
+        oldest_usable_version: Callable[[], int] | None = None,
     ) -> None:
         self.stream = run.child("stream")
+        # Must never decrease: the prefetch thread decides with the value of its round.
+        self.oldest_usable_version = oldest_usable_version
         self.cursor = cursor or Cursor()
         self.records_per_round = records_per_round
         self.max_poll_s = max_poll_s
@@ -101,17 +129,36 @@ class StreamReader:
         """One round: the groups committed after `start` (default: the cursor), each paired
         with the cursor just past it.
 
-        An entry with group None only moves the cursor past a quarantined segment. Does not
-        move `self.cursor` (the caller decides what it has consumed). A transient storage error
+        An entry with group None only moves the cursor past a quarantined segment (or the end
+        of one); a `SkippedSegment` moves it past a segment too old to read. Does not move
+        `self.cursor` (the caller decides what it has consumed). A transient storage error
         ends the round early (the segments before it are returned) or, when nothing could be
         read, raises `StorageUnavailableError`."""
         start = start or self.cursor
         records = fetch_records(self.stream, start.seq, self.records_per_round)
         if not records:
             return []
-        fetched = cat_objects(self.stream.fs, self._object_paths(records))
+        oldest = None if self.oldest_usable_version is None else self.oldest_usable_version()
+        unread = {
+            r.seq
+            for r in records
+            if oldest is not None
+            and r.max_policy_version < oldest
+            and r.rollout is not None  # older records lack the sums: read those
+            and not (r.seq == start.seq and start.offset)  # whole segments only
+        }
+        wanted = [r for r in records if r.seq not in unread]
+        fetched = cat_objects(self.stream.fs, self._object_paths(wanted))
         out: Round = []
         for record in records:
+            first = start.offset if record.seq == start.seq else 0
+            if record.seq in unread:
+                self.stats.records += 1
+                skipped = SkippedSegment(
+                    record.seq, record.num_groups, record.max_policy_version, record.rollout
+                )
+                out.append((Cursor(record.seq + 1), skipped))
+                continue
             try:
                 groups = self._read_segment(record, fetched)
             except CorruptSegmentError as exc:
@@ -125,7 +172,6 @@ class StreamReader:
                 self._count_transient(exc)  # deliver what was read; retry the rest next round
                 break
             self.stats.records += 1
-            first = start.offset if record.seq == start.seq else 0
             for i in range(first, len(groups)):
                 after = Cursor(record.seq, i + 1) if i + 1 < len(groups) else Cursor(record.seq + 1)
                 out.append((after, groups[i]))
@@ -133,8 +179,10 @@ class StreamReader:
                 out.append((Cursor(record.seq + 1), None))
         return out
 
-    def groups(self, timeout_s: float | None = None) -> Iterator[ScoredGroup]:
+    def groups(self, timeout_s: float | None = None) -> Iterator[ScoredGroup | SkippedSegment]:
         """Yield groups forever, in commit order; `cursor` moves past each one as it is yielded.
+        (A `SkippedSegment` comes only with `oldest_usable_version` set; the cursor is then past
+        its segment.)
 
         With `prefetch_rounds > 0` a background thread fetches and decodes up to that many
         rounds ahead, so storage latency hides behind the consumer's work.
@@ -146,11 +194,13 @@ class StreamReader:
             rounds = _prefetched(rounds, self.prefetch_rounds, stop)
         try:
             for items in rounds:
-                for after, group in items:
+                for after, item in items:
                     self.cursor = after
-                    if group is not None:
+                    if item is None:
+                        continue
+                    if isinstance(item, ScoredGroup):
                         self.stats.groups += 1
-                        yield group
+                    yield item
         finally:
             stop.set()
             rounds.close()

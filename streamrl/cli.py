@@ -211,10 +211,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import re
     from pathlib import Path
 
-    from streamrl.launch import ComponentFailedError, LocalRun, format_summary, prepare_run
+    from streamrl.launch import ComponentFailedError, LocalRun, format_summary
     from streamrl.launch import run_summary as summarize
+    from streamrl.placement import plan_placement
+    from streamrl.runs import prepare_run
 
-    config, run = prepare_run(_config_from(args), resume=args.resume)
+    config = _config_from(args)
+    count = args.generators or config.generator.count
+    placement = plan_placement(config, generators=count)  # refused before anything starts
+    config, run = prepare_run(config, resume=args.resume)
     logs = Path(run.path if run.is_local else "streamrl-logs") / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -227,9 +232,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if shown.search(line):
             print(f"[{component}] {line}", flush=True)
 
-    count = args.generators or config.generator.count
     print(f"streamrl run: {run.uri} — learner + {count} generator(s); logs in {logs}", flush=True)
-    local = LocalRun(config, count, on_line, max_restarts=args.max_restarts)
+    print(placement.describe(), flush=True)
+    local = LocalRun(config, count, on_line, max_restarts=args.max_restarts, placement=placement)
     try:
         local.run()
     except ComponentFailedError as exc:
@@ -255,7 +260,7 @@ the minimum): a segment that young may still be committed.
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from storage.stream import SweepGraceError, orphan_segments, sweep_orphans
-    from streamrl.launch import open_existing_run
+    from streamrl.runs import open_existing_run
 
     config, run = open_existing_run(args.run)
     grace = config.storage.sweep_grace_s if args.grace_s is None else args.grace_s
@@ -425,11 +430,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from storage.fs import StorageError
+    from streamrl.placement import PlacementError
     from streamrl.rewards import RewardResolutionError
 
     try:
         return args.func(args)
-    except (ConfigError, StorageError, RewardResolutionError) as exc:
+    except (ConfigError, StorageError, RewardResolutionError, PlacementError) as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 2
 

@@ -40,7 +40,7 @@ The directory appears complete or not at all; a non-empty one is refused without
 def _open_run(run_uri: str) -> Any:
     """The existing run at `run_uri`, opened with its configuration's storage settings."""
     from storage.fs import open_location
-    from streamrl.launch import load_run_config
+    from streamrl.runs import load_run_config
 
     run = open_location(run_uri, check=False)  # a mistyped local URI must not create a folder
     storage = load_run_config(run).storage  # StorageError naming the URI when no run is there
@@ -52,7 +52,7 @@ def _open_run(run_uri: str) -> Any:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from streamrl.config import ConfigError
     from streamrl.evaluation import evaluate, run_evaluator
-    from streamrl.launch import load_run_config
+    from streamrl.runs import load_run_config
 
     if args.follow:
         one_off = ("version", "dataset", "k", "max_prompts", "temperature", "prompt_field",

@@ -19,10 +19,18 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from storage.stream_sweep import min_sweep_grace_s
 from streamrl._dicts import deep_merge
@@ -32,6 +40,7 @@ from streamrl.algorithms.config import (
     AlgorithmConfig,
     DAPOConfig,
 )
+from streamrl.placement import parse_cores
 
 __all__ = [
     "ConfigError",
@@ -57,6 +66,25 @@ MIN_SWEEP_GRACE_S = min_sweep_grace_s()
 
 class _Component(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _core_setting(value: Any) -> Any:
+    """A count (4, "4") or a core list ("0-3,8", [0, 1, 2, 3, 8]) → int or sorted list."""
+    if isinstance(value, str):
+        value = int(value) if value.strip().isdigit() else parse_cores(value)
+    if isinstance(value, bool):
+        raise ValueError("give a core count (4) or a core list ('0-3,8'), not true/false")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"a core count must be ≥ 1, got {value}; null picks cores automatically")
+    if isinstance(value, list):
+        if not value or any(not isinstance(c, int) or c < 0 for c in value):
+            raise ValueError(f"a core list holds core numbers ≥ 0, got {value}")
+        value = sorted(set(value))
+    return value
+
+
+# CPU cores of a component: null (automatic), a count, or a core list ("0-3,8").
+CoreSetting = Annotated[int | list[int] | None, BeforeValidator(_core_setting)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +244,12 @@ class GeneratorConfig(_Component):
     enforce_eager: bool = Field(
         False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
     )
+    cpu_cores: CoreSetting = Field(
+        None,
+        description="CPU cores of the run's generators together, split evenly between them: "
+        "a count or a core list such as '4-7' (a bare number is a count). null: what the "
+        "learner leaves (see streamrl.placement).",
+    )
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="The reward function and its sandbox."
     )
@@ -287,6 +321,19 @@ class LearnerConfig(_Component):
         "for a non-finite gradient norm (each skip is counted and logged).",
     )
     nproc_per_node: int = Field(1, ge=1, description="Learner processes (ranks) per node.")
+    gpus: int | list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="The learner's GPUs, one per rank: their number (= nproc_per_node) or "
+        "their positions among this machine's visible GPUs ([4, 5, 6, 7]). null: the first "
+        "nproc_per_node; generators and the evaluator take the next ones, "
+        "generator.tensor_parallel_size each.",
+    )
+    cpu_cores: CoreSetting = Field(
+        None,
+        description="CPU cores of the learner (all its ranks): a count or a core list such as "
+        "'0-3,8' (a bare number is a count). null: half the cores this machine lets the run "
+        "use when generators share it, else all.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto picks CUDA when available."
     )
@@ -309,6 +356,20 @@ class LearnerConfig(_Component):
                 f"({self.mini_batch_groups}); e.g. set learner.mini_batch_groups="
                 f"{self.batch_groups}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> LearnerConfig:
+        if self.gpus is None:
+            return self
+        listed = len(self.gpus) if isinstance(self.gpus, list) else self.gpus
+        if listed != self.nproc_per_node:
+            raise ValueError(
+                f"learner.gpus gives {listed} GPU(s) but learner.nproc_per_node is "
+                f"{self.nproc_per_node}: one GPU per rank; set both to the same number"
+            )
+        if isinstance(self.gpus, list) and len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"learner.gpus lists a GPU twice: {self.gpus}")
         return self
 
     @property
@@ -344,6 +405,11 @@ class EvalConfig(_Component):
         gt=0.0,
         description="Sampling temperature of val/avg@k; null: generator.temperature. "
         "val/acc_greedy always decodes greedily.",
+    )
+    cpu_cores: CoreSetting = Field(
+        None,
+        description="CPU cores of the evaluator: a count or a core list such as '6-7'. null: a "
+        "share of what the learner leaves, like a generator's.",
     )
 
 

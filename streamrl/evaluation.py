@@ -226,7 +226,7 @@ def evaluate(
     `validation_dataset`. With `record`, the result is appended to the run's evaluation log.
     Returns the metrics (module docstring) and `version`.
     """
-    from streamrl.launch import load_run_config
+    from streamrl.runs import load_run_config
 
     config = load_run_config(run)
     store = WeightStore(run)
@@ -335,7 +335,7 @@ def run_evaluator(
     """`streamrl eval --run RUN_URI --follow`: the evaluator of an existing run, in a process of
     its own, until the run stops (see `EvaluationLoop`). SIGTERM (when called from the main
     thread) sets the stop event, so the process exits 0."""
-    from streamrl.launch import open_existing_run, stop_on_sigterm
+    from streamrl.runs import open_existing_run, stop_on_sigterm
 
     config, run = open_existing_run(run_uri, storage_options)
     stop = stop_on_sigterm(stop)

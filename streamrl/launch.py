@@ -4,11 +4,13 @@ A run is a learner (one process, or a torchrun job of `learner.nproc_per_node` r
 generators and, when `eval.every_versions` > 0, an evaluator: each a `streamrl` subprocess of
 this Python interpreter, sharing nothing but the run's storage.
 
-- `prepare_run`: create `run.json`, or check it on resume (incompatible fields listed);
-  `load_run_config`: the configuration every process of the run uses.
+Opening a run (`prepare_run`, `open_existing_run`, `load_run_config`) lives in
+`streamrl.runs`, which the components import; nothing but supervisors imports this module.
+
 - `learner_command`, `generator_command`, `evaluator_command`: their argv.
 - `run_process`: run one to its exit, each output line to a callback; SIGTERM when asked to
-  stop, SIGKILL after a grace period.
+  stop, SIGKILL after a grace period; on the cores and with the environment of its
+  `ProcessPlacement` (`streamrl.placement`: one plan per run, made before anything starts).
 - `claim_generator_index`: the next free generator index of a run, for generators that join
   later (scaling out).
 - `LocalRun`: `streamrl run` — the whole run without Prefect: restarts a crashed generator
@@ -32,10 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.control import clear_stop, request_stop, stop_requested
-from storage.fs import Location, StorageError, open_location, put_if_absent
-from storage.manifest import create_run, open_run
-from streamrl.config import RunConfig, validate_config
+from storage.control import request_stop, stop_requested
+from storage.fs import Location, put_if_absent
+from streamrl.config import RunConfig
+from streamrl.placement import PlacementPlan, ProcessPlacement, plan_placement, write_placement
+from streamrl.runs import open_run_location
 
 __all__ = [
     "ComponentFailedError",
@@ -45,95 +48,20 @@ __all__ = [
     "format_summary",
     "generator_command",
     "learner_command",
-    "load_run_config",
-    "open_existing_run",
-    "open_run_location",
-    "prepare_run",
     "reserve_generator_indexes",
     "run_process",
     "run_summary",
-    "stop_on_sigterm",
 ]
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0
 FINISH_GRACE_S = 180.0  # generators flush, the evaluator scores the last version
-CURRENT_CONFIG = ("control", "config.json")
 
 
 class ComponentFailedError(RuntimeError):
     """A learner, generator or evaluator process failed for good; the message says which,
     how it exited and the last lines it printed."""
-
-
-def open_run_location(config: RunConfig) -> Location:
-    """The run's root, with the storage endpoint and options of its configuration."""
-    storage = config.storage
-    return open_location(
-        storage.run_uri,
-        endpoint_url=storage.endpoint_url,
-        storage_options=storage.storage_options,
-    )
-
-
-def prepare_run(config: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Location]:
-    """Create the run at `config.storage.run_uri`, or (with `resume`) reopen it.
-
-    Resuming checks `config` against the stored one (only resume-safe fields may differ, such
-    as `learner.total_steps` to extend a run; see `storage.manifest.open_run`), records it as
-    the run's current configuration (`<run>/control/config.json`: run.json is written once)
-    and clears the stop marker a finished or stopped life left behind. Without `resume`, an
-    existing run is refused: pass `resume=True` or choose another `storage.run_uri`."""
-    run = open_run_location(config)
-    wanted = config.model_dump(mode="json")
-    if resume:
-        open_run(run, wanted)
-        run.fs.makedirs(run.join("control"), exist_ok=True)
-        run.fs.pipe_file(run.join(*CURRENT_CONFIG), json.dumps(wanted, indent=2).encode())
-        clear_stop(run)
-    elif run.fs.exists(run.join("run.json")):
-        raise StorageError(
-            f"a run already exists at {run.uri}; resume it (--resume, or the flow's resume "
-            "parameter) or choose another storage.run_uri"
-        )
-    else:
-        create_run(run, wanted)
-    return config, run
-
-
-def open_existing_run(
-    run_uri: str, storage_options: dict[str, Any] | None = None, *, check: bool = True
-) -> tuple[RunConfig, Location]:
-    """An existing run's configuration and its root, reopened with the storage endpoint and
-    options of that configuration (`storage_options` win): what every run process starts
-    with."""
-    config = load_run_config(open_location(run_uri, storage_options=storage_options, check=check))
-    run = open_location(
-        run_uri,
-        endpoint_url=config.storage.endpoint_url,
-        storage_options={**config.storage.storage_options, **(storage_options or {})},
-        check=check,
-    )
-    return config, run
-
-
-def stop_on_sigterm(stop: threading.Event | None = None) -> threading.Event:
-    """`stop`, or a new event, set by SIGTERM when called from the main thread: a process
-    that watches it finishes its work in hand and exits 0."""
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    return stop
-
-
-def load_run_config(run: Location) -> RunConfig:
-    """The configuration of the run at `run`: its current one when a resume recorded it
-    (`prepare_run`), else run.json's."""
-    current = run.join(*CURRENT_CONFIG)
-    if run.fs.exists(current):
-        return validate_config(json.loads(run.fs.cat_file(current)), source=current)
-    return validate_config(open_run(run).config, source=f"{run.uri}/run.json")
 
 
 def _python() -> list[str]:
@@ -173,18 +101,27 @@ def run_process(
     stop: threading.Event | None = None,
     *,
     env: dict[str, str] | None = None,
+    placement: ProcessPlacement | None = None,
     grace_s: float = STOP_GRACE_S,
 ) -> int:
     """Run `argv` to its exit and return its exit code; each line it prints (stdout and
-    stderr) goes to `on_line`. When `stop` is set: SIGTERM, then SIGKILL after `grace_s`."""
+    stderr) goes to `on_line`. When `stop` is set: SIGTERM, then SIGKILL after `grace_s`.
+
+    With `placement` the process starts on its cores (CPU affinity, inherited by every thread
+    and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
+    both the supervisor's environment and the placement's."""
+    planned = placement.env() if placement is not None else {}
+    cpus = placement.cpus if placement is not None else None
     process = subprocess.Popen(
         list(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
         start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
+        # Only a system call between fork and exec: safe with the supervisor's threads.
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     stop = stop or threading.Event()
     watcher = threading.Thread(
@@ -267,6 +204,7 @@ class _Component:
     name: str
     argv: list[str]
     restarts_allowed: int
+    placement: ProcessPlacement | None = None
     restarts: int = 0
     exit_code: int | None = None
     tail: list[str] = field(default_factory=list)
@@ -279,6 +217,8 @@ class LocalRun:
 
     `on_line(component, line)` receives every output line; `max_restarts` bounds the restarts
     of each generator (the learner gets `learner_restarts`: it resumes from its checkpoint).
+    Every process starts from `placement` (default: `plan_placement` for this machine), which
+    `run()` stores as `<run>/control/placement.json`.
     `run()` returns when everything stopped; it raises `ComponentFailedError` after stopping the
     others when a component failed for good."""
 
@@ -288,21 +228,28 @@ class LocalRun:
     max_restarts: int = 3
     learner_restarts: int = 1
     evaluator: bool = True
+    placement: PlacementPlan | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     failures: list[str] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
+        plan = self.placement or plan_placement(
+            self.config, generators=self.generators, evaluator=self.evaluator
+        )
         run = open_run_location(self.config)
+        write_placement(run, plan)
         reserve_generator_indexes(run, self.generators, owner="streamrl run")
         components = [
-            _Component("learner", learner_command(self.config), self.learner_restarts),
+            _Component(
+                "learner", learner_command(self.config), self.learner_restarts, plan.learner
+            ),
             *(
-                _Component(f"gen{i}", generator_command(self.config, i), self.max_restarts)
-                for i in range(self.generators)
+                _Component(f"gen{i}", generator_command(self.config, i), self.max_restarts, placed)
+                for i, placed in enumerate(plan.generators)
             ),
         ]
-        if self.evaluator and self.config.eval.every_versions > 0:
-            components.append(_Component("eval", evaluator_command(self.config), 1))
+        if plan.evaluator is not None:
+            components.append(_Component("eval", evaluator_command(self.config), 1, plan.evaluator))
         threads = [
             threading.Thread(target=self._supervise, args=(c, run), name=c.name, daemon=True)
             for c in components
@@ -328,7 +275,9 @@ class LocalRun:
             self.on_line(component.name, text)
 
         while True:
-            component.exit_code = run_process(component.argv, line, self.stop)
+            component.exit_code = run_process(
+                component.argv, line, self.stop, placement=component.placement
+            )
             if component.exit_code == 0 or self.stop.is_set():
                 if component.name == "learner" and component.exit_code == 0:
                     self._finish()

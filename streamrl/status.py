@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 NOT_STARTED, RUNNING, STOPPING, FINISHED = "not started", "running", "stopping", "finished"
-CURRENT_CONFIG = ("control", "config.json")  # written by `streamrl.launch.prepare_run` on resume
+CURRENT_CONFIG = ("control", "config.json")  # written by `streamrl.runs.prepare_run` on resume
 STOP_MARKER = ("control", "STOP")  # written by `storage.control.request_stop`
 
 

@@ -1,10 +1,12 @@
-"""Random but valid `ScoredGroup`s for stream tests, scripts and benchmarks."""
+"""Random but valid `ScoredGroup`s for stream tests, scripts and benchmarks; a local filesystem
+that records which stream segments were read."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from storage.records import ScoredGroup
 
@@ -42,3 +44,23 @@ def random_group(
         created_at=now - 1.0,
         finished_at=now,
     )
+
+
+class RecordingFS(LocalFileSystem):
+    """The local filesystem, remembering every path it was asked to read."""
+
+    cachable = False  # each instance keeps its own record
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_paths: list[str] = []
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        self.read_paths.append(path)
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+    def segments_read(self) -> set[str]:
+        """Names of the stream segments an object was read from."""
+        return {
+            p.split("/segments/")[1].split("/")[0] for p in self.read_paths if "/segments/" in p
+        }

@@ -111,7 +111,7 @@ def run_generator(
     SIGTERM (when called from the main thread) sets the stop event: the loop flushes its open
     segment and this returns normally, so the process exits 0.
     """
-    from streamrl.launch import open_existing_run, stop_on_sigterm
+    from streamrl.runs import open_existing_run, stop_on_sigterm
 
     config, run = open_existing_run(run_uri, storage_options)
     stop = stop_on_sigterm(stop)

@@ -20,9 +20,9 @@ __all__ = ["run_learner"]
 def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) -> int:
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
     number of steps done. Call it on every rank: torchrun's environment sets the topology."""
-    from streamrl.launch import open_existing_run
     from streamrl.learner.loop import Learner
     from streamrl.learner.topology import Topology
+    from streamrl.runs import open_existing_run
 
     config, run = open_existing_run(run_uri, storage_options)
     with Topology.from_env(config.learner.device) as topology:

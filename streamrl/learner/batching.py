@@ -6,7 +6,9 @@ a `StreamBatch` of B accepted groups with the cursor after the last one consumed
 token-budget `MicroBatch`es with global loss denominators, and each rank's share of those.
 
 Filters, in order (a group dropped by the first is not counted by the second): staleness,
-`current_version − policy_version > max_staleness`; then, with dynamic sampling on, a group
+`current_version − policy_version > max_staleness` (a segment whose commit record shows every
+group stale arrives as a `SkippedSegment`, never downloaded, and counts as that many stale
+groups: the same counts and cursor as reading them); then, with dynamic sampling on, a group
 without signal: all responses equally correct (raw verifier scores all equal — for a binary
 verifier, not 0 < #correct < G). Correctness decides, never the shaped reward: an all-wrong
 group whose overlong penalties differ teaches nothing about correctness. Reading on until B
@@ -22,7 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from storage.records import Cursor, ScoredGroup
+from storage.records import Cursor, RolloutSums, ScoredGroup
+from storage.stream_reader import SkippedSegment
 
 __all__ = [
     "BatchCollector",
@@ -46,52 +49,19 @@ class IncompatibleGroupError(ValueError):
 
 @dataclass
 class FilterCounts:
-    """Groups read from the stream and what the filters did with them."""
+    """Groups read from the stream and what the filters did with them; `skipped_segments`
+    counts the segments whose groups were all stale by their commit record and were counted in
+    `consumed` and `dropped_stale` without being downloaded (how many depends on how far the
+    reader had read ahead: the other counts do not)."""
 
     consumed: int = 0
     accepted: int = 0
     dropped_stale: int = 0
     dropped_zero_var: int = 0
+    skipped_segments: int = 0
 
     def __add__(self, other: FilterCounts) -> FilterCounts:
         return FilterCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-
-@dataclass
-class RolloutSums:
-    """Sums over the responses of some groups, for the rollout metrics. A response is correct
-    when its raw verifier score is ≥ 1."""
-
-    responses: int = 0
-    reward: float = 0.0
-    correct: int = 0
-    length: int = 0
-    truncated: int = 0
-
-    def add(self, group: ScoredGroup) -> None:
-        self.responses += group.group_size
-        self.reward += float(np.sum(group.rewards, dtype=np.float64))
-        self.correct += int(np.count_nonzero(np.asarray(group.raw_scores) >= 1.0))
-        self.length += int(np.sum(group.response_lengths))
-        self.truncated += int(np.count_nonzero(group.truncated))
-
-    @classmethod
-    def of(cls, groups: Sequence[ScoredGroup]) -> RolloutSums:
-        sums = cls()
-        for group in groups:
-            sums.add(group)
-        return sums
-
-    def metrics(self, prefix: str) -> dict[str, float]:
-        """`<prefix>/reward_mean`, `/acc`, `/response_len_mean`, `/truncated_frac`: means over
-        responses."""
-        n = max(self.responses, 1)
-        return {
-            f"{prefix}/reward_mean": self.reward / n,
-            f"{prefix}/acc": self.correct / n,
-            f"{prefix}/response_len_mean": self.length / n,
-            f"{prefix}/truncated_frac": self.truncated / n,
-        }
 
 
 @dataclass(frozen=True)
@@ -100,7 +70,8 @@ class StreamBatch:
     last group consumed (accepted or dropped): checkpoint it to resume at the next group.
     `staleness: [B] int64` = current_version − policy_version per group; `counts` covers this
     batch, `totals` every batch of the collector so far; `consumed` sums the responses of every
-    group this batch consumed, accepted or dropped (what the generators produced)."""
+    group this batch consumed, accepted or dropped (what the generators produced; a segment
+    skipped unread contributes the sums its commit record carries)."""
 
     groups: tuple[ScoredGroup, ...]
     cursor_after: Cursor
@@ -111,8 +82,9 @@ class StreamBatch:
 
     def metrics(self) -> dict[str, float]:
         """`stream/staleness_mean`, `_max`, `stream/dropped_stale`, `stream/dropped_zero_var`
-        (ALGORITHMS.md), `stream/accepted`, `stream/consumed`; `stream/*_total` cumulative;
-        `rollout/*` over every consumed group and `rollout_accepted/*` over the trained ones."""
+        (ALGORITHMS.md), `stream/accepted`, `stream/consumed`, `stream/skipped_segments`;
+        `stream/*_total` cumulative; `rollout/*` over every consumed group and
+        `rollout_accepted/*` over the trained ones."""
         counts = {f"stream/{k}": float(v) for k, v in asdict(self.counts).items()}
         totals = {f"stream/{k}_total": float(v) for k, v in asdict(self.totals).items()}
         mean, top = float(self.staleness.mean()), float(self.staleness.max())
@@ -126,10 +98,11 @@ class StreamBatch:
 class BatchCollector:
     """Reads groups until `batch_groups` pass the staleness and dynamic-sampling filters.
 
-    Every consumed group is first checked against the model (token ids < `vocab_size`, prompt
-    + response ≤ `max_seq_len`); a mismatch raises `IncompatibleGroupError` (a stream written
-    for another model is a user error, not data to skip). `totals` counts every batch so far:
-    keep it in the learner state and pass it back on resume."""
+    Every consumed group that was read is first checked against the model (token ids <
+    `vocab_size`, prompt + response ≤ `max_seq_len`); a mismatch raises
+    `IncompatibleGroupError` (a stream written for another model is a user error, not data to
+    skip). `totals` counts every batch so far: keep it in the learner state and pass it back on
+    resume. `oldest_usable(version)` is the staleness rule as a bound, for the stream reader."""
 
     batch_groups: int
     max_staleness: int
@@ -138,19 +111,40 @@ class BatchCollector:
     max_seq_len: int
     totals: FilterCounts = field(default_factory=FilterCounts)
 
+    def oldest_usable(self, current_version: int) -> int:
+        """The oldest policy version a group may have to pass the staleness filter at
+        `current_version` (never decreases as the version grows)."""
+        return current_version - self.max_staleness
+
     def collect(
-        self, groups: Iterator[ScoredGroup], cursor: Callable[[], Cursor], current_version: int
+        self,
+        groups: Iterator[ScoredGroup | SkippedSegment],
+        cursor: Callable[[], Cursor],
+        current_version: int,
     ) -> StreamBatch:
         """Consume `groups` until B are accepted, reading `cursor()` after each one. `EOFError`
         if the iterator ends first (a StreamReader raises `StreamTimeoutError` instead)."""
         accepted: list[ScoredGroup] = []
         counts, after, consumed = FilterCounts(), cursor(), RolloutSums()
+        oldest = self.oldest_usable(current_version)
         for group in groups:  # a StreamReader's cursor is past `group` once it is yielded
             after = cursor()
+            if isinstance(group, SkippedSegment):
+                if group.max_policy_version >= oldest:
+                    raise ValueError(
+                        f"the stream reader skipped segment {group.seq} (versions up to "
+                        f"{group.max_policy_version}) although versions ≥ {oldest} are still "
+                        "trained on"
+                    )
+                counts.consumed += group.num_groups
+                counts.dropped_stale += group.num_groups
+                counts.skipped_segments += 1
+                consumed.merge(group.rollout)
+                continue
             counts.consumed += 1
             self.check(group)
             consumed.add(group)
-            if current_version - group.policy_version > self.max_staleness:
+            if group.policy_version < oldest:  # current − policy_version > max_staleness
                 counts.dropped_stale += 1
             elif self.dynamic_sampling and np.ptp(group.raw_scores) == 0:  # equally correct
                 counts.dropped_zero_var += 1

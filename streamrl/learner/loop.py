@@ -4,7 +4,10 @@ Consumes: the run's replay stream, from the cursor of the latest committed check
 Produces: a weight version every `publish_every` steps (the generators load it), a checkpoint
 every `checkpoint_every` steps and at the end (model, optimiser, step, policy version, stream
 cursor, filter totals, RNG), one JSON line of metrics per step in `<run>/metrics/learner.jsonl`,
-and the run's stop marker when `total_steps` is reached.
+its progress after each step in `<run>/control/learner.json` (cursor, version, groups consumed
+and accepted: `storage.learner_progress`), and the run's stop marker when `total_steps` is
+reached. Segments whose commit record shows only groups too stale to train on are not read
+(`StreamReader.oldest_usable_version`), only counted.
 Waits for: B accepted groups; the stream reader blocks, and `stream_timeout_s` without a new
 group is an error naming the cursor. Only rank 0 reads the stream: it decides which groups form
 the batch (and whether the stream timed out) and hands the batch to every rank, so ranks can
@@ -37,6 +40,7 @@ import torch
 from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
 from storage.control import request_stop
 from storage.fs import Location
+from storage.learner_progress import LearnerProgress, write_learner_progress
 from storage.records import Cursor
 from storage.stream import StreamReader, StreamTimeoutError, quarantined
 from storage.weights import WeightStore
@@ -116,10 +120,7 @@ class Learner:
         self.reader: StreamReader | None = None
         self.collector: BatchCollector | None = None
         if topology.is_main:
-            self.reader = StreamReader(run, cursor)
-            self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
-            self._quarantined_before = len(quarantined(run))
-            self.collector = BatchCollector(
+            collector = BatchCollector(
                 batch_groups=cfg.batch_groups,
                 max_staleness=cfg.max_staleness,
                 dynamic_sampling=algorithm.dynamic_sampling,
@@ -127,6 +128,14 @@ class Learner:
                 max_seq_len=config.model.max_model_len,
                 totals=totals,
             )
+            # Evaluated by the reader's prefetch thread ahead of the collector's own check:
+            # exact because self.version never decreases (see storage.stream_reader).
+            self.reader = StreamReader(
+                run, cursor, oldest_usable_version=lambda: collector.oldest_usable(self.version)
+            )
+            self.collector = collector
+            self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
+            self._quarantined_before = len(quarantined(run))
 
     def _build_models(self) -> StepModels:
         """Policy, and the critic / reference the algorithm needs, sharded over the topology."""
@@ -242,6 +251,7 @@ class Learner:
         for k in range(algorithm.value_pretrain_steps):
             batch, metrics = self._train_batch(train_policy=False)
             metrics.update({"step": self.step, "value_pretrain_step": k + 1})
+            self._write_progress(batch)
             history.append(metrics)
             self.reporter.log(metrics)
             if metrics["critic/explained_var"] >= algorithm.value_pretrain_target_ev:
@@ -319,9 +329,29 @@ class Learner:
             metrics["perf/weight_sync_s"] = self._publish()
         if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
             self._checkpoint(batch)
+        self._write_progress(batch)
         metrics.update({"step": self.step, "policy_version": self.version})
         self.reporter.log(metrics)
         return metrics
+
+    def _write_progress(self, batch: StreamBatch) -> None:
+        """Rank 0: record where the learner stands after `batch` (one small write)."""
+        if not self.topology.is_main:
+            return
+        counts, totals = batch.counts, batch.totals
+        progress = LearnerProgress(
+            step=self.step,
+            policy_version=self.version,
+            cursor=batch.cursor_after,
+            consumed=counts.consumed,
+            accepted=counts.accepted,
+            dropped_stale=counts.dropped_stale,
+            consumed_total=totals.consumed,
+            accepted_total=totals.accepted,
+            dropped_stale_total=totals.dropped_stale,
+            updated_at=time.time(),
+        )
+        write_learner_progress(self.run_location, progress)
 
     def _check_skipped_updates(self, metrics: dict[str, float]) -> None:
         """Warn about skipped updates; fail once `max_skipped_updates` came in a row."""

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from streamrl.launch import open_existing_run
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
+from streamrl.runs import open_existing_run
 
 
 def fail_first_segment_read(fs) -> None:

@@ -18,7 +18,8 @@ import torch
 
 from storage.checkpoints import CheckpointStore
 from storage.control import stop_requested
-from storage.fs import open_location
+from storage.fs import Location, open_location
+from storage.learner_progress import read_learner_progress
 from storage.manifest import create_run
 from storage.records import ScoredGroup
 from storage.stream import StreamTimeoutError, StreamWriter
@@ -26,7 +27,7 @@ from storage.weights import WeightStore
 from streamrl.config import load_config
 from streamrl.learner.loop import DivergedError, IncompatibleCheckpointError, Learner
 from streamrl.learner.topology import Topology
-from tests.stream_data import random_group
+from tests.stream_data import RecordingFS, random_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,6 +116,64 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
         strict=True,
     ):
         assert torch.equal(_full(a), _full(b)), name
+
+
+def _write_segments(writer: StreamWriter, versions: list[int], rng) -> list[str]:
+    """One segment of 5 groups per entry of `versions`, sampled with that policy version."""
+    return [
+        writer.write(
+            [
+                random_group(
+                    rng, prompt_id=f"v{v}", vocab=600, max_len=24, prompt_len=10, policy_version=v
+                )
+                for _ in range(5)
+            ]
+        ).segment
+        for v in versions
+    ]
+
+
+def test_learner_records_its_progress_after_each_step_and_skips_stale_segments(tmp_path, topology):
+    """After each step rank 0 rewrites `<run>/control/learner.json` (cursor, version, the
+    step's and the run's groups). With max_staleness 0, version-0 groups are stale once step 1
+    has published version 1: those already read are dropped one by one, the segments committed
+    later (a slow generator's) are skipped unread, and all count as dropped_stale."""
+    run_dir = tmp_path / "run"
+    fs = RecordingFS()
+    run = Location(fs, str(run_dir), str(run_dir))
+    rng = np.random.default_rng(0)
+    writer = StreamWriter(run, "gen0")
+    early = _write_segments(writer, [0, 0, 0, 0], rng)
+    config = _config(run_dir, total_steps=2)
+    config.learner.max_staleness = 0
+    learner = Learner(config, run, topology)
+    assert read_learner_progress(run) is None
+
+    first = learner.train_step()
+    progress = read_learner_progress(run)
+    assert (progress.step, progress.policy_version) == (1, 1)
+    assert progress.cursor == learner.reader.cursor
+    assert (progress.consumed, progress.accepted, progress.dropped_stale) == (
+        first["stream/consumed"],
+        4,
+        0,
+    )
+    assert progress.consumed < 20  # some version-0 groups are left for step 2
+
+    late = _write_segments(writer, [0, 0], rng)  # stale when read: version is now 1
+    fresh = _write_segments(writer, [1, 1, 1], rng)
+    second = learner.train_step()
+    progress = read_learner_progress(run)
+    assert (progress.step, progress.policy_version) == (2, 2)
+    assert progress.cursor == learner.reader.cursor
+    assert progress.dropped_stale == 20 - first["stream/consumed"] + 10
+    assert progress.dropped_stale == second["stream/dropped_stale"]
+    assert (progress.consumed, progress.accepted) == (second["stream/consumed"], 4)
+    assert progress.consumed_total == first["stream/consumed"] + second["stream/consumed"]
+    assert (progress.accepted_total, progress.dropped_stale_total) == (8, progress.dropped_stale)
+    assert second["stream/skipped_segments"] == second["stream/skipped_segments_total"] == 2
+    assert not set(late) & fs.segments_read()
+    assert set(early) | set(fresh[:1]) <= fs.segments_read()
 
 
 def _learner_process(run_dir) -> subprocess.Popen[str]:

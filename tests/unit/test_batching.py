@@ -4,14 +4,15 @@ rank sharding. References are written independently here (plain loops over group
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from storage.fs import open_location
-from storage.records import Cursor, ScoredGroup
-from storage.stream import StreamReader, StreamWriter
+from storage.fs import Location, open_location
+from storage.records import Cursor, RolloutSums, ScoredGroup
+from storage.stream import SkippedSegment, StreamReader, StreamWriter, read_log
 from streamrl.algorithms import aggregate, groups_with_signal, grpo_advantages
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.learner.batching import (
@@ -22,7 +23,7 @@ from streamrl.learner.batching import (
     make_mini_batches,
     shard_for_rank,
 )
-from tests.stream_data import random_group
+from tests.stream_data import RecordingFS, random_group
 
 VOCAB = 1000
 
@@ -143,8 +144,8 @@ def test_dynamic_sampling_decides_on_correctness_not_on_overlong_shaped_rewards(
 
 
 def test_rollout_metrics_cover_every_consumed_group_and_the_accepted_ones_apart():
-    """rollout/* over every group read (accepted or dropped: what the generators produce);
-    rollout_accepted/* over the groups trained on."""
+    """rollout/* over every group consumed within max_staleness (accepted or dropped by dynamic
+    sampling: what the generators produce); rollout_accepted/* over the groups trained on."""
     rng = np.random.default_rng(6)
     groups = [
         _group(rng, 0, rewards=[1, 1, 1, 1]),  # all right: dropped
@@ -162,6 +163,28 @@ def test_rollout_metrics_cover_every_consumed_group_and_the_accepted_ones_apart(
     assert metrics["rollout_accepted/response_len_mean"] == pytest.approx(np.mean(lengths[8:]))
     truncated = np.concatenate([g.truncated for g in groups])
     assert metrics["rollout/truncated_frac"] == pytest.approx(truncated.mean())
+
+
+def test_stale_groups_read_or_skipped_unread_count_as_stale_and_in_rollout_metrics():
+    """A stale group read and a stale segment skipped unread both count as consumed and stale;
+    rollout/* covers both (the skipped one through its commit record's sums)."""
+    rng = np.random.default_rng(7)
+    fresh = _group(rng, 1, version=5, rewards=[1, -1, -1, -1])
+    unread = RolloutSums(responses=4, reward=-4.0, correct=0, length=40, truncated=1)
+    stale = _group(rng, 0, version=0, rewards=[1, 1, 1, 1])
+    items = [stale, SkippedSegment(3, 4, 0, unread), fresh]
+    batch = _collect(_collector(1, max_staleness=4), items, version=5)
+    assert (batch.counts.consumed, batch.counts.dropped_stale) == (6, 5)
+    assert batch.counts.skipped_segments == 1
+    metrics = batch.metrics()
+    assert metrics["rollout/acc"] == pytest.approx(5 / 12)
+    assert metrics["rollout/reward_mean"] == pytest.approx((4 - 4 - 2) / 12)
+    lengths = sum(len(t) for g in (stale, fresh) for t in g.response_tokens) + 40
+    assert metrics["rollout/response_len_mean"] == pytest.approx(lengths / 12)
+    assert metrics["rollout_accepted/acc"] == pytest.approx(1 / 4)
+    still_usable = SkippedSegment(3, 4, 1, unread)  # version 1 is usable at 5 − 4
+    with pytest.raises(ValueError, match="skipped segment 3"):
+        _collect(_collector(1, max_staleness=4), [still_usable, fresh], version=5)
 
 
 def test_a_stale_zero_variance_group_counts_as_stale_and_totals_accumulate():
@@ -218,6 +241,82 @@ def test_collector_reads_a_real_stream_until_b_accepted_and_resumes_at_its_curso
     iterator.close()
     assert [g.prompt_id for g in replay.groups] == ["p7", "p8", "p9"]
     assert replay.cursor_after == second.cursor_after
+
+
+def _collect_all(run: Location, start: Cursor, versions: list[int], skip: bool, prefetch: int):
+    """Batches of 2 collected at successive learner `versions` from `start`, by a reader that
+    skips stale segments unread or not."""
+    collector = _collector(2, max_staleness=1, dynamic_sampling=True)
+    version = [versions[0]]
+    bound = (lambda: collector.oldest_usable(version[0])) if skip else None
+    reader = StreamReader(
+        run, start, records_per_round=3, prefetch_rounds=prefetch, oldest_usable_version=bound
+    )
+    iterator = reader.groups(timeout_s=5)
+    batches = []
+    for v in versions:
+        version[0] = v
+        batches.append(collector.collect(iterator, lambda: reader.cursor, v))
+    iterator.close()
+    return batches, collector.totals
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("start", [Cursor(0, 0), Cursor(1, 1)])  # inside a stale segment
+def test_stale_segments_are_skipped_unread_with_the_same_batches_cursors_and_counts(
+    tmp_path, prefetch, start
+):
+    """A segment whose commit record says every group is older than the oldest usable version
+    is not downloaded; the learner sees the same batches, cursors and filter counts."""
+    rng = np.random.default_rng(11)
+    segment_versions = [[5, 5, 5], [2, 3, 1, 3], [5, 4], [2, 2], [3, 5, 5], [6, 6, 6], [4, 3]]
+    groups = [
+        [_group(rng, 10 * s + i, v, rewards=[1, -1, -1, 1]) for i, v in enumerate(vs)]
+        for s, vs in enumerate(segment_versions)
+    ]
+    groups[2][0] = _group(rng, 20, 5, rewards=[1, 1, 1, 1])  # zero variance: still counted
+    path = str(tmp_path / "run")
+    writer = StreamWriter(open_location(path), "gen0")
+    records = [writer.write(g) for g in groups]
+    versions = [5, 5, 6]  # learner version per batch: usable from 4, then from 5
+    runs = {}
+    for skip in (False, True):
+        fs = RecordingFS()
+        batches, totals = _collect_all(Location(fs, path, path), start, versions, skip, prefetch)
+        runs[skip] = batches, totals, fs.segments_read()
+
+    (plain, plain_totals, plain_read), (fast, fast_totals, fast_read) = runs[False], runs[True]
+    for a, b in zip(plain, fast, strict=True):
+        assert [g.prompt_id for g in a.groups] == [g.prompt_id for g in b.groups]
+        assert a.cursor_after == b.cursor_after
+        assert replace(a.counts, skipped_segments=0) == replace(b.counts, skipped_segments=0)
+        np.testing.assert_array_equal(a.staleness, b.staleness)
+        assert a.consumed == b.consumed  # rollout/*: the skipped segments' record sums
+    assert replace(plain_totals, skipped_segments=0) == replace(fast_totals, skipped_segments=0)
+    assert plain_totals.skipped_segments == 0
+    # Segments 1 and 3 (versions ≤ 3) are stale from the first batch on: never downloaded
+    # (segment 1 only when whole: a cursor inside it reads it as usual).
+    stale = {records[3].segment} | ({records[1].segment} if start == Cursor(0, 0) else set())
+    assert stale <= plain_read
+    assert not stale & fast_read
+    assert fast_totals.skipped_segments == len(stale)
+    assert fast_totals.dropped_stale == plain_totals.dropped_stale
+    # Segment 4 mixes versions 3 and 5: read, and only its version-3 group dropped.
+    assert records[4].segment in fast_read
+
+
+def test_poll_passes_over_a_stale_record_only_when_given_a_bound(tmp_path):
+    run = open_location(str(tmp_path / "run"))
+    rng = np.random.default_rng(12)
+    reader_groups = [_group(rng, i, 0) for i in range(3)]
+    StreamWriter(run, "gen0").write(reader_groups)
+    reader = StreamReader(run, prefetch_rounds=0)
+    assert [type(g) for _, g in reader.poll()] == [ScoredGroup] * 3
+    reader.oldest_usable_version = lambda: 1
+    (record,) = read_log(run)
+    assert record.rollout == RolloutSums.of(reader_groups)
+    assert reader.poll() == [(Cursor(1), SkippedSegment(0, 3, 0, record.rollout))]
+    assert reader.poll(Cursor(0, 3)) == [(Cursor(1), None)]  # nothing left of it
 
 
 def test_out_of_vocabulary_tokens_and_overlong_sequences_are_rejected_naming_the_group():

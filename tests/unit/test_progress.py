@@ -1,4 +1,5 @@
-"""A generator's prompt progress: committed prompts are never redone, lost ones always are."""
+"""Progress records: a generator's prompts (committed ones are never redone, lost ones always
+are) and the learner's position after each step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from typing import Any
 import pytest
 
 from storage.fs import Location, open_location
+from storage.learner_progress import (
+    LearnerProgress,
+    read_learner_progress,
+    write_learner_progress,
+)
 from storage.progress import GeneratorProgress, read_progress, write_progress
+from storage.records import Cursor
 from streamrl.config import DataConfig
 from streamrl.data import PromptPosition, PromptSource
 from streamrl.generator.progress import PromptLedger, resume_prompts
@@ -94,3 +101,27 @@ def test_with_nothing_in_flight_the_next_prompt_is_the_iterators(tmp_path, sourc
     ledger.committed()
     assert read_progress(run, "gen0").next_prompt == (0, 3)
     assert read_progress(run, "gen0").committed_after == ()
+
+
+def test_learner_progress_record_round_trips_and_is_replaced(run_location: Location):
+    assert read_learner_progress(run_location) is None
+    first = LearnerProgress(1, 1, Cursor(2, 3), 6, 4, 1, 6, 4, 1, 10.5)
+    write_learner_progress(run_location, first)
+    assert read_learner_progress(run_location) == first
+    second = LearnerProgress(2, 2, Cursor(4), 5, 4, 0, 11, 8, 1, 11.0)
+    write_learner_progress(run_location, second)
+    assert read_learner_progress(run_location) == second
+    assert run_location.fs.exists(run_location.join("control", "learner.json"))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"consumed": 3, "accepted": 3, "dropped_stale": 1},  # more filtered than consumed
+        {"consumed": 4, "consumed_total": 3},  # a total below the step's count
+        {"step": -1},
+    ],
+)
+def test_learner_progress_record_rejects_broken_counts(fields: dict[str, int]):
+    with pytest.raises(ValueError, match="learner progress"):
+        LearnerProgress(**{"step": 1, "policy_version": 1, **fields})
