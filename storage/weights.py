@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
 import re
-import uuid
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -34,7 +32,7 @@ from typing import Any, NamedTuple
 import safetensors.torch
 import torch
 
-from storage.fs import Location, StorageError, put_if_absent
+from storage.fs import Location, StorageError, put_if_absent, replace_object
 
 __all__ = [
     "IntactVersion",
@@ -324,15 +322,10 @@ class WeightStore:
         # The name taken: ours if a retried PUT had landed, else an earlier publish's.
         if not put_if_absent(self.fs, path, encoded) and self.fs.cat_file(path) != encoded:
             raise self._exists_error(version)
-        latest = self.root.join(LATEST_NAME)
-        data = json.dumps({"version": version}).encode()
-        if self.root.is_local:  # readers must never see a half-written LATEST
-            tmp = self.root.join(f".{LATEST_NAME}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, latest)
-        else:
-            self.fs.pipe_file(latest, data)  # one PUT: the old object or the new one
+        # Readers must never see a half-written LATEST.
+        replace_object(
+            self.root, self.root.join(LATEST_NAME), json.dumps({"version": version}).encode()
+        )
         return manifest
 
     def _scan(self) -> dict[int, bool]:
