@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each measurement")
     args = parser.parse_args()
 
-    config = load_config(["dapo", args.preset])
+    # No learner consumes here: flow control would pause generation at the staleness budget.
+    config = load_config(["dapo", args.preset], overrides=["generator.flow_control=off"])
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
     engine = Engine(model_path, config.model, cfg, seed=0)

@@ -226,6 +226,13 @@ class GeneratorConfig(_Component):
     weight_poll_s: float = Field(
         10.0, gt=0.0, description="How often to look for newly published weights."
     )
+    flow_control: Literal["staleness", "off"] = Field(
+        "staleness",
+        description="staleness: admit a new prompt only while the groups committed but not yet "
+        "consumed by the learner, plus this generator's uncommitted ones, can still be trained "
+        "on within learner.max_staleness (see streamrl.generator.flow_control); off: always "
+        "keep prompts_in_flight prompts in the engine.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto picks CUDA when available, else vLLM's CPU build."
     )
@@ -253,6 +260,12 @@ class GeneratorConfig(_Component):
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="The reward function and its sandbox."
     )
+
+    @field_validator("flow_control", mode="before")
+    @classmethod
+    def _yaml_off_is_off(cls, value: object) -> object:
+        # YAML 1.1 reads a bare `off` as false.
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _sampling_the_learner_can_score(self) -> GeneratorConfig:

@@ -37,7 +37,13 @@ from typing import Any
 from storage.control import request_stop, stop_requested
 from storage.fs import Location, put_if_absent
 from streamrl.config import RunConfig
-from streamrl.placement import PlacementPlan, ProcessPlacement, plan_placement, write_placement
+from streamrl.placement import (
+    PLACED_VARIABLES,
+    PlacementPlan,
+    ProcessPlacement,
+    plan_placement,
+    write_placement,
+)
 from streamrl.runs import open_run_location
 
 __all__ = [
@@ -110,15 +116,19 @@ def run_process(
     With `placement` the process starts on its cores (CPU affinity, inherited by every thread
     and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
     both the supervisor's environment and the placement's."""
-    planned = placement.env() if placement is not None else {}
-    cpus = placement.cpus if placement is not None else None
+    inherited = dict(os.environ)
+    planned: dict[str, str] = {}
+    cpus = None
+    if placement is not None:  # the plan decides its variables: none leaks from ours
+        inherited = {k: v for k, v in inherited.items() if k not in PLACED_VARIABLES}
+        planned, cpus = placement.env(), placement.cpus
     process = subprocess.Popen(
         list(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
+        env={**inherited, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
         start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
         # Only a system call between fork and exec: safe with the supervisor's threads.
         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,

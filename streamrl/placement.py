@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from streamrl.config import RunConfig
 
 __all__ = [
+    "PLACED_VARIABLES",
     "PLACEMENT_FILE",
     "PlacementError",
     "PlacementPlan",
@@ -55,6 +56,12 @@ Component = Literal["learner", "generator", "evaluator"]
 # OpenMP threads that wait for work sleep instead of spinning on a core another process needs
 # (libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT, Intel's runtime KMP_BLOCKTIME).
 IDLE_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+
+# Every variable a placement decides: a planned process never inherits them from its supervisor.
+PLACED_VARIABLES = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"}
+    | set(IDLE_WAIT_ENV)
+)
 
 
 class PlacementError(ValueError):

@@ -5,10 +5,12 @@ Produces: `ScoredGroup`s in the replay stream, one segment every `segment_groups
 `segment_seconds` seconds, whichever comes first. A group with a failed reward call (raised or
 timed out) is left out or trained on with score 0, per `generator.reward.on_error`; either way
 the failures are counted in the next commit record.
-Waits for: nothing but vLLM — it never waits for the learner. It keeps `prompts_in_flight`
-prompts in the engine, scores finished groups in a process pool while the engine goes on, and
-between engine steps polls `LATEST` every `weight_poll_s` seconds and loads a newer version in
-place.
+Waits for: vLLM, and the learner only through flow control (`generator.flow_control`): a new
+prompt is admitted only while the learner can still train on it within `max_staleness`
+(`streamrl.generator.flow_control`); paused with nothing in flight, the loop sleeps and keeps
+polling weights and the stop marker. It keeps up to `prompts_in_flight` prompts in the engine,
+scores finished groups in a process pool while the engine goes on, and between engine steps
+polls `LATEST` every `weight_poll_s` seconds and loads a newer version in place.
 A corrupt version is skipped for good (counted, logged) and the newest intact one above the
 current is loaded instead.
 Stops when: the run's stop marker appears or `stop` is set (e.g. by SIGTERM); it then scores
@@ -38,6 +40,7 @@ from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
 from streamrl.data import Prompt, PromptIterator
 from streamrl.generator.engine import Engine, FinishedGroup
+from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.progress import PromptLedger
 from streamrl.rewards import RewardScorer, Scores
 
@@ -46,6 +49,7 @@ __all__ = ["BrokenRewardError", "GeneratorLoop", "GeneratorStats"]
 log = logging.getLogger(__name__)
 
 MAX_FAILED_GROUPS_IN_A_ROW = 32
+PAUSED_SLEEP_S = 0.25  # flow control refuses and nothing is in flight: sleep, don't spin
 
 
 class BrokenRewardError(RuntimeError):
@@ -60,7 +64,8 @@ class GeneratorStats:
     `reward_timeouts` count failed reward calls, `dropped_groups` the groups they kept out of
     the stream (`generator.reward.on_error=drop_group`). `corrupt_weight_versions` counts
     published versions that failed verification (skipped for good), `weight_update_failures`
-    versions that vanished (removed by retention) while being read."""
+    versions that vanished (removed by retention) while being read. `paused_s` is how long flow
+    control refused new prompts (`streamrl.generator.flow_control`)."""
 
     groups: int = 0
     responses: int = 0
@@ -76,6 +81,7 @@ class GeneratorStats:
     reward_errors: int = 0
     reward_timeouts: int = 0
     dropped_groups: int = 0
+    paused_s: float = 0.0
 
 
 class GeneratorLoop:
@@ -109,12 +115,16 @@ class GeneratorLoop:
         self._scoring: deque[tuple[FinishedGroup, Prompt, Future[Scores]]] = deque()
         self._score_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="score")
         self._next_poll = 0.0
+        self._stop = threading.Event()
+        self._gate = FlowGate(
+            run, config.learner, generator_id, enabled=config.generator.flow_control != "off"
+        )
         self._started = time.monotonic()
         self._next_log = self._started + 30.0
 
     def run(self, stop: threading.Event | None = None) -> GeneratorStats:
         """Generate until stopped; flush what was scored; return the counters."""
-        stop = stop or threading.Event()
+        stop = self._stop = stop or threading.Event()
         log.info(
             "generator %s generating: %d prompts in flight, G=%d, weights v%d",
             self.generator_id,
@@ -136,13 +146,18 @@ class GeneratorLoop:
         """Top up the engine, advance it one step, hand finished groups to the scorer, and
         write what has been scored."""
         cfg = self.config.generator
-        while self.engine.num_in_flight < cfg.prompts_in_flight:
+        while self.engine.num_in_flight < cfg.prompts_in_flight and self._admits():
             position = self.prompts.position
             prompt = next(self.prompts)
             request_id = self.engine.submit(prompt.token_ids)
             self._prompts_by_request[request_id] = prompt
             self.ledger.take(request_id, position)
-        for group in self.engine.step():
+        if self.engine.num_in_flight:
+            finished = self.engine.step()
+        else:  # flow control paused us with nothing to sample: sleep rather than spin
+            finished = []
+            self._stop.wait(PAUSED_SLEEP_S)
+        for group in finished:
             prompt = self._prompts_by_request.pop(group.request_id)
             texts = [c.text for c in group.completions]
             future = self._score_pool.submit(
@@ -157,8 +172,14 @@ class GeneratorLoop:
             self.writer.pending_groups and self.writer.pending_age_s >= cfg.segment_seconds
         ):
             self._flush()
+        self.stats.paused_s = self._gate.paused_s
         if time.monotonic() >= self._next_log:
             self._log_throughput()
+
+    def _admits(self) -> bool:
+        """Flow control: whether the learner can still train on one more prompt."""
+        uncommitted = self.engine.num_in_flight + len(self._scoring) + self.writer.pending_groups
+        return self._gate.admits(self.engine.policy_version, uncommitted)
 
     # -- scoring and writing -----------------------------------------------------------------
 
@@ -233,9 +254,11 @@ class GeneratorLoop:
 
     def _flush(self) -> None:
         """Commit the open segment, then record the prompts it covers as committed."""
-        if self.writer.flush() is not None:
+        record = self.writer.flush()
+        if record is not None:
             self.stats.segments += 1
             self.ledger.committed()
+            self._gate.committed(record.num_groups)
 
     def _drain(self) -> None:
         """On stop: drop unfinished requests, finish scoring what the engine completed and
@@ -293,7 +316,7 @@ class GeneratorLoop:
         log.info(
             "generator %s: %.2f groups/s, %.1f tokens/s, reward mean %.3f, acc %.3f, "
             "truncated %.3f, weights v%d (%d updates, %.2fs each), reward timeouts %d errors %d "
-            "(%d groups dropped)",
+            "(%d groups dropped), paused %.0fs by flow control",
             self.generator_id,
             s.groups / elapsed,
             s.tokens / elapsed,
@@ -306,5 +329,6 @@ class GeneratorLoop:
             s.reward_timeouts,
             s.reward_errors,
             s.dropped_groups,
+            s.paused_s,
         )
         self._next_log = time.monotonic() + 30.0

@@ -53,7 +53,8 @@ def _wait_for_commits(run: Location, count: int, proc: subprocess.Popen) -> None
 def test_a_restarted_generator_continues_after_the_committed_prompts(tmp_path):
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
-    config = load_config(["dapo", "tiny-cpu"])
+    # No learner consumes: without flow control off the generator would pause at its backlog.
+    config = load_config(["dapo", "tiny-cpu"], overrides=["generator.flow_control=off"])
     create_run(run, config.model_dump(mode="json"))
 
     first, first_seed = _start(run_dir, tmp_path / "first.log")

@@ -27,6 +27,10 @@ def test_local_run_starts_every_process_on_its_planned_cores(tmp_path, monkeypat
     reporter = [sys.executable, "-c", REPORT]
     monkeypatch.setattr(launch, "learner_command", lambda config: reporter)
     monkeypatch.setattr(launch, "generator_command", lambda config, index: reporter)
+    # Set in the supervisor (e.g. by a vLLM engine it ran): the plan's values win, and a
+    # variable the plan leaves unset for a process (the learner's vLLM binding) is not inherited.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-63")
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
     config = load_config(overrides=[f"storage.run_uri={tmp_path / 'run'}"])
     lines: dict[str, list[str]] = {}
     local = launch.LocalRun(config, 1, lambda name, line: lines.setdefault(name, []).append(line))

@@ -1,0 +1,102 @@
+"""Flow control's admission rule, against capacities computed by hand, and the gate's backlog
+read from a real stream and learner record (local folder and SeaweedFS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from storage.fs import Location
+from storage.learner_progress import LearnerProgress, write_learner_progress
+from storage.records import Cursor
+from storage.stream import StreamWriter
+from streamrl.config import LearnerConfig, load_config
+from streamrl.generator.flow_control import FlowGate, accept_rate, admission_capacity
+from tests.stream_data import random_group
+
+
+@pytest.mark.parametrize(
+    ("staleness", "publish_every", "batch", "learner_v", "generator_v", "rate", "expected"),
+    [
+        (4, 1, 16, 0, 0, 1.0, 80.0),  # 5 versions × 1 step × 16 groups
+        (1, 2, 4, 3, 2, 0.5, 16.0),  # lag 1: 1 version × 2 steps × 4 groups / 0.5
+        (2, 1, 8, 5, 5, 0.25, 96.0),  # 3 versions × 8 groups × 4 consumed per accepted
+        (0, 1, 2, 1, 0, 1.0, 0.0),  # on-policy and one version behind: nothing usable
+        (1, 1, 2, 4, 0, 1.0, -4.0),  # far behind: (1 + 1 − 4) × 2, admits nothing
+        (0, 1, 2, 0, 3, 1.0, 2.0),  # the learner's record lags our weights: lag taken as 0
+    ],
+)
+def test_admission_capacity_by_hand(
+    staleness, publish_every, batch, learner_v, generator_v, rate, expected
+):
+    capacity = admission_capacity(
+        max_staleness=staleness,
+        publish_every=publish_every,
+        batch_groups=batch,
+        learner_version=learner_v,
+        generator_version=generator_v,
+        accept_rate=rate,
+    )
+    assert capacity == pytest.approx(expected)
+
+
+def _progress(consumed_total: int, accepted_total: int, **kwargs) -> LearnerProgress:
+    return LearnerProgress(
+        step=1, policy_version=1, consumed_total=consumed_total, accepted_total=accepted_total,
+        **kwargs,
+    )  # fmt: skip
+
+
+def test_accept_rate_is_measured_floored_and_one_before_data():
+    assert accept_rate(None) == 1.0
+    assert accept_rate(_progress(0, 0)) == 1.0
+    assert accept_rate(_progress(40, 30)) == pytest.approx(0.75)
+    assert accept_rate(_progress(1000, 1)) == pytest.approx(0.05)
+
+
+def _commit(writer: StreamWriter, rng: np.random.Generator, n: int) -> None:
+    writer.write([random_group(rng, prompt_id=f"p{i}") for i in range(n)])
+
+
+def test_gate_counts_the_backlog_after_the_learners_cursor_and_pauses(run_location: Location):
+    learner = LearnerConfig(batch_groups=2, mini_batch_groups=2, max_staleness=1, publish_every=1)
+    gate = FlowGate(run_location, learner, "gen0")
+    writer = StreamWriter(run_location, "gen0")
+    rng = np.random.default_rng(0)
+    # No learner record yet: cursor 0, version 0, accept rate 1 → capacity (1+1) × 2 = 4.
+    assert gate.admits(generator_version=0, uncommitted=3)
+    for n in (3, 2, 4):  # commit records 0, 1, 2
+        _commit(writer, rng, n)
+    gate.refresh()
+    assert gate.backlog == 9
+    assert not gate.admits(generator_version=0, uncommitted=0)
+    assert gate.paused
+
+    # The learner consumed record 0 and one group of record 1; half of what it read it kept:
+    # backlog 1 + 4 = 5, capacity (1 + 1 − 0) × 2 / 0.5 = 8 at version 1 with weights v1.
+    write_learner_progress(
+        run_location, _progress(4, 2, cursor=Cursor(seq=1, offset=1), consumed=4, accepted=2)
+    )
+    gate.refresh()
+    assert gate.backlog == 5
+    assert gate.admits(generator_version=1, uncommitted=2)
+    assert not gate.paused
+    assert gate.paused_s > 0
+    assert not gate.admits(generator_version=1, uncommitted=3)
+    assert not gate.admits(generator_version=0, uncommitted=0)  # lag 1: capacity 4
+
+    gate.committed(3)  # our own commit counts before the next refresh reads it
+    assert gate.backlog == 8
+    _commit(writer, rng, 3)  # record 3, that commit
+    gate.refresh()
+    assert gate.backlog == 8
+
+    disabled = FlowGate(run_location, learner, "gen0", enabled=False)
+    assert disabled.admits(generator_version=0, uncommitted=10**6)
+    assert disabled.paused_s == 0.0
+
+
+def test_a_bare_yaml_off_turns_flow_control_off():
+    config = load_config(["dapo", "tiny-cpu"], overrides=["generator.flow_control=off"])
+    assert config.generator.flow_control == "off"
+    assert load_config(["dapo"]).generator.flow_control == "staleness"
