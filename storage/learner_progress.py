@@ -1,7 +1,8 @@
 """Learner progress: where the learner stands in the stream, for the generators' flow control
 and for anyone watching the run.
 
-    <run>/control/learner.json    `LearnerProgress`, rewritten whole by rank 0 after each step
+    <run>/control/learner.json    `LearnerProgress`, rewritten whole by rank 0 after each step,
+                                  and while it waits for groups in the middle of one
 
 One learner per run writes it; the object is replaced atomically (a rename locally, one PUT on
 S3), so a reader sees the previous step's record or this one. It is advisory: a resumed learner
@@ -30,7 +31,9 @@ class LearnerProgress:
     weight version the learner has published, i.e. the version the staleness filter measures
     against in the next step. `consumed`, `accepted` and `dropped_stale` count this step's groups
     (dropped for staleness, skipped unread or not), `*_total` every step of the run so far,
-    including earlier lives of the learner (restored from its checkpoint).
+    including earlier lives of the learner (restored from its checkpoint). `waiting`: written
+    while the learner waits for groups in the middle of step `step` + 1: `cursor` is where it
+    waits (what it consumed of that step included), the counts are still the last step's.
 
     Invariants: counts ≥ 0; accepted + dropped_stale ≤ consumed (the same for the totals); each
     total ≥ the step's count.
@@ -45,6 +48,7 @@ class LearnerProgress:
     consumed_total: int = 0
     accepted_total: int = 0
     dropped_stale_total: int = 0
+    waiting: bool = False
     updated_at: float = 0.0
 
     def __post_init__(self) -> None:

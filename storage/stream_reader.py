@@ -98,7 +98,9 @@ class StreamReader:
     with `oldest_usable_version` set, a `SkippedSegment` in place of the groups of a segment
     whose commit record says they are all older than that version (see the module docstring).
     Waits for: the next commit record, or a store that failed to answer; polls with back-off
-    up to `max_poll_s` (idle) or `max_retry_wait_s` (storage errors).
+    up to `max_poll_s` (idle) or `max_retry_wait_s` (storage errors). `on_idle(cursor)`, with
+    the consumer's cursor, is called whenever a poll found nothing new (from the prefetch thread
+    when there is one).
     """
 
     def __init__(
@@ -112,10 +114,12 @@ class StreamReader:
         max_retry_wait_s: float = 10.0,
         missing_grace_s: float = 30.0,
         oldest_usable_version: Callable[[], int] | None = None,
+        on_idle: Callable[[Cursor], None] | None = None,
     ) -> None:
         self.stream = run.child("stream")
         # Must never decrease: the prefetch thread decides with the value of its round.
         self.oldest_usable_version = oldest_usable_version
+        self.on_idle = on_idle
         self.cursor = cursor or Cursor()
         self.records_per_round = records_per_round
         self.max_poll_s = max_poll_s
@@ -229,6 +233,8 @@ class StreamReader:
                     f"no new group in {self.stream.uri} for {timeout_s:.0f}s "
                     f"(cursor {position.seq}:{position.offset}){failing}"
                 ) from last_error
+            if self.on_idle is not None and last_error is None:
+                self.on_idle(self.cursor)
             stop.wait(wait)
             wait = min(wait * 2, longest_wait)
 

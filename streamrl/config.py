@@ -227,13 +227,11 @@ class GeneratorConfig(_Component):
         10.0, gt=0.0, description="How often to look for newly published weights."
     )
     flow_control: Literal["staleness", "off"] = Field(
-        "off",
-        description="staleness: admit a new prompt only while the groups committed but not yet "
-        "consumed by the learner, plus this generator's uncommitted ones, can still be trained "
-        "on within learner.max_staleness (see streamrl.generator.flow_control); off (default "
-        "for now: the learner reports its cursor only after each step, so a step that rejects "
-        "more groups than the measured rate can stall against a paused generator): always "
-        "keep prompts_in_flight prompts in the engine.",
+        "staleness",
+        description="staleness (default): admit a new prompt only while the groups committed "
+        "but not yet consumed by the learner, plus this generator's uncommitted ones, can still "
+        "be trained on within learner.max_staleness (see streamrl.generator.flow_control); "
+        "off: always keep prompts_in_flight prompts in the engine.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto picks CUDA when available, else vLLM's CPU build."

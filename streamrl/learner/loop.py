@@ -32,8 +32,9 @@ written, naming the differences.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -116,6 +117,8 @@ class Learner:
             start_step=self.step,
             enabled=topology.is_main,
         )
+        self._progress: LearnerProgress | None = None  # as last written (rank 0)
+        self._progress_lock = threading.Lock()  # the reader's prefetch thread writes it too
         # The stream is read on rank 0 only (see `_collect`).
         self.reader: StreamReader | None = None
         self.collector: BatchCollector | None = None
@@ -131,7 +134,10 @@ class Learner:
             # Evaluated by the reader's prefetch thread ahead of the collector's own check:
             # exact because self.version never decreases (see storage.stream_reader).
             self.reader = StreamReader(
-                run, cursor, oldest_usable_version=lambda: collector.oldest_usable(self.version)
+                run,
+                cursor,
+                oldest_usable_version=lambda: collector.oldest_usable(self.version),
+                on_idle=self._report_waiting,
             )
             self.collector = collector
             self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
@@ -351,7 +357,38 @@ class Learner:
             dropped_stale_total=totals.dropped_stale,
             updated_at=time.time(),
         )
-        write_learner_progress(self.run_location, progress)
+        with self._progress_lock:
+            write_learner_progress(self.run_location, progress)
+            self._progress = progress
+
+    def _report_waiting(self, cursor: Cursor) -> None:
+        """Rank 0, while waiting for groups mid-step (the reader's idle hook): the progress
+        record moves to `cursor`. Without it the groups this step consumed and rejected would
+        still count as the generators' backlog, and flow control could pause every generator
+        while the learner waits for one more group."""
+        with self._progress_lock:
+            self._write_waiting(cursor)
+
+    def _write_waiting(self, cursor: Cursor) -> None:
+        last = self._progress
+        if last is not None and last.waiting and last.cursor == cursor:
+            return
+        if last is None:  # before the first step of this life
+            totals = self.collector.totals if self.collector else FilterCounts()
+            last = LearnerProgress(
+                step=self.step,
+                policy_version=self.version,
+                consumed_total=totals.consumed,
+                accepted_total=totals.accepted,
+                dropped_stale_total=totals.dropped_stale,
+            )
+        progress = replace(last, cursor=cursor, waiting=True, updated_at=time.time())
+        try:
+            write_learner_progress(self.run_location, progress)
+        except OSError as exc:  # advisory: the next step's record replaces it
+            log.warning("could not record the learner's stream position: %r", exc)
+            return
+        self._progress = progress
 
     def _check_skipped_updates(self, metrics: dict[str, float]) -> None:
         """Warn about skipped updates; fail once `max_skipped_updates` came in a row."""

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -174,6 +175,35 @@ def test_learner_records_its_progress_after_each_step_and_skips_stale_segments(t
     assert second["stream/skipped_segments"] == second["stream/skipped_segments_total"] == 2
     assert not set(late) & fs.segments_read()
     assert set(early) | set(fresh[:1]) <= fs.segments_read()
+
+
+def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
+    """While a step waits for more groups, the progress record moves to the reader's cursor
+    (`waiting`): the groups the step already consumed and rejected are no longer the
+    generators' backlog, so flow control cannot pause them while the learner starves."""
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    writer = StreamWriter(run, "gen0")
+    rng = np.random.default_rng(1)
+    _write_segments(writer, [0, 0], rng)  # 10 groups: fewer than one batch
+    config = _config(run_dir, total_steps=1)
+    config.learner.batch_groups = config.learner.mini_batch_groups = 12
+    learner = Learner(config, run, topology)
+    result: dict[str, object] = {}
+    step = threading.Thread(target=lambda: result.update(learner.train_step()))
+    step.start()
+    deadline = time.monotonic() + 60
+    while (progress := read_learner_progress(run)) is None or progress.cursor.seq < 2:
+        assert time.monotonic() < deadline, f"no waiting record: {progress}"
+        time.sleep(0.1)
+    assert progress.waiting and progress.step == 0 and progress.policy_version == 0
+    assert progress.cursor == learner.reader.cursor  # past all 10 groups, mid-step
+    assert step.is_alive()
+    _write_segments(writer, [0, 0, 0, 0], rng)
+    step.join(timeout=120)
+    assert result["step"] == 1
+    progress = read_learner_progress(run)
+    assert not progress.waiting and progress.step == 1 and progress.accepted == 12
 
 
 def _learner_process(run_dir) -> subprocess.Popen[str]:

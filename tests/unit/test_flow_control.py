@@ -99,8 +99,6 @@ def test_gate_counts_the_backlog_after_the_learners_cursor_and_pauses(run_locati
 def test_a_bare_yaml_off_turns_flow_control_off():
     config = load_config(["dapo", "tiny-cpu"], overrides=["generator.flow_control=off"])
     assert config.generator.flow_control == "off"
-    assert (
-        load_config(["dapo"]).generator.flow_control == "off"
-    )  # until the learner reports mid-step
+    assert load_config(["dapo"]).generator.flow_control == "staleness"  # the default
     on = load_config(["dapo"], overrides=["generator.flow_control=staleness"])
     assert on.generator.flow_control == "staleness"
