@@ -8,12 +8,14 @@ as smollm2-cpu or qwen2.5-7b-dapo), `config_file`, `overrides` (dotted, `learner
 `run_uri` (default: the configuration's, else a fresh ./runs/<preset>-<time>), `generators`
 (default: generator.count), `resume`.
 
-Supervision: the learner and each generator are tasks (one process per attempt; retries
-restart them — the learner from its checkpoint). When the learner reaches its step budget it
-writes the run's stop marker; the generators flush and exit, and the flow run completes. When
-a component fails for good (retries spent), the flow stops the others and fails with that
-component's reason: never Completed over a failure. Artifacts: progress (steps / total), a
-table of the latest metrics refreshed as steps arrive, and the wandb link.
+Supervision is `streamrl.launch.Supervisor`, the core `streamrl run` uses too: each component
+is a task run (`flows.components.component_task`) for its whole life, restarts included (the
+learner resumes from its checkpoint). When the learner reaches its step budget it writes the
+run's stop marker; the generators flush and exit, and the flow run completes. When a component
+fails for good, the core stops the others and the flow fails with that component's reason:
+never Completed over a failure. An interrupted flow (Ctrl-C, cancellation) stops every process
+of the run before it ends. Artifacts: progress (steps / total), a table of the latest metrics
+refreshed as steps arrive, and the wandb link.
 """
 
 from __future__ import annotations
@@ -25,18 +27,11 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture
 
 from flows.artifacts import RunArtifacts
-from flows.components import (
-    evaluator_task,
-    generator_task,
-    learner_task,
-    restarts,
-    stop_event,
-)
-from storage.control import request_stop, stop_requested
+from flows.components import component_task
 from streamrl.config import RunConfig, StorageConfig, load_config
-from streamrl.launch import reserve_generator_indexes
-from streamrl.placement import PlacementPlan, plan_placement, write_placement
-from streamrl.runs import open_run_location, prepare_run
+from streamrl.launch import Supervisor
+from streamrl.placement import PlacementPlan, plan_placement
+from streamrl.runs import prepare_run
 
 __all__ = ["streamrl_run", "supervise"]
 
@@ -63,69 +58,59 @@ def supervise(
     """Start the run's components as tasks and watch them until the learner is done.
 
     Every process starts from `placement` (default: `plan_placement` for this machine), logged
-    once and stored as `<run>/control/placement.json`. Returns a summary (steps, restarts, last
-    metrics); raises `RunFailedError` after stopping everything when a component failed for
-    good."""
+    once and stored as `<run>/control/placement.json`; `retries` restarts per generator.
+    Returns a summary (steps, restarts, last metrics); raises `RunFailedError` after stopping
+    everything when a component failed for good."""
     logger = get_run_logger()
-    run_uri = config.storage.run_uri
-    plan = placement or plan_placement(config, generators=generators, evaluator=evaluate)
-    logger.info("%s", plan.describe())
-    run = open_run_location(config)
-    write_placement(run, plan)
-    artifacts = RunArtifacts(config, run)
-    reserve_generator_indexes(run, generators, owner="streamrl flow")
-    learner = learner_task.submit(config, plan.learner)
-    workers = {
-        f"generator-{i}": generator_task.with_options(retries=retries).submit(config, i, placed)
-        for i, placed in enumerate(plan.generators)
-    }
-    if plan.evaluator is not None:
-        workers["evaluator"] = evaluator_task.submit(config, plan.evaluator)
-    failure, shown = None, 0
-    total = config.learner.total_steps
-    while not learner.state.is_final():
-        latest = artifacts.refresh()
-        if latest is not None and int(latest["step"]) > shown:
-            shown = int(latest["step"])
-            logger.info(
-                "step %d/%d  reward %+.3f  acc %.3f  len %.0f  staleness %.2f  %.0f tok/s  v%d",
-                shown,
-                total,
-                latest["rollout/reward_mean"],
-                latest["rollout/acc"],
-                latest["rollout/response_len_mean"],
-                latest["stream/staleness_mean"],
-                latest["perf/learner_tokens_per_s"],
-                latest["policy_version"],
-            )
-        for name, future in workers.items():
-            if _failed(future):
-                failure = f"{name} failed for good: {future.state.message}"
-        if failure:
-            break
-        time.sleep(REFRESH_S)
-    if failure is None and _failed(learner):
-        failure = f"the learner failed for good: {learner.state.message}"
-    if failure is not None:
-        logger.error("%s; stopping the run", failure)
-        if not stop_requested(run):
-            request_stop(run, failure)
-        stop_event(run_uri).set()
-    for future in [learner, *workers.values()]:
-        future.wait()
+    supervisor = Supervisor.for_run(
+        config,
+        generators=generators,
+        placement=placement,
+        evaluator=evaluate,
+        max_restarts=retries,
+        owner="streamrl flow",
+    )
+    logger.info("%s", supervisor.plan.describe())
+    logger.info("each process's output: %s", supervisor.logs.folder)
+    supervisor.prepare()
+    artifacts = RunArtifacts(config, supervisor.run_location)
+    futures = {c.name: component_task.submit(supervisor, c.name) for c in supervisor.components}
+    try:
+        while not futures["learner"].state.is_final():
+            artifacts.refresh()
+            if any(_failed(f) for f in futures.values()):
+                break
+            time.sleep(REFRESH_S)
+    except BaseException:  # Ctrl-C, a cancelled flow run: nothing of the run keeps running
+        supervisor.abort("interrupted (Ctrl-C, or the flow run was stopped)", interrupted=True)
+        _wait(futures)
+        supervisor.logs.close()
+        raise
+    _wait(futures)
+    supervisor.logs.close()
     latest = artifacts.refresh(final=True)
-    if failure is not None:
-        raise RunFailedError(failure)
+    if supervisor.failures:
+        logger.error("%s; the run was stopped", supervisor.failures[0].splitlines()[0])
+        raise RunFailedError("; ".join(supervisor.failures))
     summary = {
-        "run_uri": run_uri,
+        "run_uri": config.storage.run_uri,
         "steps": int(latest["step"]) if latest else 0,
-        "restarts": dict(restarts(run_uri)),
+        "restarts": {c.name: c.restarts for c in supervisor.components if c.restarts},
         "last_metrics": latest,
     }
     logger.info(
-        "run complete: %s, %d steps, restarts %s", run_uri, summary["steps"], summary["restarts"]
+        "run complete: %s, %d steps, restarts %s",
+        summary["run_uri"],
+        summary["steps"],
+        summary["restarts"] or "none",
     )
     return summary
+
+
+def _wait(futures: dict[str, PrefectFuture[Any]]) -> None:
+    """Until every component's task run has ended (their processes with them)."""
+    for future in futures.values():
+        future.wait()
 
 
 @flow(name="streamrl", log_prints=True)

@@ -64,6 +64,7 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "learner.cpu_cores",
     "generator.enforce_eager",
     "generator.reward.workers",
+    "generator.flow_control",  # pacing: how much is generated ahead, not how it is learned
     # Where metrics go, and held-out evaluation (it never touches training).
     "logging",
     "eval",
@@ -73,6 +74,7 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "storage.storage_options",
     "storage.sweep_grace_s",
     "storage.keep_weight_versions",
+    "storage.stream_retention",  # what is kept of consumed segments (never what a resume needs)
 )
 """Dotted config paths that may differ when a run is resumed; an entry covers its subtree."""
 

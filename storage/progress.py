@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from storage.fs import Location, replace_object
 
-__all__ = ["GeneratorProgress", "read_progress", "write_progress"]
+__all__ = ["GeneratorProgress", "read_all_progress", "read_progress", "write_progress"]
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,15 @@ class GeneratorProgress:
     Invariants: `starts` ≥ 0 counts the processes that have started as `writer_id`;
     `next_prompt` is the first position whose group is not committed to the stream;
     `committed_after` lists, ascending, the positions after it whose groups are committed
-    (groups finish out of order). Written only after the commits it describes.
+    (groups finish out of order). Written only after the commits it describes. `paused_s`:
+    seconds flow control held this index back, over all its lives, as of its last commit.
     """
 
     writer_id: str
     starts: int = 0
     next_prompt: tuple[int, int] = (0, 0)
     committed_after: tuple[tuple[int, int], ...] = ()
+    paused_s: float = 0.0
     updated_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -72,3 +74,17 @@ def read_progress(run: Location, writer_id: str) -> GeneratorProgress | None:
 def write_progress(run: Location, progress: GeneratorProgress) -> None:
     """Replace the progress record of `progress.writer_id` (atomically)."""
     replace_object(run, _path(run, progress.writer_id), progress.to_json())
+
+
+def read_all_progress(run: Location) -> list[GeneratorProgress]:
+    """Every generator index's progress record, by writer id."""
+    folder = run.join("generators")
+    try:
+        names = sorted(run.fs.ls(folder, detail=False))
+    except FileNotFoundError:
+        return []
+    return [
+        GeneratorProgress.from_json(run.fs.cat_file(name))
+        for name in names
+        if name.endswith(".json")
+    ]

@@ -47,6 +47,7 @@ from storage.fs import Location, put_if_absent
 from storage.records import CommitRecord, Cursor, InvalidRecordError, RolloutSums, ScoredGroup
 from storage.segments import CorruptSegmentError, decode_segment
 from storage.stream_log import StorageUnavailableError, cat_objects, fetch_records, storage_io
+from storage.stream_retention import check_not_released
 
 __all__ = ["ReaderStats", "SkippedSegment", "StreamReader", "StreamTimeoutError", "quarantined"]
 
@@ -116,7 +117,7 @@ class StreamReader:
         oldest_usable_version: Callable[[], int] | None = None,
         on_idle: Callable[[Cursor], None] | None = None,
     ) -> None:
-        self.stream = run.child("stream")
+        self.run, self.stream = run, run.child("stream")
         # Must never decrease: the prefetch thread decides with the value of its round.
         self.oldest_usable_version = oldest_usable_version
         self.on_idle = on_idle
@@ -190,8 +191,11 @@ class StreamReader:
 
         With `prefetch_rounds > 0` a background thread fetches and decodes up to that many
         rounds ahead, so storage latency hides behind the consumer's work.
-        Raises `StreamTimeoutError` when no group arrives for `timeout_s` seconds.
+        Raises `StreamTimeoutError` when no group arrives for `timeout_s` seconds, and
+        `ReleasedStreamError` at once if the cursor is before segments deleted as consumed
+        (`storage.stream_retention`).
         """
+        check_not_released(self.run, self.cursor)
         stop = threading.Event()
         rounds = self._rounds(self.cursor, timeout_s, stop)
         if self.prefetch_rounds > 0:

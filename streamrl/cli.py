@@ -208,10 +208,15 @@ or ./streamrl-logs/; the console shows learner steps, warnings and errors.
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import re
-    from pathlib import Path
+    import shlex
 
-    from streamrl.launch import ComponentFailedError, LocalRun, format_summary
+    from streamrl.launch import (
+        ComponentFailedError,
+        RunInterruptedError,
+        Supervisor,
+        format_summary,
+        noteworthy,
+    )
     from streamrl.launch import run_summary as summarize
     from streamrl.placement import plan_placement
     from streamrl.runs import prepare_run
@@ -220,29 +225,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     count = args.generators or config.generator.count
     placement = plan_placement(config, generators=count)  # refused before anything starts
     config, run = prepare_run(config, resume=args.resume)
-    logs = Path(run.path if run.is_local else "streamrl-logs") / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    files = {}
-    shown = re.compile(r"step \d+:|WARNING|ERROR|Traceback|Error|restart")
 
     def on_line(component: str, line: str) -> None:
-        if component not in files:
-            files[component] = open(logs / f"{component}.log", "a", buffering=1)  # noqa: SIM115
-        files[component].write(line + "\n")
-        if shown.search(line):
-            print(f"[{component}] {line}", flush=True)
+        shown = line if line.startswith("exited with code") else noteworthy(line)
+        if shown is not None:
+            print(f"[{component}] {shown}", flush=True)
 
-    print(f"streamrl run: {run.uri} — learner + {count} generator(s); logs in {logs}", flush=True)
+    supervisor = Supervisor.for_run(
+        config, generators=count, on_line=on_line, placement=placement,
+        max_restarts=args.max_restarts,
+    )  # fmt: skip
+    print(f"streamrl run: {run.uri} — learner + {count} generator(s); logs in "
+          f"{supervisor.logs.folder}", flush=True)  # fmt: skip
     print(placement.describe(), flush=True)
-    local = LocalRun(config, count, on_line, max_restarts=args.max_restarts, placement=placement)
     try:
-        local.run()
+        supervisor.run()
     except ComponentFailedError as exc:
         print(f"streamrl run failed: {exc}", file=sys.stderr)
         return 1
-    finally:
-        for f in files.values():
-            f.close()
+    except RunInterruptedError:
+        given = [a for a in args.argv if a != "--resume"]
+        at = given.index("run") + 1
+        command = shlex.join(["streamrl", *given[:at], "--resume", *given[at:]])
+        print(f"\nstreamrl run: stopped; every process of the run has ended, its last "
+              f"checkpoint is intact. Resume with:\n  {command}", file=sys.stderr)  # fmt: skip
+        return 130
     print(format_summary(summarize(run)))
     return 0
 
@@ -425,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for hints
     logging.basicConfig(
         level=os.environ.get("STREAMRL_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

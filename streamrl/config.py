@@ -468,6 +468,12 @@ class StorageConfig(_Component):
         "commit deadline plus a margin (storage.stream_sweep), so a segment that can still be "
         "committed is never removed.",
     )
+    stream_retention: Literal["keep", "consumed"] = Field(
+        "keep",
+        description="keep: every stream segment stays (the run stays auditable). consumed: "
+        "after each checkpoint the learner deletes the segments wholly before the oldest "
+        "stored checkpoint's cursor, keeping their commit records (storage.stream_retention).",
+    )
 
     @field_validator("storage_options")
     @classmethod

@@ -1,4 +1,5 @@
-"""Starting and supervising a run's processes on one machine.
+"""Starting and supervising a run's processes: the one supervision core of `streamrl run`,
+the `streamrl` Prefect flow and `make demo`.
 
 A run is a learner (one process, or a torchrun job of `learner.nproc_per_node` ranks), N
 generators and, when `eval.every_versions` > 0, an evaluator: each a `streamrl` subprocess of
@@ -9,14 +10,17 @@ Opening a run (`prepare_run`, `open_existing_run`, `load_run_config`) lives in
 
 - `learner_command`, `generator_command`, `evaluator_command`: their argv.
 - `run_process`: run one to its exit, each output line to a callback; SIGTERM when asked to
-  stop, SIGKILL after a grace period; on the cores and with the environment of its
-  `ProcessPlacement` (`streamrl.placement`: one plan per run, made before anything starts).
+  stop, SIGKILL after a grace period; SIGTERM too if the supervisor dies (however it dies); on
+  the cores and with the environment of its `ProcessPlacement` (`streamrl.placement`).
+- `Supervisor`: one run's processes from one placement plan (stored as
+  `<run>/control/placement.json`): `keep_running(component)` runs one to its end, restarting it
+  after a crash (the learner resumes from its checkpoint, a generator continues its prompts)
+  until its restarts are spent; the learner's success lets the others finish; a component that
+  failed for good, Ctrl-C or SIGTERM stops everything (`abort`). Each output line goes to the
+  component's log file (`ComponentLogs`); `noteworthy(line)` picks what a terminal shows.
+  `run()` supervises on threads (`streamrl run`); the flow runs `keep_running` as Prefect tasks.
 - `claim_generator_index`: the next free generator index of a run, for generators that join
   later (scaling out).
-- `LocalRun`: `streamrl run` — the whole run without Prefect: restarts a crashed generator
-  (up to `max_restarts`), stops the generators when the learner finishes, and fails (stopping
-  everything) when a component fails for good. The Prefect flows (`flows/`) do the same with
-  tasks and retries.
 """
 
 from __future__ import annotations
@@ -25,14 +29,17 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from storage.control import request_stop, stop_requested
 from storage.fs import Location, put_if_absent
@@ -41,19 +48,25 @@ from streamrl.placement import (
     PLACED_VARIABLES,
     PlacementPlan,
     ProcessPlacement,
+    place_joining_generator,
     plan_placement,
     write_placement,
 )
+from streamrl.processes import die_with_parent
 from streamrl.runs import open_run_location
 
 __all__ = [
+    "Component",
     "ComponentFailedError",
-    "LocalRun",
+    "ComponentLogs",
+    "RunInterruptedError",
+    "Supervisor",
     "claim_generator_index",
     "evaluator_command",
     "format_summary",
     "generator_command",
     "learner_command",
+    "noteworthy",
     "reserve_generator_indexes",
     "run_process",
     "run_summary",
@@ -68,6 +81,10 @@ FINISH_GRACE_S = 180.0  # generators flush, the evaluator scores the last versio
 class ComponentFailedError(RuntimeError):
     """A learner, generator or evaluator process failed for good; the message says which,
     how it exited and the last lines it printed."""
+
+
+class RunInterruptedError(RuntimeError):
+    """The run was stopped from outside (Ctrl-C, SIGTERM) and every process of it has ended."""
 
 
 def _python() -> list[str]:
@@ -115,8 +132,9 @@ def run_process(
 
     With `placement` the process starts on its cores (CPU affinity, inherited by every thread
     and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
-    both the supervisor's environment and the placement's."""
-    inherited = dict(os.environ)
+    both the supervisor's environment and the placement's. The process gets SIGTERM when the
+    calling thread's process dies; call it from a thread that waits for it (it does)."""
+    inherited, supervisor = dict(os.environ), os.getpid()
     planned: dict[str, str] = {}
     cpus = None
     if placement is not None:  # the plan decides its variables: none leaks from ours
@@ -130,8 +148,8 @@ def run_process(
         bufsize=1,
         env={**inherited, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
         start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
-        # Only a system call between fork and exec: safe with the supervisor's threads.
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        # Only system calls between fork and exec: safe with the supervisor's threads.
+        preexec_fn=lambda: _in_child(supervisor, cpus),
     )
     stop = stop or threading.Event()
     watcher = threading.Thread(
@@ -149,6 +167,14 @@ def run_process(
     reader.join(timeout=10)
     watcher.join()
     return code
+
+
+def _in_child(supervisor: int, cpus: tuple[int, ...] | None) -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies (its thread that started us
+    waits for us, so it ends only with the supervisor); the planned cores."""
+    die_with_parent(supervisor, signal.SIGTERM)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _forward_lines(process: subprocess.Popen[str], on_line: Callable[[str], None]) -> None:
@@ -206,85 +232,178 @@ def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> 
         index += 1
 
 
-# -- a whole run without Prefect ---------------------------------------------------------------
+# -- the supervision core ---------------------------------------------------------------------
+
+# What a user's terminal shows of a component's output: the learner's step lines, streamrl's
+# warnings and errors (as logged by `streamrl.cli`: "<date> <time> LEVEL logger: message"). The
+# rest (engine start-up, progress bars, third-party warnings) goes to the log files only.
+_OWN_LINE = re.compile(
+    r"^\S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?:streamrl|storage|flows)\.\S+: "
+    r"(?P<message>.*)$"
+)
+_STEP = re.compile(r"^step \d+:")
+
+
+def noteworthy(line: str) -> str | None:
+    """What a terminal shows of a component's output `line`: the learner's step line or one of
+    streamrl's warnings or errors, without the timestamp and logger; None for the rest."""
+    own = _OWN_LINE.match(line)
+    if own is None:
+        return None
+    level, message = own["level"], own["message"]
+    if level == "INFO":
+        return message if _STEP.match(message) else None
+    return f"{level}: {message}"
+
+
+class ComponentLogs:
+    """Each component's output, appended line by line to `<folder>/<component>.log`."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._files: dict[str, IO[str]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_run(cls, run: Location) -> ComponentLogs:
+        """`<run>/logs/` for a run on local disk, else `./streamrl-logs/<run name>/`."""
+        if run.is_local:
+            return cls(Path(run.path) / "logs")
+        return cls(Path("streamrl-logs") / run.path.rstrip("/").rsplit("/", 1)[-1])
+
+    def write(self, component: str, line: str) -> None:
+        with self._lock:
+            if component not in self._files:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._files[component] = open(  # noqa: SIM115 (closed by close())
+                    self.folder / f"{component}.log", "a", buffering=1
+                )
+            self._files[component].write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            for file in self._files.values():
+                file.close()
+            self._files.clear()
 
 
 @dataclass
-class _Component:
-    name: str
+class Component:
+    """One process of the run and its history under supervision."""
+
+    name: str  # learner, gen<i>, eval
     argv: list[str]
     restarts_allowed: int
     placement: ProcessPlacement | None = None
     restarts: int = 0
     exit_code: int | None = None
-    tail: list[str] = field(default_factory=list)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
 
-@dataclass
-class LocalRun:
-    """`streamrl run`: one learner, `generators` generators (and the evaluator) on this
-    machine, supervised until the learner reaches its step budget.
+class Supervisor:
+    """The supervision core: a run's processes on this machine and their restarts.
 
-    `on_line(component, line)` receives every output line; `max_restarts` bounds the restarts
-    of each generator (the learner gets `learner_restarts`: it resumes from its checkpoint).
-    Every process starts from `placement` (default: `plan_placement` for this machine), which
-    `run()` stores as `<run>/control/placement.json`.
-    `run()` returns when everything stopped; it raises `ComponentFailedError` after stopping the
-    others when a component failed for good."""
+    `Supervisor.for_run(config, generators=N)`: the learner, N generators and (when configured)
+    the evaluator, each started from a placement plan (default: `plan_placement` for this
+    machine). `Supervisor.for_joining_generator(config, index)`: one more generator for a run
+    supervised elsewhere.
 
-    config: RunConfig
-    generators: int
-    on_line: Callable[[str, str], None]
-    max_restarts: int = 3
-    learner_restarts: int = 1
-    evaluator: bool = True
-    placement: PlacementPlan | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-    failures: list[str] = field(default_factory=list)
+    `prepare()` stores the plan (`<run>/control/placement.json`) and reserves the generator
+    indexes; then each component runs under `keep_running` — on threads (`run()`, for
+    `streamrl run`) or as Prefect tasks (the `streamrl` and `generator` flows). Every output
+    line goes to the component's log file, then to `on_line(component, line)`. When the learner
+    finishes, the others get `FINISH_GRACE_S` to flush; when a component fails for good, or on
+    `abort`, everything is stopped: the run's stop marker first when this supervisor owns the
+    run (so nothing restarts into it), then SIGTERM, SIGKILL after `STOP_GRACE_S`."""
 
-    def run(self) -> dict[str, Any]:
-        plan = self.placement or plan_placement(
-            self.config, generators=self.generators, evaluator=self.evaluator
-        )
-        run = open_run_location(self.config)
-        write_placement(run, plan)
-        reserve_generator_indexes(run, self.generators, owner="streamrl run")
+    def __init__(
+        self,
+        config: RunConfig,
+        components: list[Component],
+        *,
+        plan: PlacementPlan | None = None,
+        owns_run: bool = True,
+        on_line: Callable[[str, str], None] = lambda component, line: None,
+        owner: str = "streamrl run",
+    ) -> None:
+        self.config = config
+        self.components = components
+        self.plan = plan
+        self.owns_run = owns_run
+        self.run_location = open_run_location(config)
+        self.logs = ComponentLogs.for_run(self.run_location)
+        self.on_line = on_line
+        self.owner = owner
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.interrupted: str | None = None
+
+    @classmethod
+    def for_run(
+        cls,
+        config: RunConfig,
+        *,
+        generators: int,
+        placement: PlacementPlan | None = None,
+        evaluator: bool = True,
+        max_restarts: int = 3,
+        learner_restarts: int = 1,
+        on_line: Callable[[str, str], None] = lambda component, line: None,
+        owner: str = "streamrl run",
+    ) -> Supervisor:
+        """The whole run: `max_restarts` restarts for each generator, `learner_restarts` for
+        the learner (it resumes from its checkpoint), one for the evaluator."""
+        plan = placement or plan_placement(config, generators=generators, evaluator=evaluator)
         components = [
-            _Component(
-                "learner", learner_command(self.config), self.learner_restarts, plan.learner
-            ),
+            Component("learner", learner_command(config), learner_restarts, plan.learner),
             *(
-                _Component(f"gen{i}", generator_command(self.config, i), self.max_restarts, placed)
+                Component(f"gen{i}", generator_command(config, i), max_restarts, placed)
                 for i, placed in enumerate(plan.generators)
             ),
         ]
         if plan.evaluator is not None:
-            components.append(_Component("eval", evaluator_command(self.config), 1, plan.evaluator))
-        threads = [
-            threading.Thread(target=self._supervise, args=(c, run), name=c.name, daemon=True)
-            for c in components
-        ]
-        for thread in threads:
-            thread.start()
-        try:
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(timeout=0.5)
-        except KeyboardInterrupt:
-            self.failures.append("interrupted (Ctrl-C)")
-            self._abort(run, "interrupted")
-            for thread in threads:
-                thread.join()
-        if self.failures:
-            raise ComponentFailedError("; ".join(self.failures))
-        return {c.name: {"exit_code": c.exit_code, "restarts": c.restarts} for c in components}
+            components.append(Component("eval", evaluator_command(config), 1, plan.evaluator))
+        return cls(config, components, plan=plan, on_line=on_line, owner=owner)
 
-    def _supervise(self, component: _Component, run: Location) -> None:
+    @classmethod
+    def for_joining_generator(
+        cls,
+        config: RunConfig,
+        index: int,
+        *,
+        max_restarts: int = 3,
+        on_line: Callable[[str, str], None] = lambda component, line: None,
+        owner: str = "",
+    ) -> Supervisor:
+        """Generator `index` joining a run supervised elsewhere, on this whole machine
+        (`place_joining_generator`). Its failure stops only itself."""
+        placement = place_joining_generator(config, index)
+        component = Component(
+            f"gen{index}", generator_command(config, index), max_restarts, placement
+        )
+        return cls(config, [component], owns_run=False, on_line=on_line, owner=owner)
+
+    def prepare(self) -> None:
+        """Store the plan and reserve the generator indexes (before starting anything)."""
+        if self.plan is not None:
+            write_placement(self.run_location, self.plan)
+            reserve_generator_indexes(self.run_location, len(self.plan.generators), self.owner)
+
+    def keep_running(
+        self, component: Component, on_line: Callable[[str], None] | None = None
+    ) -> None:
+        """Run `component` until it exits 0 or the run stops, restarting it after a crash
+        while its restarts last. Each line goes to its log file, then to `on_line` (default:
+        the supervisor's). Raises `ComponentFailedError` (after stopping the run) when it failed
+        for good."""
+        show = on_line or (lambda line: self.on_line(component.name, line))
+
         def line(text: str) -> None:
-            component.tail = [*component.tail[-19:], text]
-            self.on_line(component.name, text)
+            component.tail.append(text)
+            self.logs.write(component.name, text)
+            show(text)
 
-        while True:
+        while not self.stop.is_set():
             component.exit_code = run_process(
                 component.argv, line, self.stop, placement=component.placement
             )
@@ -293,33 +412,91 @@ class LocalRun:
                     self._finish()
                 return
             if component.restarts >= component.restarts_allowed:
-                tail = "\n    ".join(component.tail[-10:])
-                self.failures.append(
+                tail = "\n    ".join(list(component.tail)[-10:])
+                failure = (
                     f"{component.name} failed for good (exit code {component.exit_code} after "
                     f"{component.restarts} restarts); its last lines:\n    {tail}"
                 )
-                self._abort(run, f"{component.name} failed")
-                return
+                self.failures.append(failure)
+                self.abort(f"{component.name} failed")
+                raise ComponentFailedError(failure)
             component.restarts += 1
-            self.on_line(
-                component.name,
+            show(
                 f"exited with code {component.exit_code}; restart {component.restarts} of "
-                f"{component.restarts_allowed}",
+                f"{component.restarts_allowed} (log: {self.logs.folder / component.name}.log)"
             )
+
+    def run(self) -> dict[str, Any]:
+        """`streamrl run`: every component on a thread of this process until the learner is
+        done. Ctrl-C or SIGTERM stops the run (`RunInterruptedError` once every process has
+        ended); a component that failed for good raises `ComponentFailedError`. Returns each
+        component's exit code and restarts."""
+        self.prepare()
+        threads = [
+            threading.Thread(target=self._keep_running_quietly, args=(c,), name=c.name)
+            for c in self.components
+        ]
+        with _sigterm_as_interrupt():
+            for thread in threads:
+                thread.start()
+            try:
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(timeout=0.5)
+            except KeyboardInterrupt:
+                self.abort("interrupted (Ctrl-C or SIGTERM)", interrupted=True)
+                for thread in threads:
+                    thread.join()
+        self.logs.close()
+        if self.failures:
+            raise ComponentFailedError("; ".join(self.failures))
+        if self.interrupted:
+            raise RunInterruptedError(self.interrupted)
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        return {c.name: {"exit_code": c.exit_code, "restarts": c.restarts} for c in self.components}
+
+    def _keep_running_quietly(self, component: Component) -> None:
+        with contextlib.suppress(ComponentFailedError):  # recorded in self.failures
+            self.keep_running(component)
 
     def _finish(self) -> None:
         """The learner is done and has set the stop marker: the generators flush and exit, the
         evaluator scores the last version; whatever still runs after a grace period is stopped."""
         deadline = threading.Timer(FINISH_GRACE_S, self.stop.set)
-        deadline.daemon = True  # never keeps `streamrl run` alive once everything exited
+        deadline.daemon = True  # never keeps the supervisor alive once everything exited
         deadline.start()
 
-    def _abort(self, run: Location, reason: str) -> None:
+    def abort(self, reason: str, *, interrupted: bool = False) -> None:
         """Stop everything now: the stop marker (so nothing restarts into the run), then
-        SIGTERM to every process."""
-        if not stop_requested(run):
-            request_stop(run, reason)
+        SIGTERM to every process (SIGKILL after `STOP_GRACE_S`). `interrupted`: stopped from
+        outside (Ctrl-C, SIGTERM), not by a failure."""
+        if interrupted and self.interrupted is None:
+            self.interrupted = reason
+        try:
+            if self.owns_run and not stop_requested(self.run_location):
+                request_stop(self.run_location, reason)
+        except OSError as exc:  # storage unreachable: the processes are stopped all the same
+            log.warning("could not write the run's stop marker: %r", exc)
         self.stop.set()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM to the supervisor stops the run as Ctrl-C does (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # -- summaries -------------------------------------------------------------------------------

@@ -38,12 +38,15 @@ if TYPE_CHECKING:
 __all__ = [
     "PLACED_VARIABLES",
     "PLACEMENT_FILE",
+    "RANK_CORES_VARIABLE",
     "PlacementError",
     "PlacementPlan",
     "ProcessPlacement",
+    "bind_rank",
     "format_cores",
     "machine_cpus",
     "parse_cores",
+    "place_joining_generator",
     "plan_placement",
     "read_placement",
     "visible_gpus",
@@ -57,9 +60,13 @@ Component = Literal["learner", "generator", "evaluator"]
 # (libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT, Intel's runtime KMP_BLOCKTIME).
 IDLE_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 
+# A learner of several ranks: each rank's cores, ';'-separated in rank order (`bind_rank`).
+RANK_CORES_VARIABLE = "STREAMRL_RANK_CORES"
+
 # Every variable a placement decides: a planned process never inherits them from its supervisor.
 PLACED_VARIABLES = frozenset(
     {"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"}
+    | {RANK_CORES_VARIABLE}
     | set(IDLE_WAIT_ENV)
 )
 
@@ -158,7 +165,19 @@ class ProcessPlacement(_Record):
         }
         if self.component != "learner" and not self.on_gpu:
             env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cpus)
+        if self.ranks > 1:
+            env[RANK_CORES_VARIABLE] = ";".join(format_cores(c) for c in self.rank_cpus())
         return env
+
+    def rank_cpus(self) -> list[tuple[int, ...]]:
+        """Each rank's own cores: `cpus` in `ranks` consecutive blocks of `threads` (the last
+        takes the remainder); all of `cpus` for every rank when there are fewer cores than
+        ranks."""
+        if len(self.cpus) < self.ranks:
+            return [self.cpus] * self.ranks
+        blocks = [self.cpus[r * self.threads : (r + 1) * self.threads] for r in range(self.ranks)]
+        blocks[-1] = self.cpus[(self.ranks - 1) * self.threads :]
+        return blocks
 
 
 class PlacementPlan(_Record):
@@ -271,6 +290,48 @@ def plan_placement(
         generators=tuple(process(f"gen{i}", "generator", i) for i in range(count)),
         evaluator=process("eval", "evaluator") if with_eval else None,
     )
+
+
+def place_joining_generator(
+    config: RunConfig,
+    index: int,
+    *,
+    cpus: Sequence[int] | None = None,
+    gpus: Sequence[str] | None = None,
+) -> ProcessPlacement:
+    """A generator joining a run on a machine of its own (the `generator` flow on a worker):
+    every core of this process's affinity (`cpus`) and, on CUDA, the first
+    `tensor_parallel_size` visible GPUs. Raises `PlacementError` when there are fewer."""
+    cpus = sorted(set(machine_cpus() if cpus is None else cpus))
+    gpus = list(visible_gpus() if gpus is None else gpus)
+    tp = config.generator.tensor_parallel_size
+    mine: list[str] = []
+    if _on_cuda(config.generator.device, gpus, "generator.device"):
+        if len(gpus) < tp:
+            raise PlacementError(
+                f"generator {index} needs {tp} GPUs (generator.tensor_parallel_size) but this "
+                f"machine exposes {len(gpus)}"
+            )
+        mine = gpus[:tp]
+    return ProcessPlacement(
+        name=f"gen{index}",
+        component="generator",
+        index=index,
+        cpus=tuple(cpus),
+        gpus=tuple(mine),
+        threads=len(cpus),
+    )
+
+
+def bind_rank(local_rank: int) -> tuple[int, ...] | None:
+    """In a learner rank started from a placement of several ranks: move this process onto
+    its own cores (`RANK_CORES_VARIABLE`) and return them; None when there is no such plan."""
+    blocks = os.environ.get(RANK_CORES_VARIABLE)
+    if not blocks:
+        return None
+    cores = tuple(parse_cores(blocks.split(";")[local_rank]))
+    os.sched_setaffinity(0, cores)
+    return cores
 
 
 def _on_cuda(device: str, gpus: Sequence[str], field: str) -> bool:

@@ -257,7 +257,7 @@ class GeneratorLoop:
         record = self.writer.flush()
         if record is not None:
             self.stats.segments += 1
-            self.ledger.committed()
+            self.ledger.committed(paused_s=self._gate.paused_s)
             self._gate.committed(record.num_groups)
 
     def _drain(self) -> None:

@@ -64,8 +64,10 @@ class PromptLedger:
         self._taken: dict[str, PromptPosition] = {}  # request id → position, not collected
         self._collected: list[PromptPosition] = []  # since the last commit
         self._committed: set[PromptPosition] = set()  # after the first uncommitted position
+        self._paused_before = 0.0  # flow control's pauses in earlier lives
         if progress is not None:
             self._committed = {PromptPosition(*p) for p in progress.committed_after}
+            self._paused_before = progress.paused_s
 
     def take(self, request_id: str, position: PromptPosition) -> None:
         """The prompt at `position` (the iterator's `position` before it was drawn) went to the
@@ -76,9 +78,9 @@ class PromptLedger:
         """`request_id`'s group went to the stream writer (or was dropped on purpose)."""
         self._collected.append(self._taken.pop(request_id))
 
-    def committed(self) -> GeneratorProgress | None:
+    def committed(self, paused_s: float = 0.0) -> GeneratorProgress | None:
         """Everything collected is now in a committed segment: update (and, with a run,
-        write) the progress record."""
+        write) the progress record; `paused_s` is this life's time paused by flow control."""
         self._committed.update(self._collected)
         self._collected = []
         first = min(self._taken.values(), default=self.prompts.position)
@@ -89,6 +91,7 @@ class PromptLedger:
             self.progress,
             next_prompt=(first.epoch, first.offset),
             committed_after=tuple((p.epoch, p.offset) for p in sorted(self._committed)),
+            paused_s=self._paused_before + paused_s,
             updated_at=time.time(),
         )
         if self.run is not None:

@@ -20,10 +20,15 @@ __all__ = ["run_learner"]
 def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) -> int:
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
     number of steps done. Call it on every rank: torchrun's environment sets the topology."""
+    import os
+
     from streamrl.learner.loop import Learner
     from streamrl.learner.topology import Topology
+    from streamrl.placement import bind_rank
     from streamrl.runs import open_existing_run
 
+    # A learner of several ranks placed on cores: each rank on its own (threads = its share).
+    bind_rank(int(os.environ.get("LOCAL_RANK", "0")))
     config, run = open_existing_run(run_uri, storage_options)
     with Topology.from_env(config.learner.device) as topology:
         return Learner(config, run, topology).run()

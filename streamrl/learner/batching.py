@@ -83,7 +83,9 @@ class StreamBatch:
     def metrics(self) -> dict[str, float]:
         """`stream/staleness_mean`, `_max`, `stream/dropped_stale`, `stream/dropped_zero_var`
         (ALGORITHMS.md), `stream/accepted`, `stream/consumed`, `stream/skipped_segments`;
-        `stream/*_total` cumulative; `rollout/*` over every consumed group and
+        `stream/*_total` cumulative; `stream/waste_frac` (consumed but not trained on) and
+        `stream/stale_frac` (dropped as stale) over every group consumed so far; `rollout/*`
+        over every consumed group and
         `rollout_accepted/*` over the trained ones."""
         counts = {f"stream/{k}": float(v) for k, v in asdict(self.counts).items()}
         totals = {f"stream/{k}_total": float(v) for k, v in asdict(self.totals).items()}
@@ -91,7 +93,12 @@ class StreamBatch:
         rollout = self.consumed.metrics("rollout")
         accepted = RolloutSums.of(self.groups).metrics("rollout_accepted")
         staleness = {"stream/staleness_mean": mean, "stream/staleness_max": top}
-        return staleness | counts | totals | rollout | accepted
+        consumed = max(self.totals.consumed, 1)
+        waste = {  # of every group consumed so far: not trained on, dropped as stale
+            "stream/waste_frac": (self.totals.consumed - self.totals.accepted) / consumed,
+            "stream/stale_frac": self.totals.dropped_stale / consumed,
+        }
+        return staleness | counts | totals | waste | rollout | accepted
 
 
 @dataclass

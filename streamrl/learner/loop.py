@@ -40,10 +40,12 @@ import torch
 
 from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
 from storage.control import request_stop
-from storage.fs import Location
+from storage.fs import Location, StorageError
 from storage.learner_progress import LearnerProgress, write_learner_progress
+from storage.progress import read_all_progress
 from storage.records import Cursor
 from storage.stream import StreamReader, StreamTimeoutError, quarantined
+from storage.stream_retention import oldest_resume_cursor, release_consumed
 from storage.weights import WeightStore
 from streamrl.config import RunConfig
 from streamrl.learner.batching import (
@@ -286,9 +288,20 @@ class Learner:
                 "stream/quarantined": float(seen - seen_before),
                 "stream/quarantined_total": float(self._quarantined_before + seen),
                 "stream/read_retries_total": float(reader.stats.transient_errors),
+                **self._generator_metrics(),
             }
 
         return self.topology.decide_on_main(on_main)
+
+    def _generator_metrics(self) -> dict[str, float]:
+        """`generators/paused_s_total`: the seconds flow control has held generators back, over
+        every index and life, as of their last commits (their progress records)."""
+        try:
+            records = read_all_progress(self.run_location)
+        except (OSError, ValueError) as exc:  # advisory: the next step reads them again
+            log.warning("could not read the generators' progress records: %r", exc)
+            return {}
+        return {"generators/paused_s_total": sum(r.paused_s for r in records)}
 
     def _train_batch(self, *, train_policy: bool = True) -> tuple[StreamBatch, dict[str, float]]:
         """Collect a batch and train on it: the batch and its metrics."""
@@ -449,3 +462,17 @@ class Learner:
         )
         self.checkpoints.save(self._app_state(), state)
         self.checkpoints.retain(self.config.learner.keep_checkpoints)
+        if self.config.storage.stream_retention == "consumed":
+            try:  # on every rank: reading the checkpoints' cursors is a collective
+                oldest = oldest_resume_cursor(self.checkpoints)
+                released = self.topology.main_only(
+                    lambda: release_consumed(self.run_location, oldest)
+                )
+            except (OSError, StorageError) as exc:  # the next checkpoint releases them
+                log.warning("could not release consumed stream segments: %r", exc)
+            else:
+                if released:
+                    log.info(
+                        "released %d consumed stream segments (log numbers below %d)",
+                        len(released), oldest.seq,
+                    )  # fmt: skip

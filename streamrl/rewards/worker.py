@@ -9,13 +9,11 @@ only floats come back.
 
 from __future__ import annotations
 
-import ctypes
 import numbers
 import os
-import signal
-import sys
 from typing import TYPE_CHECKING
 
+from streamrl.processes import die_with_parent
 from streamrl.rewards.registry import RewardFn, resolve_reward
 
 if TYPE_CHECKING:
@@ -26,13 +24,11 @@ __all__ = [
     "RewardValueError",
     "call_reward",
     "check_score",
-    "die_with_parent",
     "init_worker",
     "wait_until_all_started",
 ]
 
 STARTUP_TIMEOUT_S = 120.0  # a starting worker imports sympy and the user's module
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class RewardValueError(ValueError):
@@ -63,30 +59,13 @@ _worker_barrier: Barrier | None = None
 
 
 def init_worker(fn_spec: str, barrier: Barrier, parent_pid: int) -> None:
-    """Pool initializer: die with the parent (`die_with_parent`), then resolve the reward in
-    this process (a registered name or import path resolves the same way as in the caller,
-    which has already checked it)."""
+    """Pool initializer: die with the parent (SIGKILL: a SIGKILLed generator runs no cleanup,
+    and its workers would live on, with them multiprocessing's resource tracker), then resolve
+    the reward in this process (a registered name or import path resolves the same way as in
+    the caller, which has already checked it)."""
     global _worker_fn, _worker_spec, _worker_barrier
     die_with_parent(parent_pid)
     _worker_fn, _worker_spec, _worker_barrier = resolve_reward(fn_spec), fn_spec, barrier
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have Linux SIGKILL this process when its parent dies, however it dies.
-
-    A SIGKILLed generator runs no cleanup, so without this its workers would live on (and with
-    them multiprocessing's resource tracker, which exits only once every holder of its pipe
-    has). The kernel sends the signal when the *thread* that started this process ends, which
-    is why `RewardScorer` starts its pools from one thread of its own. A parent that died
-    before this call is caught by comparing `parent_pid`. Elsewhere than on Linux: a no-op.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed in a reward worker")
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def wait_until_all_started() -> int:

@@ -168,5 +168,5 @@ def test_a_generator_that_always_fails_fails_the_flow_run_with_its_reason(prefec
     state = streamrl_run(**kwargs, return_state=True)
     assert state.is_failed()
     logs = asyncio.run(_logs(state.state_details.flow_run_id))
-    assert "generator-0 failed for good" in str(state.message) + logs
+    assert "gen0 failed for good" in str(state.message) + logs
     assert "no_such_module" in logs

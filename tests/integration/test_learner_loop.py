@@ -22,6 +22,7 @@ from storage.control import stop_requested
 from storage.fs import Location, open_location
 from storage.learner_progress import read_learner_progress
 from storage.manifest import create_run
+from storage.progress import GeneratorProgress, write_progress
 from storage.records import ScoredGroup
 from storage.stream import StreamTimeoutError, StreamWriter
 from storage.weights import WeightStore
@@ -186,6 +187,8 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     writer = StreamWriter(run, "gen0")
     rng = np.random.default_rng(1)
     _write_segments(writer, [0, 0], rng)  # 10 groups: fewer than one batch
+    for index, paused_s in enumerate((5.0, 2.5)):
+        write_progress(run, GeneratorProgress(f"gen{index}", paused_s=paused_s))
     config = _config(run_dir, total_steps=1)
     config.learner.batch_groups = config.learner.mini_batch_groups = 12
     learner = Learner(config, run, topology)
@@ -196,14 +199,15 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     while (progress := read_learner_progress(run)) is None or progress.cursor.seq < 2:
         assert time.monotonic() < deadline, f"no waiting record: {progress}"
         time.sleep(0.1)
-    assert progress.waiting and progress.step == 0 and progress.policy_version == 0
+    assert (progress.waiting, progress.step, progress.policy_version) == (True, 0, 0)
     assert progress.cursor == learner.reader.cursor  # past all 10 groups, mid-step
     assert step.is_alive()
     _write_segments(writer, [0, 0, 0, 0], rng)
     step.join(timeout=120)
     assert result["step"] == 1
+    assert result["generators/paused_s_total"] == 7.5  # from the generators' records
     progress = read_learner_progress(run)
-    assert not progress.waiting and progress.step == 1 and progress.accepted == 12
+    assert (progress.waiting, progress.step, progress.accepted) == (False, 1, 12)
 
 
 def _learner_process(run_dir) -> subprocess.Popen[str]:

@@ -33,8 +33,10 @@ def test_local_run_starts_every_process_on_its_planned_cores(tmp_path, monkeypat
     monkeypatch.setenv("OMP_NUM_THREADS", "64")
     config = load_config(overrides=[f"storage.run_uri={tmp_path / 'run'}"])
     lines: dict[str, list[str]] = {}
-    local = launch.LocalRun(config, 1, lambda name, line: lines.setdefault(name, []).append(line))
-    local.run()
+    supervisor = launch.Supervisor.for_run(
+        config, generators=1, on_line=lambda name, line: lines.setdefault(name, []).append(line)
+    )
+    supervisor.run()
     plan = read_placement(open_run_location(config))
     for name, placement in (("learner", plan.learner), ("gen0", plan.generators[0])):
         seen = json.loads(lines[name][-1])

@@ -182,6 +182,8 @@ def test_stale_groups_read_or_skipped_unread_count_as_stale_and_in_rollout_metri
     lengths = sum(len(t) for g in (stale, fresh) for t in g.response_tokens) + 40
     assert metrics["rollout/response_len_mean"] == pytest.approx(lengths / 12)
     assert metrics["rollout_accepted/acc"] == pytest.approx(1 / 4)
+    assert metrics["stream/waste_frac"] == pytest.approx(5 / 6)  # consumed 6, trained 1
+    assert metrics["stream/stale_frac"] == pytest.approx(5 / 6)
     still_usable = SkippedSegment(3, 4, 1, unread)  # version 1 is usable at 5 − 4
     with pytest.raises(ValueError, match="skipped segment 3"):
         _collect(_collector(1, max_staleness=4), [still_usable, fresh], version=5)

@@ -19,6 +19,7 @@ from streamrl.placement import (
     format_cores,
     machine_cpus,
     parse_cores,
+    place_joining_generator,
     plan_placement,
     read_placement,
     visible_gpus,
@@ -252,3 +253,51 @@ def test_a_process_started_from_the_plan_gets_its_cores_and_environment():
     assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == format_cores(placement.cpus)
     # The supervisor itself keeps every core.
     assert sorted(os.sched_getaffinity(0)) == cpus
+
+
+def test_each_learner_rank_gets_its_own_block_of_cores():
+    cfg = config("learner.nproc_per_node=4")
+    plan = plan_placement(cfg, generators=4, cpus=range(32), gpus=EIGHT_GPUS)
+    assert plan.learner.rank_cpus() == [
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+        (8, 9, 10, 11),
+        (12, 13, 14, 15),
+    ]
+    assert plan.learner.env()["STREAMRL_RANK_CORES"] == "0-3;4-7;8-11;12-15"
+    assert "STREAMRL_RANK_CORES" not in plan.generators[0].env()
+    odd = plan.learner.model_copy(update={"cpus": (0, 1, 2, 3, 4), "ranks": 2, "threads": 2})
+    assert odd.rank_cpus() == [(0, 1), (2, 3, 4)]  # the last rank takes the remainder
+
+
+@pytest.mark.skipif(len(machine_cpus()) < 2, reason="needs two cores to tell affinity apart")
+def test_a_learner_rank_binds_itself_to_its_block():
+    cpus = machine_cpus()
+    blocks = f"{cpus[0]};{format_cores(cpus[1:])}"
+    probe = (
+        "import json, os; from streamrl.placement import bind_rank; "
+        "print(json.dumps([bind_rank(int(os.environ['LOCAL_RANK'])), "
+        "sorted(os.sched_getaffinity(0))]))"
+    )
+    for rank, wanted in ((0, cpus[:1]), (1, cpus[1:])):
+        lines: list[str] = []
+        env = {"STREAMRL_RANK_CORES": blocks, "LOCAL_RANK": str(rank)}
+        assert run_process([sys.executable, "-c", probe], lines.append, env=env) == 0, lines
+        assert json.loads(lines[-1]) == [wanted, wanted]
+
+
+def test_a_joining_generator_takes_this_machine():
+    cfg = config("generator.tensor_parallel_size=2")
+    joining = place_joining_generator(cfg, 5, cpus=range(8), gpus=EIGHT_GPUS)
+    assert (joining.name, joining.cpus, joining.gpus) == ("gen5", tuple(range(8)), ("0", "1"))
+    assert joining.env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    on_cpu = place_joining_generator(config(), 0, cpus=[2, 3], gpus=[])
+    assert on_cpu.env()["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+    assert on_cpu.env()["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(PlacementError, match=r"needs 2 GPUs .* exposes 1"):
+        place_joining_generator(
+            config("generator.tensor_parallel_size=2", "generator.device=cuda"),
+            0,
+            cpus=[0],
+            gpus=["0"],
+        )

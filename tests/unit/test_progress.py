@@ -13,7 +13,7 @@ from storage.learner_progress import (
     read_learner_progress,
     write_learner_progress,
 )
-from storage.progress import GeneratorProgress, read_progress, write_progress
+from storage.progress import GeneratorProgress, read_all_progress, read_progress, write_progress
 from storage.records import Cursor
 from streamrl.config import DataConfig
 from streamrl.data import PromptPosition, PromptSource
@@ -125,3 +125,18 @@ def test_learner_progress_record_round_trips_and_is_replaced(run_location: Locat
 def test_learner_progress_record_rejects_broken_counts(fields: dict[str, int]):
     with pytest.raises(ValueError, match="learner progress"):
         LearnerProgress(**{"step": 1, "policy_version": 1, **fields})
+
+
+def test_paused_seconds_add_up_over_a_generators_lives(tmp_path, source):
+    run = open_location(str(tmp_path / "run"))
+    prompts, ledger, _ = _start(run, source)
+    _take(prompts, ledger, 1, 0)
+    ledger.collected("r0")
+    ledger.committed(paused_s=2.5)
+    assert read_progress(run, "gen0").paused_s == 2.5
+    prompts, ledger, _ = _start(run, source)  # a restart: its pauses count on top
+    _take(prompts, ledger, 1, 10)
+    ledger.collected("r10")
+    ledger.committed(paused_s=1.0)
+    assert read_progress(run, "gen0").paused_s == 3.5
+    assert [p.paused_s for p in read_all_progress(run)] == [3.5]

@@ -1,0 +1,109 @@
+"""Stopping a run from outside: SIGTERM to `streamrl run`, Ctrl-C (SIGINT) to `make demo`'s
+flow. Every process of the run ends (the generator flushes, the learner stops with its last
+checkpoint intact), nothing is left running, and the terminal says how to resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.checkpoints import CheckpointStore
+from storage.control import stop_requested
+from storage.fs import open_location
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    "generator.max_tokens=16",
+    "learner.batch_groups=2",
+    "learner.mini_batch_groups=2",
+    "learner.checkpoint_every=1",
+    "algorithm.dynamic_sampling=false",
+    "learner.total_steps=500",  # interrupted long before
+]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _processes_of(run_dir: Path) -> list[str]:
+    """Command lines of the live processes that name `run_dir` (the run's components)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir) in argv and state != "Z":
+            found.append(f"{entry.name}: {argv}")
+    return found
+
+
+def _interrupt_after_a_checkpoint(argv: list[str], run_dir: Path, sig: int) -> tuple[int, str]:
+    """Start `argv`, wait for the run's first committed checkpoint, send `sig` to the
+    supervisor alone (as a terminal's Ctrl-C reaches only it: each component runs in a session
+    of its own), and return its exit code and output."""
+    process = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        run = open_location(str(run_dir))
+        deadline = time.monotonic() + 400
+        while not (run_dir.exists() and CheckpointStore(run).committed_steps()):
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(1)
+        assert _processes_of(run_dir), "the run's components should be running"
+        process.send_signal(sig)
+        output, _ = process.communicate(timeout=200)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, output
+
+
+def _assert_stopped_cleanly(run_dir: Path) -> None:
+    deadline = time.monotonic() + 10
+    while (left := _processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+    run = open_location(str(run_dir))
+    store = CheckpointStore(run)
+    latest = store.latest_committed()
+    assert latest is not None
+    assert store.read_state(latest).step == latest
+    assert stop_requested(run)  # nothing restarts into a stopped run
+
+
+def test_sigterm_to_streamrl_run_stops_every_process_and_says_how_to_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "streamrl", "run", "--preset", "dapo", "--preset", "tiny-cpu",
+            f"storage.run_uri={run_dir}", *TINY]  # fmt: skip
+    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGTERM)
+    assert code == 130, output
+    assert "Resume with:" in output
+    resume = f"streamrl run --resume --preset dapo --preset tiny-cpu storage.run_uri={run_dir}"
+    assert resume in output
+    _assert_stopped_cleanly(run_dir)
+
+
+def test_ctrl_c_to_the_demo_stops_every_process_and_says_how_to_resume(tmp_path):
+    run_dir = tmp_path / "demo"
+    argv = [sys.executable, "-m", "flows.demo", "--size", "tiny-cpu", "--run-uri", str(run_dir),
+            *TINY]  # fmt: skip
+    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT)
+    assert code == 130, output
+    assert f"flows.demo --resume --run-uri {run_dir}" in output
+    _assert_stopped_cleanly(run_dir)

@@ -1,0 +1,96 @@
+"""The supervision core (`streamrl.launch.Supervisor`) with stand-in processes: restarts, a
+component failing for good stops the others, the terminal's share of the output, and no
+process outliving a killed supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.control import stop_requested
+from streamrl import launch
+from streamrl.config import load_config
+from streamrl.launch import ComponentFailedError, Supervisor, noteworthy
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+def _config(tmp_path: Path):
+    return load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={tmp_path / 'run'}"])
+
+
+def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path, monkeypatch):
+    failing = [sys.executable, "-c", "import sys; print('reward exploded'); sys.exit(3)"]
+    monkeypatch.setattr(launch, "learner_command", lambda config: SLEEPER)
+    monkeypatch.setattr(launch, "generator_command", lambda config, index: failing)
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 5.0)
+    shown: list[tuple[str, str]] = []
+    supervisor = Supervisor.for_run(
+        _config(tmp_path),
+        generators=1,
+        max_restarts=2,
+        on_line=lambda c, text: shown.append((c, text)),
+    )
+    started = time.monotonic()
+    with pytest.raises(ComponentFailedError, match=r"gen0 failed for good \(exit code 3 after 2"):
+        supervisor.run()
+    assert time.monotonic() - started < 60  # the learner was stopped, not waited for
+    result = supervisor.result()
+    assert result["gen0"] == {"exit_code": 3, "restarts": 2}
+    assert result["learner"]["exit_code"] == -signal.SIGTERM
+    assert stop_requested(supervisor.run_location)
+    assert sum(line.startswith("exited with code 3; restart") for _, line in shown) == 2
+    log = (tmp_path / "run" / "logs" / "gen0.log").read_text()
+    assert log.count("reward exploded") == 3  # every attempt's output, in its log file
+
+
+def test_the_terminal_shows_step_lines_and_streamrls_warnings_only():
+    step = "2026-11-23 10:00:01,123 INFO streamrl.learner.reporting: step 3: reward 0.5 acc 0.2"
+    warning = "2026-11-23 10:00:01,123 WARNING storage.stream_reader: storage failed: retrying"
+    assert noteworthy(step) == "step 3: reward 0.5 acc 0.2"
+    assert noteworthy(warning) == "WARNING: storage failed: retrying"
+    for chatter in (
+        "2026-11-23 10:00:01,123 INFO streamrl.generator.loop: generator gen0 generating",
+        "INFO 11-23 10:00:01 [core.py:71] Initializing a V1 LLM engine",
+        "WARNING 11-23 10:00:01 [config.py:12] some vLLM warning",
+        "  warnings.warn(  # a FutureWarning from a library",
+    ):
+        assert noteworthy(chatter) is None, chatter
+
+
+def test_a_killed_supervisor_takes_its_processes_with_it(tmp_path):
+    """SIGKILL runs no cleanup in the supervisor: the kernel sends its component SIGTERM."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    )
+    supervisor = (
+        "import sys; from streamrl.launch import run_process; "
+        f"run_process([sys.executable, '-c', {child!r}], print)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", supervisor])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the component outlived its supervisor"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
