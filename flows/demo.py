@@ -14,15 +14,17 @@ checkpoint stays intact and the terminal says how to resume.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from flows.run import streamrl_run
+from storage.fs import open_location
+from streamrl.launch import format_summary, run_summary
 
 DEFAULT_STEPS = 16
 FLOWS = str(Path(__file__).resolve().parent)
@@ -42,17 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--resume needs --run-uri (the run to resume)")
     run_uri = args.run_uri or time.strftime("./runs/demo-%Y%m%d-%H%M%S")
     logs = Path(run_uri) / "logs"
-    with _terminal_only_for_the_flow(logs / "demo.log") as terminal:
-        print(f"streamrl demo: DAPO, {args.size}, {args.steps} steps, {args.generators} "
-              f"generator(s)\n  run:  {run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
+    terminal = _terminal_only_for_the_flow(logs / "demo.log")
+    print(f"streamrl demo: DAPO, {args.size}, {args.steps} steps, {args.generators} "
+          f"generator(s)\n  run:  {run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
+    try:
         return _run(args, run_uri, terminal)
+    except Exception as exc:  # its traceback is in demo.log; the terminal gets the reason
+        logging.getLogger(__name__).exception("the demo failed")
+        print(f"demo failed: {exc}\n(details in {logs}/demo.log)", file=terminal)
+        return 1
 
 
 def _run(args: argparse.Namespace, run_uri: str, terminal: IO[str]) -> int:
-    from flows.run import streamrl_run
-    from storage.fs import open_location
-    from streamrl.launch import format_summary, run_summary
-
     try:
         state = streamrl_run(
             preset="dapo",
@@ -99,33 +102,23 @@ class _FromTheFlow(logging.Filter):
         return record.pathname.startswith(FLOWS)
 
 
-@contextlib.contextmanager
-def _terminal_only_for_the_flow(log_file: Path) -> Iterator[IO[str]]:
+def _terminal_only_for_the_flow(log_file: Path) -> IO[str]:
     """Send this process's stdout and stderr — and with them those of every process it
-    starts that inherits them, such as Prefect's temporary server — to `log_file`; yield a
-    stream to the terminal, which also receives the flow's own log records."""
+    starts that inherits them, such as Prefect's temporary server — to `log_file` for the rest
+    of its life; return a stream to the terminal, which also receives the flow's own log
+    records (Prefect's logging is configured by now: `flows.run` is imported)."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    terminal = os.fdopen(os.dup(saved[1]), "w", buffering=1)
-    with open(log_file, "a", buffering=1) as log:
-        for fd in (1, 2):
-            os.dup2(log.fileno(), fd)
-        handler = logging.StreamHandler(terminal)
-        handler.addFilter(_FromTheFlow())
-        handler.setFormatter(_ShortFormatter())
-        logging.getLogger("prefect").addHandler(handler)
-        try:
-            yield terminal
-        finally:
-            logging.getLogger("prefect").removeHandler(handler)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
-            terminal.close()
+    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    log = open(log_file, "a", buffering=1)  # noqa: SIM115 (open until the process ends)
+    for fd in (1, 2):
+        os.dup2(log.fileno(), fd)
+    handler = logging.StreamHandler(terminal)
+    handler.addFilter(_FromTheFlow())
+    handler.setFormatter(_ShortFormatter())
+    logging.getLogger("prefect").addHandler(handler)
+    return terminal
 
 
 class _ShortFormatter(logging.Formatter):

@@ -241,7 +241,7 @@ _OWN_LINE = re.compile(
     r"^\S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?:streamrl|storage|flows)\.\S+: "
     r"(?P<message>.*)$"
 )
-_STEP = re.compile(r"^step \d+:")
+_STEP = re.compile(r"^step \d+(/\d+)?:")
 
 
 def noteworthy(line: str) -> str | None:

@@ -257,12 +257,17 @@ class MetricsReporter:
             self._bar.update(step - self._bar.n)
         if due:
             log.info(
-                "step %d: reward %.3f acc %.3f loss %.4f staleness %.2f v%d",
+                "step %d/%d: reward %+.3f acc %.3f len %.0f loss %.4f staleness %.2f "
+                "%.0f tok/s %.0fs v%d",
                 step,
+                self.total_steps,
                 reward,
                 acc,
+                metrics.get("rollout/response_len_mean", float("nan")),
                 metrics.get("actor/pg_loss", float("nan")),
                 metrics.get("stream/staleness_mean", float("nan")),
+                metrics.get("perf/learner_tokens_per_s", float("nan")),
+                metrics.get("perf/step_s", float("nan")),
                 version,
             )
 

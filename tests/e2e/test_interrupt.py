@@ -1,6 +1,7 @@
 """Stopping a run from outside: SIGTERM to `streamrl run`, Ctrl-C (SIGINT) to `make demo`'s
-flow. Every process of the run ends (the generator flushes, the learner stops with its last
-checkpoint intact), nothing is left running, and the terminal says how to resume."""
+flow (whose terminal shows a short header, then step lines). Every process of the run ends (the
+generator flushes, the learner stops with its last checkpoint intact), nothing is left running,
+and the terminal says how to resume."""
 
 from __future__ import annotations
 
@@ -106,4 +107,10 @@ def test_ctrl_c_to_the_demo_stops_every_process_and_says_how_to_resume(tmp_path)
     code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT)
     assert code == 130, output
     assert f"flows.demo --resume --run-uri {run_dir}" in output
+    # A quiet terminal: a short header, then step lines; the chatter is in the log files.
+    lines = output.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/500:"))
+    assert first_step <= 15, output
+    assert "Starting temporary server" in (run_dir / "logs" / "demo.log").read_text()
+    assert not [line for line in lines if "| INFO" in line or "Traceback" in line], output
     _assert_stopped_cleanly(run_dir)

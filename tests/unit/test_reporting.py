@@ -58,7 +58,7 @@ def test_jsonl_holds_every_step_and_a_relogged_step_keeps_its_last_record(tmp_pa
     assert len((tmp_path / "run" / "metrics" / "learner.jsonl").read_text().splitlines()) == 4
     # the console line every log_every steps, and at the last step
     ours = [r.getMessage() for r in caplog.records if r.name == "streamrl.learner.reporting"]
-    assert [m.split(":")[0] for m in ours] == ["step 2", "step 2", "step 3"]
+    assert [m.split(":")[0] for m in ours] == ["step 2/3", "step 2/3", "step 3/3"]
     assert not (tmp_path / "run" / "wandb").exists()  # disabled: no wandb files
     assert read_wandb_link(run) is None
 

@@ -51,9 +51,9 @@ def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path
 
 
 def test_the_terminal_shows_step_lines_and_streamrls_warnings_only():
-    step = "2026-11-23 10:00:01,123 INFO streamrl.learner.reporting: step 3: reward 0.5 acc 0.2"
+    step = "2026-11-23 10:00:01,123 INFO streamrl.learner.reporting: step 3/16: reward 0.5"
     warning = "2026-11-23 10:00:01,123 WARNING storage.stream_reader: storage failed: retrying"
-    assert noteworthy(step) == "step 3: reward 0.5 acc 0.2"
+    assert noteworthy(step) == "step 3/16: reward 0.5"
     assert noteworthy(warning) == "WARNING: storage failed: retrying"
     for chatter in (
         "2026-11-23 10:00:01,123 INFO streamrl.generator.loop: generator gen0 generating",
