@@ -1,5 +1,5 @@
 """The Prefect task that runs one component of a run — learner, generator or evaluator — under
-the supervision core (`streamrl.launch.Supervisor.keep_running`).
+the supervision core (`streamrl.supervisor.Supervisor.keep_running`).
 
 A task run is the component's whole life: the core restarts it after a crash while its
 restarts last (the learner resumes from its checkpoint, a generator continues its prompts) and
@@ -16,7 +16,7 @@ import logging
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from streamrl.launch import Component, Supervisor, noteworthy
+from streamrl.supervisor import Component, Supervisor, noteworthy
 
 __all__ = ["component_task"]
 

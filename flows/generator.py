@@ -17,8 +17,9 @@ from prefect import flow, get_run_logger
 
 from flows.components import component_task
 from storage.fs import open_location
-from streamrl.launch import Supervisor, claim_generator_index
+from streamrl.launch import claim_generator_index
 from streamrl.runs import load_run_config
+from streamrl.supervisor import Supervisor
 
 __all__ = ["join_run"]
 

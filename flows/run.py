@@ -8,7 +8,7 @@ as smollm2-cpu or qwen2.5-7b-dapo), `config_file`, `overrides` (dotted, `learner
 `run_uri` (default: the configuration's, else a fresh ./runs/<preset>-<time>), `generators`
 (default: generator.count), `resume`.
 
-Supervision is `streamrl.launch.Supervisor`, the core `streamrl run` uses too: each component
+Supervision is `streamrl.supervisor.Supervisor`, the core `streamrl run` uses too: each component
 is a task run (`flows.components.component_task`) for its whole life, restarts included (the
 learner resumes from its checkpoint). When the learner reaches its step budget it writes the
 run's stop marker; the generators flush and exit, and the flow run completes. When a component
@@ -29,9 +29,9 @@ from prefect.futures import PrefectFuture
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from streamrl.config import RunConfig, StorageConfig, load_config
-from streamrl.launch import Supervisor
 from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.runs import prepare_run
+from streamrl.supervisor import Supervisor
 
 __all__ = ["streamrl_run", "supervise"]
 

@@ -210,16 +210,16 @@ or ./streamrl-logs/; the console shows learner steps, warnings and errors.
 def _cmd_run(args: argparse.Namespace) -> int:
     import shlex
 
-    from streamrl.launch import (
-        ComponentFailedError,
-        RunInterruptedError,
-        Supervisor,
-        format_summary,
-        noteworthy,
-    )
+    from streamrl.launch import format_summary
     from streamrl.launch import run_summary as summarize
     from streamrl.placement import plan_placement
     from streamrl.runs import prepare_run
+    from streamrl.supervisor import (
+        ComponentFailedError,
+        RunInterruptedError,
+        Supervisor,
+        noteworthy,
+    )
 
     config = _config_from(args)
     count = args.generators or config.generator.count

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from streamrl import cli, launch
+from streamrl import cli, supervisor
 from streamrl.config import load_config
 from streamrl.placement import machine_cpus, read_placement
 from streamrl.runs import open_run_location
@@ -25,18 +25,18 @@ REPORT = (
 @pytest.mark.skipif(len(machine_cpus()) < 2, reason="needs two cores to tell affinity apart")
 def test_local_run_starts_every_process_on_its_planned_cores(tmp_path, monkeypatch):
     reporter = [sys.executable, "-c", REPORT]
-    monkeypatch.setattr(launch, "learner_command", lambda config: reporter)
-    monkeypatch.setattr(launch, "generator_command", lambda config, index: reporter)
+    monkeypatch.setattr(supervisor, "learner_command", lambda config: reporter)
+    monkeypatch.setattr(supervisor, "generator_command", lambda config, index: reporter)
     # Set in the supervisor (e.g. by a vLLM engine it ran): the plan's values win, and a
     # variable the plan leaves unset for a process (the learner's vLLM binding) is not inherited.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-63")
     monkeypatch.setenv("OMP_NUM_THREADS", "64")
     config = load_config(overrides=[f"storage.run_uri={tmp_path / 'run'}"])
     lines: dict[str, list[str]] = {}
-    supervisor = launch.Supervisor.for_run(
+    supervised = supervisor.Supervisor.for_run(
         config, generators=1, on_line=lambda name, line: lines.setdefault(name, []).append(line)
     )
-    supervisor.run()
+    supervised.run()
     plan = read_placement(open_run_location(config))
     for name, placement in (("learner", plan.learner), ("gen0", plan.generators[0])):
         seen = json.loads(lines[name][-1])

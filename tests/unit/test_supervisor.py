@@ -1,4 +1,4 @@
-"""The supervision core (`streamrl.launch.Supervisor`) with stand-in processes: restarts, a
+"""The supervision core (`streamrl.supervisor.Supervisor`) with stand-in processes: restarts, a
 component failing for good stops the others, the terminal's share of the output, and no
 process outliving a killed supervisor."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from storage.control import stop_requested
-from streamrl import launch
+from streamrl import supervisor as core
 from streamrl.config import load_config
-from streamrl.launch import ComponentFailedError, Supervisor, noteworthy
+from streamrl.supervisor import ComponentFailedError, Supervisor, noteworthy
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
 
@@ -27,9 +27,8 @@ def _config(tmp_path: Path):
 
 def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path, monkeypatch):
     failing = [sys.executable, "-c", "import sys; print('reward exploded'); sys.exit(3)"]
-    monkeypatch.setattr(launch, "learner_command", lambda config: SLEEPER)
-    monkeypatch.setattr(launch, "generator_command", lambda config, index: failing)
-    monkeypatch.setattr(launch, "STOP_GRACE_S", 5.0)
+    monkeypatch.setattr(core, "learner_command", lambda config: SLEEPER)
+    monkeypatch.setattr(core, "generator_command", lambda config, index: failing)
     shown: list[tuple[str, str]] = []
     supervisor = Supervisor.for_run(
         _config(tmp_path),
