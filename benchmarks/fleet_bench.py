@@ -4,7 +4,7 @@ flow control on and off, on a local folder and on SeaweedFS (a real S3 server on
 
     .venv/bin/python -m benchmarks.fleet_bench     # --backends local seaweedfs --generators 1 4 16
                                                    # --ratios 0.5 1 4 --steps 8 --train-s 2.0
-    .venv/bin/python -m benchmarks.fleet_bench --quick        # smoke run: 8 configurations
+    .venv/bin/python -m benchmarks.fleet_bench --quick     # smoke run: 8 configurations a backend
 
 Only the model is simulated (by sleeping); everything between the processes is real. Each
 generator is its own OS process with a `StreamWriter` committing real segments of random
@@ -75,7 +75,7 @@ import numpy as np
 
 from benchmarks.storage_bench import _table
 from storage.control import request_stop, stop_requested
-from storage.fs import open_location
+from storage.fs import Location, open_location
 from storage.learner_progress import read_learner_progress
 from storage.records import Cursor
 from storage.seaweedfs import SeaweedFS
@@ -98,7 +98,8 @@ class FleetCase:
     """One configuration: where the run lives, the fleet, the speeds, flow control."""
 
     backend: str
-    uri: str
+    root: str  # the backend's folder of runs; this configuration's run is `name` in it
+    name: str
     storage_options: dict[str, Any]
     generators: int
     ratio: float
@@ -119,8 +120,16 @@ class FleetCase:
         learner = self.config.learner
         return max(1, math.ceil(self.in_flight_batches * learner.batch_groups / self.generators))
 
-    def open(self):
-        return open_location(self.uri, storage_options=self.storage_options)
+    def open(self) -> Location:
+        """The run, through one filesystem instance per process and backend (an s3fs instance
+        dropped by one task and collected during the next logs 'attached to a different
+        loop' errors)."""
+        if self.root not in _ROOTS:
+            _ROOTS[self.root] = open_location(self.root, storage_options=self.storage_options)
+        return _ROOTS[self.root].child(self.name)
+
+
+_ROOTS: dict[str, Location] = {}
 
 
 class SimulatedEngine:
@@ -325,6 +334,8 @@ def run_case(pool: Any, manager: Any, case: FleetCase) -> dict[str, Any]:
         "stale_max": int(staleness.max()) if staleness.size else -1,
         "gen_paused": sum(g["paused_s"] for g in gens) / sum(g["wall_s"] for g in gens),
         "wall_s": result["wall_s"],
+        # neither waiting nor training: progress writes, a starved CPU
+        "other_s": wall - result["wait_s"] - result["steps"] * case.train_s,
         "conflicts": sum(g["commit_conflicts"] for g in gens),
         "gate_read_errors": sum(g["failed_refreshes"] for g in gens),
     }
@@ -371,17 +382,16 @@ def main() -> None:
     parser.add_argument(
         "--backends", nargs="+", default=["local", "seaweedfs"], choices=["local", "seaweedfs"]
     )
-    parser.add_argument("--generators", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--generators", type=int, nargs="+", help="default: 1 4 16")
     parser.add_argument(
         "--ratios",
         type=float,
         nargs="+",
-        default=[0.5, 1.0, 4.0],
-        help="fleet throughput / learner consumption",
+        help="fleet throughput / learner consumption (default: 0.5 1 4)",
     )
     parser.add_argument("--flow-control", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--steps", type=int, default=8, help="learner steps per configuration")
-    parser.add_argument("--train-s", type=float, default=2.0, help="simulated train time a step")
+    parser.add_argument("--train-s", type=float, help="simulated train time a step, s (default: 2)")
     parser.add_argument(
         "--in-flight-batches",
         type=float,
@@ -405,8 +415,10 @@ def main() -> None:
         help="smoke run: 1 and 4 generators, ratios 0.5 and 4, steps of 0.5 s",
     )
     args = parser.parse_args()
-    if args.quick:
-        args.generators, args.ratios, args.train_s = [1, 4], [0.5, 4.0], 0.5
+    quick = args.quick
+    args.generators = args.generators or ([1, 4] if quick else [1, 4, 16])
+    args.ratios = args.ratios or ([0.5, 4.0] if quick else [0.5, 1.0, 4.0])
+    args.train_s = args.train_s or (0.5 if quick else 2.0)
 
     config = load_config(
         ["dapo", "tiny-cpu"],
@@ -445,7 +457,8 @@ def main() -> None:
             for n, ratio, flow in product(args.generators, args.ratios, args.flow_control):
                 case = FleetCase(
                     backend=backend,
-                    uri=f"{root}/n{n}-r{ratio:g}-{flow}",
+                    root=root,
+                    name=f"n{n}-r{ratio:g}-{flow}",
                     storage_options=options,
                     generators=n,
                     ratio=ratio,
@@ -458,17 +471,14 @@ def main() -> None:
                 )
                 backend_rows.append(run_case(pool, manager, case))
                 row = backend_rows[-1]
-                print(
-                    f"  {backend} N={n} r={ratio:g} flow {flow}: waste {row['waste']:.2f}, "
-                    f"idle {row['learner_idle']:.2f}, P={case.prompts_in_flight}, "
-                    f"{row['wall_s']:.0f}s",
-                    flush=True,
-                )
+                # The whole row at once, so a run cut short still shows what it measured.
+                print(f"  P={case.prompts_in_flight} {_table([row]).splitlines()[-1]}", flush=True)
             print(f"\n## {backend}: per configuration\n")
             print(_table(backend_rows))
             rows += backend_rows
-    print("\n## Flow control off vs on\n")
-    print(_table(side_by_side(rows)))
+    if compared := side_by_side(rows):
+        print("\n## Flow control off vs on\n")
+        print(_table(compared))
 
 
 if __name__ == "__main__":

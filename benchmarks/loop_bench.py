@@ -2,8 +2,13 @@
 running together, against each of them alone, for two core splits; and asynchronous against
 synchronous training.
 
-    .venv/bin/python -m benchmarks.loop_bench  # --size smollm2-cpu --steps 4 --parts together,sync
-    .venv/bin/python -m benchmarks.loop_bench --size tiny-cpu --steps 3      # smoke run, ~6 min
+    .venv/bin/python -m benchmarks.loop_bench  # --size smollm2-cpu --steps 3 --parts together,sync
+    .venv/bin/python -m benchmarks.loop_bench --size tiny-cpu --steps 3      # smoke run, ~3 min
+
+Seven runs: together, learner alone and generator alone for each of two core splits, and the
+synchronous run. With smollm2-cpu and 3 steps, about 20 minutes on a quiet 2-core box (one
+3-step `streamrl run` took 8.5 minutes at load average 5–6). Each run's folder is kept with
+`--workdir DIR` (logs in `<run>/logs/`, `<run>.out` for `streamrl run`).
 
 Every run is DAPO with the size preset (`--preset dapo --preset <size>`), one generator,
 `learner.total_steps=--steps`, no evaluator, no wandb and no checkpoint but the learner's last.
@@ -28,9 +33,10 @@ never waits for a group.
 *generator alone* — `streamrl generator --index 0` on the split's generator cores in a fresh run
 with `generator.flow_control=off` (no learner consumes, so flow control would pause it), stopped
 once it has committed as many groups as the together learner consumed in its measured steps
-(at least 4 segments). Its rate is the groups committed after its first segment over the time
-between the first and the last commit (`committed_at` of the commit records); its time per step
-is the together run's mean `stream/consumed` per step (accepted + rejected) over that rate.
+(and at least 4 segments after its first). Its rate is the groups committed after its first
+segment over the time between the first and the last commit (`committed_at` of the commit
+records); its time per step is the together run's mean `stream/consumed` per step (accepted +
+rejected) over that rate.
 
 The ratios: together / (learner alone + generator alone) — the goal is ≤ 1.2 — and together /
 max(learner alone, generator alone), which perfect pipelining would bring to 1.0.
@@ -38,6 +44,11 @@ max(learner alone, generator alone), which perfect pipelining would bring to 1.0
 *sync* — the `plan` split with `learner.max_staleness=0` (generation waits for each new
 version: flow control `staleness`, the default) against DAPO's `learner.max_staleness=4` (the
 together/plan run, reused when both parts run).
+
+Few steps are a steady state when the learner is the slower side (it never waits; the
+generator idles under flow control). When the generator is slower, the learner first trains on
+the backlog flow control lets build up during the first step ((max_staleness + 1) × B / accept
+rate groups): the report says so when together comes out faster than the generator alone.
 
 `--size tiny-cpu` is a smoke run: the random-init model is almost never right, so DAPO's
 dynamic sampling would reject ~99.7% of its groups (minutes of generation per step); it runs
@@ -110,9 +121,10 @@ def streamrl_run(args: argparse.Namespace, run_dir: Path, *extra: str) -> None:
     print(f"  $ {shlex.join(['streamrl', *argv[3:]])}", flush=True)
     log = run_dir.parent / f"{run_dir.name}.out"
     with log.open("w") as out:
-        code = subprocess.call(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise RuntimeError(f"streamrl run exited with {code}; last lines of {log}:\n{_tail(log)}")
+        process = subprocess.Popen(
+            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    wait_ok(process, log, "streamrl run", args.timeout_s)  # SIGTERM stops the whole run
 
 
 def start_placed(argv: list[str], placement: ProcessPlacement, log: Path) -> subprocess.Popen:
@@ -146,13 +158,18 @@ def stop(process: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 
 def wait_ok(process: subprocess.Popen, log: Path, what: str, timeout_s: float) -> None:
+    """Wait for `process` to exit 0; stop it on a timeout or an interrupt (Ctrl-C does not
+    reach its process group)."""
     try:
         code = process.wait(timeout_s)
     except subprocess.TimeoutExpired as exc:
-        stop(process, grace_s=10)
+        stop(process, grace_s=30)
         raise RuntimeError(
             f"{what} ran over {timeout_s:.0f}s; last lines of {log}:\n{_tail(log)}"
         ) from exc
+    except BaseException:
+        stop(process, grace_s=30)
+        raise
     if code != 0:
         raise RuntimeError(f"{what} exited with {code}; last lines of {log}:\n{_tail(log)}")
 
@@ -376,7 +393,9 @@ def report_together(rows: list[dict[str, Any]]) -> None:
             ("together", row["together"], row["together_gen"]),
             ("learner alone", row["learner"], None),
         ):
-            gen_cells = f"{gen['groups_s']:.3g} | {gen['tokens_group']:.3g}" if gen else "– | –"
+            gen_cells = " | ".join(
+                _fmt(gen[k]) if gen else "–" for k in ("groups_s", "tokens_group")
+            )
             print(
                 f"| {name}, {row['split']} | {len(fig['consumed_list'])} | {fig['s_step']:.3g} | "
                 f"{fig['step_s']:.3g} | {fig['wait_s']:.3g} | {fig['sync_s']:.3g} | "
@@ -389,6 +408,14 @@ def report_together(rows: list[dict[str, Any]]) -> None:
             f"{row['together']['consumed']:.3g} | – | – | {gen['groups_s']:.3g} | "
             f"{gen['tokens_group']:.3g} |"
         )
+    for row in rows:
+        if row["together"]["s_step"] < 0.9 * row["gen_s_step"]:
+            print(
+                f"\nnote ({row['split']}): together beat the generator alone, so the learner "
+                "trained on groups generated before its measured steps (flow control lets up to "
+                "(max_staleness + 1) × batch_groups / accept rate groups wait); with a generator "
+                "slower than the learner only more --steps give the steady state"
+            )
     if len(rows) > 1:
         best = min(rows, key=lambda r: r["together"]["s_step"])
         others = ", ".join(
@@ -398,6 +425,11 @@ def report_together(rows: list[dict[str, Any]]) -> None:
             f"\nfastest together: {best['split']} split, {best['together']['s_step']:.3g} s/step "
             f"(against {others})"
         )
+
+
+def _fmt(value: float) -> str:
+    """A figure, or '–' for one a run could not give (fewer than 2 commits in its window)."""
+    return "–" if math.isnan(value) else f"{value:.3g}"
 
 
 def report_sync(runs: dict[int, dict[str, Any]]) -> None:
@@ -410,7 +442,7 @@ def report_sync(runs: dict[int, dict[str, Any]]) -> None:
         print(
             f"| {staleness} | {fig['s_step']:.3g} | {fig['wait_s']:.3g} | {fig['sync_s']:.3g} | "
             f"{fig['consumed']:.3g} | {fig['accepted']:.3g} | {fig['stale']:.3g} | "
-            f"{fig['tokens_s']:.4g} | {fig['gen']['groups_s']:.3g} |"
+            f"{fig['tokens_s']:.4g} | {_fmt(fig['gen']['groups_s'])} |"
         )
     ratio = runs[0]["s_step"] / runs[4]["s_step"]
     print(f"\nsync / async s/step: {ratio:.3f} (async is {ratio:.2f}× as fast)")
@@ -422,7 +454,7 @@ def main() -> None:
     )
     parser.add_argument("--size", choices=sorted(SIZE_OVERRIDES), default="smollm2-cpu")
     parser.add_argument(
-        "--steps", type=int, default=4, help="learner steps per run (the first is warm-up)"
+        "--steps", type=int, default=3, help="learner steps per run (the first is warm-up)"
     )
     parser.add_argument("--parts", default="together,sync", help="comma-separated: together, sync")
     parser.add_argument("--splits", default="plan,shared", help="core splits of the together part")

@@ -9,8 +9,11 @@ The rule. A group sampled now with weights version v_g can be trained on until t
 version exceeds v_g + S (S = `learner.max_staleness`), i.e. while the learner is at one of the
 S + 1 − (V − v_g) versions V, ..., v_g + S, V being its version now. The learner publishes a
 version every K = `learner.publish_every` steps and consumes about B / a groups a step
-(B = `learner.batch_groups` accepted groups per step; a = accepted / consumed, the run's
-measured accept rate — stale drops and dynamic-sampling rejections are consumed, not accepted).
+(B = `learner.batch_groups` accepted groups per step; a = accepted / (consumed − dropped
+stale), the run's measured dynamic-sampling accept rate). Stale drops are left out of a: a
+group admitted by this rule is trained on before it is too stale, and counting the drops of
+groups admitted earlier (or by other generators) would raise the capacity exactly when the
+fleet is producing too much.
 So before a group sampled now is too stale the learner consumes
 
     capacity = (S + 1 − (V − v_g)) × K × B / a    groups,
@@ -57,11 +60,15 @@ LOG_BATCH = 64  # commit records read in one round
 
 
 def accept_rate(progress: LearnerProgress | None) -> float:
-    """Accepted / consumed groups over the run so far, floored at `MIN_ACCEPT_RATE`; 1 before
-    the learner consumed anything."""
-    if progress is None or progress.consumed_total == 0:
+    """Accepted / (consumed − dropped stale) groups over the run so far: the share of fresh
+    groups the learner trains on (dynamic sampling rejects the rest), floored at
+    `MIN_ACCEPT_RATE`; 1 before the learner consumed a fresh group."""
+    if progress is None:
         return 1.0
-    return max(progress.accepted_total / progress.consumed_total, MIN_ACCEPT_RATE)
+    fresh = progress.consumed_total - progress.dropped_stale_total
+    if fresh == 0:
+        return 1.0
+    return max(progress.accepted_total / fresh, MIN_ACCEPT_RATE)
 
 
 def admission_capacity(

@@ -54,6 +54,15 @@ def test_accept_rate_is_measured_floored_and_one_before_data():
     assert accept_rate(_progress(1000, 1)) == pytest.approx(0.05)
 
 
+def test_stale_drops_do_not_lower_the_accept_rate():
+    """Found by benchmarks/fleet_bench.py: counting stale drops as rejections raised the
+    capacity whenever the fleet over-produced, and the backlog grew with it."""
+    assert accept_rate(_progress(90, 64, dropped_stale_total=26)) == 1.0
+    rejected_too = _progress(90, 32, dropped_stale_total=26)
+    assert accept_rate(rejected_too) == pytest.approx(0.5)  # 32 of the 64 fresh groups
+    assert accept_rate(_progress(20, 0, dropped_stale_total=20)) == 1.0
+
+
 def _commit(writer: StreamWriter, rng: np.random.Generator, n: int) -> None:
     writer.write([random_group(rng, prompt_id=f"p{i}") for i in range(n)])
 
