@@ -29,9 +29,7 @@ def component_task(supervisor: Supervisor, name: str) -> None:
     component: Component = next(c for c in supervisor.components if c.name == name)
 
     def on_line(line: str) -> None:
-        if line.startswith("exited with code"):
-            logger.warning("%s %s", name, line)
-        elif (shown := noteworthy(line)) is not None:
+        if (shown := noteworthy(line)) is not None:
             level, _, message = shown.partition(": ")
             if level in ("WARNING", "ERROR", "CRITICAL"):
                 logger.log(logging.getLevelName(level), "%s", message)

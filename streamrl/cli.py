@@ -227,8 +227,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config, run = prepare_run(config, resume=args.resume)
 
     def on_line(component: str, line: str) -> None:
-        shown = line if line.startswith("exited with code") else noteworthy(line)
-        if shown is not None:
+        if (shown := noteworthy(line)) is not None:
             print(f"[{component}] {shown}", flush=True)
 
     supervisor = Supervisor.for_run(

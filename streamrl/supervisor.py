@@ -74,12 +74,16 @@ _OWN_LINE = re.compile(
     r"^\S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?:streamrl|storage|flows)\.\S+: "
     r"(?P<message>.*)$"
 )
+_RESTART = "exited with code"  # keep_running's notice, passed on with the component's lines
 _STEP = re.compile(r"^step \d+(/\d+)?:")
 
 
 def noteworthy(line: str) -> str | None:
     """What a terminal shows of a component's output `line`: the learner's step line or one of
-    streamrl's warnings or errors, without the timestamp and logger; None for the rest."""
+    streamrl's warnings or errors, without the timestamp and logger, and the supervisor's
+    restart notices; None for the rest."""
+    if line.startswith(_RESTART):  # the supervisor's own notice of a restart
+        return f"WARNING: {line}"
     own = _OWN_LINE.match(line)
     if own is None:
         return None
@@ -255,7 +259,7 @@ class Supervisor:
                 raise ComponentFailedError(failure)
             component.restarts += 1
             show(
-                f"exited with code {component.exit_code}; restart {component.restarts} of "
+                f"{_RESTART} {component.exit_code}; restart {component.restarts} of "
                 f"{component.restarts_allowed} (log: {self.logs.folder / component.name}.log)"
             )
 

@@ -357,11 +357,18 @@ class Learner:
         """Rank 0: record where the learner stands after `batch` (one small write)."""
         if not self.topology.is_main:
             return
-        counts, totals = batch.counts, batch.totals
-        progress = LearnerProgress(
+        progress = self._progress_record(batch.cursor_after, batch.counts, batch.totals)
+        with self._progress_lock:
+            write_learner_progress(self.run_location, progress)
+            self._progress = progress
+
+    def _progress_record(
+        self, cursor: Cursor, counts: FilterCounts, totals: FilterCounts
+    ) -> LearnerProgress:
+        return LearnerProgress(
             step=self.step,
             policy_version=self.version,
-            cursor=batch.cursor_after,
+            cursor=cursor,
             consumed=counts.consumed,
             accepted=counts.accepted,
             dropped_stale=counts.dropped_stale,
@@ -370,9 +377,6 @@ class Learner:
             dropped_stale_total=totals.dropped_stale,
             updated_at=time.time(),
         )
-        with self._progress_lock:
-            write_learner_progress(self.run_location, progress)
-            self._progress = progress
 
     def _report_waiting(self, cursor: Cursor) -> None:
         """Rank 0, while waiting for groups mid-step (the reader's idle hook): the progress
@@ -388,13 +392,7 @@ class Learner:
             return
         if last is None:  # before the first step of this life
             totals = self.collector.totals if self.collector else FilterCounts()
-            last = LearnerProgress(
-                step=self.step,
-                policy_version=self.version,
-                consumed_total=totals.consumed,
-                accepted_total=totals.accepted,
-                dropped_stale_total=totals.dropped_stale,
-            )
+            last = self._progress_record(cursor, FilterCounts(), totals)
         progress = replace(last, cursor=cursor, waiting=True, updated_at=time.time())
         try:
             write_learner_progress(self.run_location, progress)

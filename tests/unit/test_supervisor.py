@@ -54,6 +54,8 @@ def test_the_terminal_shows_step_lines_and_streamrls_warnings_only():
     warning = "2026-11-23 10:00:01,123 WARNING storage.stream_reader: storage failed: retrying"
     assert noteworthy(step) == "step 3/16: reward 0.5"
     assert noteworthy(warning) == "WARNING: storage failed: retrying"
+    restart = "exited with code 3; restart 1 of 3 (log: runs/x/logs/gen0.log)"
+    assert noteworthy(restart) == f"WARNING: {restart}"
     for chatter in (
         "2026-11-23 10:00:01,123 INFO streamrl.generator.loop: generator gen0 generating",
         "INFO 11-23 10:00:01 [core.py:71] Initializing a V1 LLM engine",
