@@ -225,6 +225,7 @@ class SimulatedLearner:
     _write_progress = Learner._write_progress
     _report_waiting = Learner._report_waiting
     _write_waiting = Learner._write_waiting
+    _progress_record = Learner._progress_record
 
     def __init__(self, case: FleetCase) -> None:
         learner = case.config.learner
