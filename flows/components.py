@@ -1,5 +1,7 @@
 """The Prefect task that runs one component of a run — learner, generator or evaluator — under
-the supervision core (`streamrl.supervisor.Supervisor.keep_running`).
+the supervision core (`streamrl.supervisor.Supervisor.keep_running`), and `run_alone`, the body
+of the flows that run one component on a work pool (`flows.generator`, `flows.learner`,
+`flows.evaluator`).
 
 A task run is the component's whole life: the core restarts it after a crash while its
 restarts last (the learner resumes from its checkpoint, a generator continues its prompts) and
@@ -16,9 +18,11 @@ import logging
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from streamrl.config import RunConfig
+from streamrl.runs import open_existing_run
 from streamrl.supervisor import Component, Supervisor, noteworthy
 
-__all__ = ["component_task"]
+__all__ = ["component_task", "open_run_config", "run_alone"]
 
 
 @task(name="component", task_run_name="{name}", retries=0, cache_policy=NO_CACHE)
@@ -38,3 +42,30 @@ def component_task(supervisor: Supervisor, name: str) -> None:
 
     supervisor.keep_running(component, on_line)
     logger.info("%s exited with code %s", name, component.exit_code)
+
+
+def open_run_config(run_uri: str) -> RunConfig:
+    """The configuration of the existing run at `run_uri`, as this worker reaches it."""
+    config, _ = open_existing_run(run_uri)
+    config.storage.run_uri = run_uri
+    return config
+
+
+def run_alone(supervisor: Supervisor) -> None:
+    """Run the one component of `supervisor` (`Supervisor.for_component`) as a task of this
+    flow run; whatever ends the flow run (the component's end, cancellation, SIGTERM) stops
+    its process."""
+    (component,) = supervisor.components
+    placement = component.placement
+    cores = list(placement.cpus) if placement else "inherited"
+    get_run_logger().info(
+        "%s of %s on cores %s, GPUs %s; output in %s", component.name,
+        supervisor.config.storage.run_uri, cores,
+        ",".join(placement.gpus) if placement and placement.gpus else "none",
+        supervisor.logs.folder,
+    )  # fmt: skip
+    try:
+        component_task(supervisor, component.name)
+    finally:
+        supervisor.abort(f"the {component.name} flow run ended")  # stops only this process
+        supervisor.logs.close()

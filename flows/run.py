@@ -6,7 +6,11 @@
 Parameters: `preset` (an algorithm preset: dapo, vapo, grpo, ...), `size` (a size preset such
 as smollm2-cpu or qwen2.5-7b-dapo), `config_file`, `overrides` (dotted, `learner.lr=1e-6`),
 `run_uri` (default: the configuration's, else a fresh ./runs/<preset>-<time>), `generators`
-(default: generator.count), `resume`.
+(default: generator.count), `resume`, `generator_retries`, `learner_retries`.
+
+Where the processes run is `placement.mode`. `pools` (`-p 'overrides=["placement.mode=pools"]'`):
+each is its own flow run on a work pool, a child of this one (`flows.pools`; scale with
+`streamrl scale RUN_URI --generators N` or the `scale` flow). `local` (the default), below.
 
 Supervision is `streamrl.supervisor.Supervisor`, the core `streamrl run` uses too: each component
 is a task run (`flows.components.component_task`) for its whole life, restarts included (the
@@ -24,22 +28,20 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
 
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
+from flows.pools import PoolSupervisor
 from streamrl.config import RunConfig, StorageConfig, load_config
 from streamrl.placement import PlacementPlan, plan_placement
-from streamrl.runs import prepare_run
-from streamrl.supervisor import Supervisor
+from streamrl.runs import open_run_location, prepare_run
+from streamrl.supervisor import ComponentFailedError, Supervisor
 
-__all__ = ["streamrl_run", "supervise"]
+__all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
 REFRESH_S = 5.0
-
-
-class RunFailedError(RuntimeError):
-    """A component of the run failed for good; the message names it and why."""
 
 
 def _failed(future: PrefectFuture[Any]) -> bool:
@@ -52,6 +54,7 @@ def supervise(
     *,
     generators: int,
     retries: int = 3,
+    learner_retries: int = 1,
     evaluate: bool = True,
     placement: PlacementPlan | None = None,
 ) -> dict[str, Any]:
@@ -59,8 +62,8 @@ def supervise(
 
     Every process starts from `placement` (default: `plan_placement` for this machine), logged
     once and stored as `<run>/control/placement.json`; `retries` restarts per generator.
-    Returns a summary (steps, restarts, last metrics); raises `RunFailedError` after stopping
-    everything when a component failed for good."""
+    Returns a summary (steps, restarts, last metrics); raises `ComponentFailedError` after
+    stopping everything when a component failed for good."""
     logger = get_run_logger()
     supervisor = Supervisor.for_run(
         config,
@@ -68,6 +71,7 @@ def supervise(
         placement=placement,
         evaluator=evaluate,
         max_restarts=retries,
+        learner_restarts=learner_retries,
         owner="streamrl flow",
     )
     logger.info("%s", supervisor.plan.describe())
@@ -91,14 +95,61 @@ def supervise(
     latest = artifacts.refresh(final=True)
     if supervisor.failures:
         logger.error("%s; the run was stopped", supervisor.failures[0].splitlines()[0])
-        raise RunFailedError("; ".join(supervisor.failures))
+        raise ComponentFailedError("; ".join(supervisor.failures))
+    restarts = {c.name: c.restarts for c in supervisor.components if c.restarts}
+    return _summary(config, latest, restarts)
+
+
+def supervise_on_pools(
+    config: RunConfig,
+    *,
+    generators: int,
+    retries: int = 3,
+    learner_retries: int = 1,
+    evaluate: bool = True,
+) -> dict[str, Any]:
+    """`placement.mode: pools`: the learner, generators and evaluator as child flow runs on
+    their work pools (`flows.pools.PoolSupervisor`), watched until the learner is done.
+    `retries`: replacements per generator within `placement.retry_window_s`;
+    `learner_retries`: learner attempts after the first. Returns a summary as `supervise`
+    does; raises `ComponentFailedError` after cancelling every child when one failed for good."""
+    logger = get_run_logger()
+    artifacts = RunArtifacts(config, open_run_location(config))
+    with get_client(sync_client=True) as client:
+        fleet = PoolSupervisor(
+            config,
+            client,
+            generators=generators,
+            generator_retries=retries,
+            learner_retries=learner_retries,
+            evaluator=evaluate,
+            logger=logger,
+        )
+        try:
+            fleet.start()
+            while not fleet.poll():
+                artifacts.refresh()
+                time.sleep(REFRESH_S)
+        except ComponentFailedError as failed:
+            artifacts.refresh(final=True)
+            logger.error("%s; the run was stopped", str(failed).splitlines()[0])
+            raise
+        except BaseException:  # Ctrl-C, the flow run cancelled or crashed: the children end too
+            fleet.abort("the streamrl flow run was interrupted (cancelled, Ctrl-C)")
+            raise
+    return _summary(config, artifacts.refresh(final=True), fleet.restarts())
+
+
+def _summary(
+    config: RunConfig, latest: dict[str, Any] | None, restarts: dict[str, int]
+) -> dict[str, Any]:
     summary = {
         "run_uri": config.storage.run_uri,
         "steps": int(latest["step"]) if latest else 0,
-        "restarts": {c.name: c.restarts for c in supervisor.components if c.restarts},
+        "restarts": restarts,
         "last_metrics": latest,
     }
-    logger.info(
+    get_run_logger().info(
         "run complete: %s, %d steps, restarts %s",
         summary["run_uri"],
         summary["steps"],
@@ -123,8 +174,10 @@ def streamrl_run(
     generators: int | None = None,
     resume: bool = False,
     generator_retries: int = 3,
+    learner_retries: int = 1,
 ) -> dict[str, Any]:
-    """Run (or resume) a streamrl run to its step budget."""
+    """Run (or resume) a streamrl run to its step budget: its processes on this machine
+    (`placement.mode=local`) or each its own flow run on a work pool (`pools`)."""
     extra = list(overrides or [])
     if run_uri:
         extra.append(f"storage.run_uri={run_uri}")
@@ -133,6 +186,17 @@ def streamrl_run(
     if config.storage.run_uri == StorageConfig().run_uri and not resume:  # a fresh run each time
         config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     count = generators if generators is not None else config.generator.count
+    if config.placement.pools:
+        config, _ = prepare_run(config, resume=resume)
+        return supervise_on_pools(
+            config, generators=count, retries=generator_retries, learner_retries=learner_retries
+        )
     placement = plan_placement(config, generators=count)  # refused before anything starts
     config, _ = prepare_run(config, resume=resume)
-    return supervise(config, generators=count, retries=generator_retries, placement=placement)
+    return supervise(
+        config,
+        generators=count,
+        retries=generator_retries,
+        learner_retries=learner_retries,
+        placement=placement,
+    )

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The local streamrl stack, everything on 127.0.0.1:
-#   Prefect server (SQLite under the stack dir, analytics off), the `local` process work pool,
-#   the deployments of deploy/prefect.yaml, one process worker, and SeaweedFS (S3) with S3=1.
+#   Prefect server (SQLite under the stack dir, analytics off), the process work pools `local`
+#   (runs' supervisors), `learner` and `generators` (the processes of runs placed on pools), the
+#   deployments of deploy/prefect.yaml, one process worker per pool, and SeaweedFS (S3) with S3=1.
 #
 #   scripts/stack.sh up       start what is not running yet (a no-op when all of it is up)
 #   scripts/stack.sh down     stop all of it (safe to repeat)
-#   scripts/stack.sh status   what runs where; exits 1 unless the server and worker are up
+#   scripts/stack.sh status   what runs where; exits 1 unless the server and workers are up
 #
 # Environment:
 #   STREAMRL_STACK_DIR       state, logs and PID files (default: ./.stack)
@@ -27,12 +28,10 @@ STACK="${STREAMRL_STACK_DIR:-.stack}"
 PROFILE="${STREAMRL_PREFECT_PROFILE-streamrl}"
 TIMEOUT="${STREAMRL_STACK_TIMEOUT:-180}"
 HOST=127.0.0.1
-POOL=local
-WORKER_NAME="streamrl-local"
+POOLS=(local learner generators)
 
 # A phrase of each component's command line: proof that a PID file names a process of ours.
 SERVER_SIG="server start"
-WORKER_SIG="worker start"
 S3_SIG="weed"
 
 say() { printf '%s\n' "$*"; }
@@ -189,16 +188,20 @@ restore_profile() {
     say "Prefect profile '$previous' is active again"
 }
 
+worker_sig() { printf 'worker start --pool %s ' "$1"; }  # a pool's worker's command line
+
 deploy() {
     (
         cd "$ROOT"
-        "$PREFECT" work-pool inspect "$POOL" >/dev/null 2>&1 \
-            || "$PREFECT" work-pool create "$POOL" --type process >/dev/null
+        for pool in "${POOLS[@]}"; do
+            "$PREFECT" work-pool inspect "$pool" >/dev/null 2>&1 \
+                || "$PREFECT" work-pool create "$pool" --type process >/dev/null
+        done
         # STREAMRL_ROOT stays a placeholder in the deployments: the worker fills it in.
         env -u STREAMRL_ROOT "$PREFECT" deploy --all --no-prompt \
             --prefect-file deploy/prefect.yaml >"$STACK/deploy.log" 2>&1
     ) || { tail -n 30 "$STACK/deploy.log" >&2; die "prefect deploy failed; log: $(show "$STACK/deploy.log")"; }
-    say "work pool '$POOL' ready; deployed: $(grep -o "Deployment '[^']*'" "$STACK/deploy.log" | cut -d"'" -f2 | tr '\n' ' ')"
+    say "work pools ${POOLS[*]} ready; deployed: $(grep -o "Deployment '[^']*'" "$STACK/deploy.log" | cut -d"'" -f2 | tr '\n' ' ')"
 }
 
 start_seaweedfs() {
@@ -221,16 +224,30 @@ PY
     ) || die "SeaweedFS did not start; log: $(show "$STACK/seaweedfs/weed.log")"
 }
 
-start_worker() {
-    local log="$STACK/worker.log"
-    say "starting a worker for pool '$POOL' (log: $(show "$log"))"
+start_worker() {  # start_worker POOL
+    local pool="$1" log="$STACK/worker-$1.log"
+    say "starting a worker for pool '$pool' (log: $(show "$log"))"
     (
         [[ -f "$STACK/s3.env" ]] && running seaweedfs "$S3_SIG" >/dev/null && source "$STACK/s3.env"
         cd "$ROOT"
-        STREAMRL_ROOT="$ROOT" PATH="$VENV/bin:$PATH" launch worker "$log" \
-            "$PREFECT" worker start --pool "$POOL" --name "$WORKER_NAME" --install-policy never
+        STREAMRL_ROOT="$ROOT" PATH="$VENV/bin:$PATH" launch "worker-$pool" "$log" \
+            "$PREFECT" worker start --pool "$pool" --name "streamrl-$pool" --install-policy never
     )
-    wait_for worker "$WORKER_SIG" "$log" grep -q "started" "$log"
+    wait_for "worker-$pool" "$(worker_sig "$pool")" "$log" grep -q "started" "$log"
+}
+
+workers_up() {
+    local pool
+    for pool in "${POOLS[@]}"; do
+        running "worker-$pool" "$(worker_sig "$pool")" >/dev/null || return 1
+    done
+}
+
+stop_workers() {
+    local pool
+    for pool in "${POOLS[@]}"; do
+        stop "worker-$pool" "$(worker_sig "$pool")" 30 0
+    done
 }
 
 up() {
@@ -238,7 +255,7 @@ up() {
     printf '*\n' >"$STACK/.gitignore"
     local want_s3=0 fresh_s3=0
     [[ "${S3:-0}" == 1 ]] && want_s3=1
-    if running server "$SERVER_SIG" >/dev/null && running worker "$WORKER_SIG" >/dev/null \
+    if running server "$SERVER_SIG" >/dev/null && workers_up \
         && { ((want_s3 == 0)) || running seaweedfs "$S3_SIG" >/dev/null; }; then
         say "the stack is already up"
         status
@@ -259,13 +276,16 @@ up() {
         fresh_s3=1
     fi
     # A worker started before SeaweedFS lacks its credentials: restart it.
-    ((fresh_s3)) && stop worker "$WORKER_SIG" 30 0
-    running worker "$WORKER_SIG" >/dev/null || start_worker
+    ((fresh_s3)) && stop_workers
+    local pool
+    for pool in "${POOLS[@]}"; do
+        running "worker-$pool" "$(worker_sig "$pool")" >/dev/null || start_worker "$pool"
+    done
     status
 }
 
 down() {
-    stop worker "$WORKER_SIG" 30 0
+    stop_workers
     stop server "$SERVER_SIG" 30
     stop seaweedfs "$S3_SIG" 0
     rm -f "$STACK/s3.env"
@@ -282,12 +302,15 @@ status() {
         say "  prefect server  down"
         missing=1
     fi
-    if pid="$(running worker "$WORKER_SIG")"; then
-        say "  worker          up    pid $pid  pool '$POOL'  log $(show "$STACK/worker.log")"
-    else
-        say "  worker          down"
-        missing=1
-    fi
+    local pool
+    for pool in "${POOLS[@]}"; do
+        if pid="$(running "worker-$pool" "$(worker_sig "$pool")")"; then
+            say "  worker          up    pid $pid  pool '$pool'  log $(show "$STACK/worker-$pool.log")"
+        else
+            say "  worker          down  pool '$pool'"
+            missing=1
+        fi
+    done
     if pid="$(running seaweedfs "$S3_SIG")"; then
         say "  seaweedfs (S3)  up    pid $pid  $(grep -o 'AWS_ENDPOINT_URL=.*' "$STACK/s3.env")"
         say "    credentials:  source $(show "$STACK/s3.env")   (bucket: streamrl)"

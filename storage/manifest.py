@@ -62,6 +62,8 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "generator.cpu_cores",
     "learner.gpus",
     "learner.cpu_cores",
+    "learner.rendezvous_timeout_s",
+    "placement",  # which machines or pools run the processes, never what they compute
     "generator.enforce_eager",
     "generator.reward.workers",
     "generator.flow_control",  # pacing: how much is generated ahead, not how it is learned

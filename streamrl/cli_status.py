@@ -1,6 +1,7 @@
-"""`streamrl status`: where a run stands, read from its storage (see `streamrl.status`).
+"""`streamrl status`: where a run stands, read from its storage (see `streamrl.status`);
+`streamrl scale`: how many generators a run placed on work pools has (`flows.pools`).
 
-`add_commands(commands)` registers it on the subparsers of `streamrl.cli.build_parser`.
+`add_commands(commands)` registers them on the subparsers of `streamrl.cli.build_parser`.
 """
 
 from __future__ import annotations
@@ -77,8 +78,46 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
+EXAMPLES_SCALE = """\
+examples:
+  streamrl scale s3://bucket/runs/qwen-7b --generators 16
+  streamrl scale ./runs/dapo-pools --generators 0       pause generation (the learner waits)
+For a run placed on work pools (placement.mode=pools): its `streamrl` flow run starts more
+generator flow runs, or asks the newest to flush their open segment and stop, within seconds.
+The same as a flow: prefect deployment run scale/default -p run_uri=... -p generators=16
+"""
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from streamrl.runs import scale_generators
+
+    previous = scale_generators(args.run, args.generators)
+    was = "not set before" if previous is None else f"was {previous}"
+    print(f"{args.run}: {args.generators} generator(s) asked for ({was}); the run's streamrl "
+          "flow run starts or stops generator flow runs to match")  # fmt: skip
+    return 0
+
+
+def _count(text: str) -> int:
+    count = int(text)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text} generators: give 0 or more")
+    return count
+
+
 def add_commands(commands: Any) -> None:
-    """Register `status` on the `streamrl` command's subparsers."""
+    """Register `status` and `scale` on the `streamrl` command's subparsers."""
+    scale = commands.add_parser(
+        "scale",
+        help="set how many generators a run placed on work pools has",
+        description="Start or stop generator flow runs of a run placed on work pools.",
+        epilog=EXAMPLES_SCALE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    scale.add_argument("run", metavar="RUN_URI", help="the run's root URI")
+    scale.add_argument("--generators", type=_count, required=True, metavar="N", help="how many")
+    scale.set_defaults(func=_cmd_scale)
+
     status = commands.add_parser(
         "status",
         help="steps, versions, stream lag and last metrics of a run, read from storage",

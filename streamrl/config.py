@@ -51,6 +51,7 @@ __all__ = [
     "LearnerConfig",
     "LoggingConfig",
     "ModelConfig",
+    "PlacementConfig",
     "RewardConfig",
     "RunConfig",
     "StorageConfig",
@@ -334,6 +335,19 @@ class LearnerConfig(_Component):
         "for a non-finite gradient norm (each skip is counted and logged).",
     )
     nproc_per_node: int = Field(1, ge=1, description="Learner processes (ranks) per node.")
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="Learner nodes (machines, pods) of nproc_per_node ranks each. More than one "
+        "needs placement.mode=pools: each node is a run of the learner deployment, joined by "
+        "torchrun's rendezvous at an address node 0 publishes in the run's storage.",
+    )
+    rendezvous_timeout_s: float = Field(
+        900.0,
+        gt=0.0,
+        description="How long a learner node waits for node 0's address (its pod may still be "
+        "scheduled) before its attempt fails.",
+    )
     gpus: int | list[Annotated[int, Field(ge=0)]] | None = Field(
         None,
         description="The learner's GPUs, one per rank: their number (= nproc_per_node) or "
@@ -488,6 +502,52 @@ class StorageConfig(_Component):
         return options
 
 
+class PlacementConfig(_Component):
+    """Where the run's processes run: all on this machine, or each on a Prefect work pool."""
+
+    mode: Literal["local", "pools"] = Field(
+        "local",
+        description="local: the learner, generators and evaluator are processes of the "
+        "supervising process, placed on this machine's cores and GPUs (streamrl.placement). "
+        "pools: the streamrl flow starts each as its own flow run of the learner, generator "
+        "and evaluator deployments on the work pools below (flows.pools).",
+    )
+    learner_pool: str = Field(
+        "learner", min_length=1, description="Work pool of the learner's flow runs (pools)."
+    )
+    generator_pool: str = Field(
+        "generators", min_length=1, description="Work pool of the generators' flow runs (pools)."
+    )
+    eval_pool: str | None = Field(
+        None, description="Work pool of the evaluator's flow run (pools); null: generator_pool."
+    )
+    image: str | None = Field(
+        None,
+        description="Container image passed to every flow run as the `image` job variable "
+        "(pools whose template has one, such as Kubernetes); null: the pool's default.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables added to every flow run's `env` job variable "
+        "(not credentials: those belong in the pool's secret).",
+    )
+    retry_window_s: float = Field(
+        3600.0,
+        gt=0.0,
+        description="A generator's replacements are counted over this sliding window: "
+        "generator_retries replacements within it fail the run, fewer spread over days do not "
+        "(a spot fleet losing nodes now and then keeps going).",
+    )
+
+    @property
+    def pools(self) -> bool:
+        return self.mode == "pools"
+
+    @property
+    def evaluator_pool(self) -> str:
+        return self.eval_pool or self.generator_pool
+
+
 class LoggingConfig(_Component):
     """Metrics and logs: wandb, a JSONL file in the run, the console."""
 
@@ -526,6 +586,10 @@ class RunConfig(_Component):
         default_factory=StorageConfig, description="Run location and storage options."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig,
+        description="Where the processes run: this machine or Prefect work pools.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -565,6 +629,16 @@ class RunConfig(_Component):
             raise ValueError(
                 f"model.critic is set but algorithm '{name}' uses no value model; remove "
                 "model.critic or use algorithm.name=vapo"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _several_nodes_need_pools(self) -> RunConfig:
+        if self.learner.nnodes > 1 and not self.placement.pools:
+            raise ValueError(
+                f"learner.nnodes={self.learner.nnodes} needs placement.mode=pools (each node is "
+                "a flow run on placement.learner_pool); on one machine use "
+                "learner.nproc_per_node instead"
             )
         return self
 

@@ -34,6 +34,7 @@ from storage.fs import Location, put_if_absent
 from streamrl.config import RunConfig
 from streamrl.placement import PLACED_VARIABLES, ProcessPlacement
 from streamrl.processes import die_with_parent
+from streamrl.rendezvous import LearnerNode
 
 __all__ = [
     "STOP_GRACE_S",
@@ -54,18 +55,23 @@ def _python() -> list[str]:
     return [sys.executable, "-m", "streamrl"]
 
 
-def learner_command(config: RunConfig) -> list[str]:
-    """The learner: `streamrl learner`, under torchrun when it has several ranks."""
+def learner_command(config: RunConfig, node: LearnerNode | None = None) -> list[str]:
+    """The learner: `streamrl learner`, under torchrun when it has several ranks; with `node`,
+    this node's ranks of a learner of several nodes (`streamrl.rendezvous`)."""
     nproc = config.learner.nproc_per_node
-    if nproc == 1:
+    if nproc == 1 and node is None:
         return [*_python(), "learner", "--run", config.storage.run_uri]
+    where = ["--standalone"] if node is None else node.torchrun_args()
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *where,
         f"--nproc_per_node={nproc}",
         "-m",
+        # The end of torchrun's options: its parser would otherwise take the learner's `--run`
+        # for an ambiguous abbreviation of its own `--run-path`/`--run_path` (as in torch 2.13).
+        "--",
         "streamrl",
         "learner",
         "--run",

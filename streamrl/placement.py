@@ -46,7 +46,7 @@ __all__ = [
     "format_cores",
     "machine_cpus",
     "parse_cores",
-    "place_joining_generator",
+    "place_alone",
     "plan_placement",
     "read_placement",
     "visible_gpus",
@@ -292,35 +292,65 @@ def plan_placement(
     )
 
 
-def place_joining_generator(
+def place_alone(
     config: RunConfig,
-    index: int,
+    component: Component,
+    index: int = 0,
     *,
     cpus: Sequence[int] | None = None,
     gpus: Sequence[str] | None = None,
 ) -> ProcessPlacement:
-    """A generator joining a run on a machine of its own (the `generator` flow on a worker):
-    every core of this process's affinity (`cpus`) and, on CUDA, the first
-    `tensor_parallel_size` visible GPUs. Raises `PlacementError` when there are fewer."""
+    """One process of a run on a machine of its own — a flow run on a work pool: a learner
+    node, generator `index` or the evaluator. It takes every core of this process's affinity
+    (`cpus`; the learner: `learner.cpu_cores` of them when set) and, on CUDA, the first
+    `learner.nproc_per_node` (learner) or `tensor_parallel_size` (engines) visible GPUs.
+    Raises `PlacementError` when there are fewer."""
     cpus = sorted(set(machine_cpus() if cpus is None else cpus))
     gpus = list(visible_gpus() if gpus is None else gpus)
-    tp = config.generator.tensor_parallel_size
+    ranks = config.learner.nproc_per_node if component == "learner" else 1
+    if component == "learner":
+        field, device, wanted = "learner.nproc_per_node", config.learner.device, ranks
+        cpus = _own_learner_cores(config.learner.cpu_cores, cpus)
+    else:
+        field, device = "generator.tensor_parallel_size", config.generator.device
+        wanted = config.generator.tensor_parallel_size
+    name = {"learner": "learner", "generator": f"gen{index}", "evaluator": "eval"}[component]
     mine: list[str] = []
-    if _on_cuda(config.generator.device, gpus, "generator.device"):
-        if len(gpus) < tp:
+    if _on_cuda(device, gpus, "learner.device" if component == "learner" else "generator.device"):
+        if len(gpus) < wanted:
             raise PlacementError(
-                f"generator {index} needs {tp} GPUs (generator.tensor_parallel_size) but this "
-                f"machine exposes {len(gpus)}"
+                f"{name} needs {wanted} GPUs ({field}) but this machine exposes {len(gpus)}"
             )
-        mine = gpus[:tp]
+        mine = gpus[:wanted]
     return ProcessPlacement(
-        name=f"gen{index}",
-        component="generator",
+        name=name,
+        component=component,
         index=index,
+        ranks=ranks,
         cpus=tuple(cpus),
         gpus=tuple(mine),
-        threads=len(cpus),
+        threads=max(1, len(cpus) // ranks),
     )
+
+
+def _own_learner_cores(setting: int | list[int] | None, cpus: list[int]) -> list[int]:
+    """A learner node's cores: `learner.cpu_cores` (a count from the lowest, or a list) within
+    `cpus`, else all of them."""
+    if setting is None:
+        return cpus
+    if isinstance(setting, int):
+        if setting > len(cpus):
+            raise PlacementError(
+                f"learner.cpu_cores={setting} but this machine has {len(cpus)} cores; lower it"
+            )
+        return cpus[:setting]
+    outside = sorted(set(setting) - set(cpus))
+    if outside:
+        raise PlacementError(
+            f"learner.cpu_cores={format_cores(setting)} names cores {format_cores(outside)} "
+            f"this process may not use (its affinity: {format_cores(cpus)})"
+        )
+    return sorted(setting)
 
 
 def bind_rank(local_rank: int) -> tuple[int, ...] | None:

@@ -6,6 +6,7 @@
 - `open_existing_run` / `load_run_config`: an existing run's current configuration (and root),
   as the learner, generators, evaluator, status and export read it.
 - `stop_on_sigterm`: the stop event a run process watches.
+- `scale_generators`: ask a run placed on work pools for N generators (`streamrl scale`).
 
 Components (learner, generator, evaluator, export, cli) import this module, never the
 supervisor (`streamrl.launch`) that starts them.
@@ -18,7 +19,7 @@ import signal
 import threading
 from typing import Any
 
-from storage.control import clear_stop
+from storage.control import clear_stop, requested_generators, set_requested_generators
 from storage.fs import Location, StorageError, open_location
 from storage.manifest import create_run, open_run
 from streamrl.config import RunConfig, validate_config
@@ -29,6 +30,7 @@ __all__ = [
     "open_existing_run",
     "open_run_location",
     "prepare_run",
+    "scale_generators",
     "stop_on_sigterm",
 ]
 
@@ -102,3 +104,20 @@ def stop_on_sigterm(stop: threading.Event | None = None) -> threading.Event:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     return stop
+
+
+def scale_generators(run_uri: str, count: int) -> int | None:
+    """Ask the run at `run_uri`, placed on work pools, for `count` generators (the `streamrl`
+    flow supervising it starts or stops generator flow runs to match within seconds); the
+    count asked for before, None when never asked. Raises `StorageError` for a run whose
+    processes run on one machine (`placement.mode=local`)."""
+    config, run = open_existing_run(run_uri)
+    if not config.placement.pools:
+        raise StorageError(
+            f"the run at {run.uri} runs its processes on one machine (placement.mode=local): "
+            "only a run placed on work pools (placement.mode=pools) is scaled this way; add a "
+            f"generator to it with: prefect deployment run generator/default -p run_uri={run_uri}"
+        )
+    previous = requested_generators(run)
+    set_requested_generators(run, count)
+    return previous

@@ -34,13 +34,15 @@ from streamrl.launch import (
     reserve_generator_indexes,
     run_process,
 )
+from streamrl.placement import Component as Kind
 from streamrl.placement import (
     PlacementPlan,
     ProcessPlacement,
-    place_joining_generator,
+    place_alone,
     plan_placement,
     write_placement,
 )
+from streamrl.rendezvous import LearnerNode
 from streamrl.runs import open_run_location
 
 __all__ = [
@@ -142,8 +144,8 @@ class Supervisor:
 
     `Supervisor.for_run(config, generators=N)`: the learner, N generators and (when configured)
     the evaluator, each started from a placement plan (default: `plan_placement` for this
-    machine). `Supervisor.for_joining_generator(config, index)`: one more generator for a run
-    supervised elsewhere.
+    machine). `Supervisor.for_component(config, kind)`: one process of a run supervised
+    elsewhere (a joining generator, or a flow run of a run placed on work pools).
 
     `prepare()` stores the plan (`<run>/control/placement.json`) and reserves the generator
     indexes; then each component runs under `keep_running` — on threads (`run()`, for
@@ -203,21 +205,28 @@ class Supervisor:
         return cls(config, components, plan=plan, on_line=on_line, owner=owner)
 
     @classmethod
-    def for_joining_generator(
+    def for_component(
         cls,
         config: RunConfig,
-        index: int,
+        kind: Kind,
+        index: int = 0,
         *,
-        max_restarts: int = 3,
+        node: LearnerNode | None = None,
+        max_restarts: int = 0,
         on_line: Callable[[str, str], None] = lambda component, line: None,
         owner: str = "",
     ) -> Supervisor:
-        """Generator `index` joining a run supervised elsewhere, on this whole machine
-        (`place_joining_generator`). Its failure stops only itself."""
-        placement = place_joining_generator(config, index)
-        component = Component(
-            f"gen{index}", generator_command(config, index), max_restarts, placement
-        )
+        """One process of a run supervised elsewhere, alone on this machine (`place_alone`):
+        a learner node (`node` for one of several), generator `index` (a generator joining,
+        or one of a run placed on work pools) or the evaluator. Its failure stops only itself."""
+        placement = place_alone(config, kind, index)
+        if kind == "learner":
+            argv = learner_command(config, node)
+        elif kind == "generator":
+            argv = generator_command(config, index)
+        else:
+            argv = evaluator_command(config)
+        component = Component(placement.name, argv, max_restarts, placement)
         return cls(config, [component], owns_run=False, on_line=on_line, owner=owner)
 
     def prepare(self) -> None:

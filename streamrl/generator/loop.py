@@ -13,10 +13,10 @@ scores finished groups in a process pool while the engine goes on, and between e
 polls `LATEST` every `weight_poll_s` seconds and loads a newer version in place.
 A corrupt version is skipped for good (counted, logged) and the newest intact one above the
 current is loaded instead.
-Stops when: the run's stop marker appears or `stop` is set (e.g. by SIGTERM); it then scores
-what has finished, flushes its open segment and returns. A SIGKILL loses at most that segment.
-After every commit the `PromptLedger` records how far the prompts are committed, so a restart
-continues there.
+Stops when: the run's stop marker or its own (scaling in) appears, or `stop` is set (e.g. by
+SIGTERM); it then scores what has finished, flushes its open segment and returns. A SIGKILL
+loses at most that segment. After every commit the `PromptLedger` records how far the prompts
+are committed, so a restart continues there.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class GeneratorLoop:
     def _poll(self) -> bool:
         """Between engine steps: load newer weights; True when the run asks us to stop."""
         self._next_poll = time.monotonic() + self.config.generator.weight_poll_s
-        if stop_requested(self.run_location):
+        if stop_requested(self.run_location, self.generator_id):
             log.info("generator %s: stop marker found", self.generator_id)
             return True
         current = self.engine.policy_version

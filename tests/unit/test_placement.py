@@ -19,7 +19,7 @@ from streamrl.placement import (
     format_cores,
     machine_cpus,
     parse_cores,
-    place_joining_generator,
+    place_alone,
     plan_placement,
     read_placement,
     visible_gpus,
@@ -286,18 +286,43 @@ def test_a_learner_rank_binds_itself_to_its_block():
         assert json.loads(lines[-1]) == [wanted, wanted]
 
 
-def test_a_joining_generator_takes_this_machine():
+def test_a_generator_alone_takes_this_machine():
     cfg = config("generator.tensor_parallel_size=2")
-    joining = place_joining_generator(cfg, 5, cpus=range(8), gpus=EIGHT_GPUS)
+    joining = place_alone(cfg, "generator", 5, cpus=range(8), gpus=EIGHT_GPUS)
     assert (joining.name, joining.cpus, joining.gpus) == ("gen5", tuple(range(8)), ("0", "1"))
     assert joining.env()["OMP_WAIT_POLICY"] == "PASSIVE"
-    on_cpu = place_joining_generator(config(), 0, cpus=[2, 3], gpus=[])
+    on_cpu = place_alone(config(), "generator", 0, cpus=[2, 3], gpus=[])
     assert on_cpu.env()["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
     assert on_cpu.env()["CUDA_VISIBLE_DEVICES"] == ""
-    with pytest.raises(PlacementError, match=r"needs 2 GPUs .* exposes 1"):
-        place_joining_generator(
+    with pytest.raises(PlacementError, match=r"gen0 needs 2 GPUs .* exposes 1"):
+        place_alone(
             config("generator.tensor_parallel_size=2", "generator.device=cuda"),
+            "generator",
             0,
             cpus=[0],
             gpus=["0"],
         )
+
+
+def test_a_learner_node_alone_takes_its_ranks_gpus_and_its_configured_cores():
+    node = place_alone(
+        config("learner.nproc_per_node=4", "learner.device=cuda"), "learner", cpus=range(16),
+        gpus=EIGHT_GPUS,
+    )  # fmt: skip
+    assert (node.name, node.ranks, node.gpus, node.threads) == (
+        "learner", 4, ("0", "1", "2", "3"), 4,
+    )  # fmt: skip
+    assert node.env()["STREAMRL_RANK_CORES"] == "0-3;4-7;8-11;12-15"
+    counted = place_alone(config("learner.cpu_cores=2"), "learner", cpus=[4, 5, 6], gpus=[])
+    assert (counted.cpus, counted.gpus) == ((4, 5), ())
+    listed = place_alone(config("learner.cpu_cores=5-6"), "learner", cpus=[4, 5, 6], gpus=[])
+    assert listed.cpus == (5, 6)
+    with pytest.raises(PlacementError, match=r"learner.cpu_cores=4 but this machine has 3"):
+        place_alone(config("learner.cpu_cores=4"), "learner", cpus=[4, 5, 6], gpus=[])
+    with pytest.raises(PlacementError, match=r"learner needs 4 GPUs .* exposes 2"):
+        place_alone(
+            config("learner.nproc_per_node=4", "learner.device=cuda"), "learner",
+            cpus=range(8), gpus=["0", "1"],
+        )  # fmt: skip
+    evaluator = place_alone(config(), "evaluator", cpus=[0, 1], gpus=[])
+    assert (evaluator.name, evaluator.component) == ("eval", "evaluator")
