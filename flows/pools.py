@@ -77,6 +77,13 @@ log = logging.getLogger(__name__)
 
 # The flow each kind of process runs as (flows/learner.py, flows/generator.py, flows/evaluator.py).
 FLOWS: dict[Kind, str] = {"learner": "learner", "generator": "generator", "evaluator": "evaluator"}
+# `prefect deploy -n` names a deployment of deploy/prefect.yaml by its entrypoint's function
+# (the deployment is then `<flow>/default`).
+_ENTRYPOINTS: dict[Kind, str] = {
+    "learner": "learner_node",
+    "generator": "join_run",
+    "evaluator": "evaluate_run",
+}
 _POOL_FIELDS: dict[Kind, str] = {
     "learner": "placement.learner_pool",
     "generator": "placement.generator_pool",
@@ -220,7 +227,7 @@ class PoolSupervisor:
             raise PoolError(
                 f"no deployment of the `{flow}` flow on work pool '{pool}' ({_POOL_FIELDS[kind]});"
                 f" deploy one: prefect deploy --prefect-file deploy/prefect.yaml --no-prompt "
-                f"-n {flow}/default --pool {pool}"
+                f"-n {_ENTRYPOINTS[kind]}/default --pool {pool}"
             )
         deployment = min(found, key=lambda d: (d.name != "default", d.name))
         template = self.client.read_work_pool(pool).base_job_template or {}

@@ -1,4 +1,4 @@
-"""Check that the Prefect UI shows a streamrl flow run and its artifacts, with a headless browser.
+"""Check with a headless browser that the Prefect UI shows a flow run, its artifacts and children.
 
     python scripts/ui_check.py --flow-run FLOW_RUN_ID [--api http://127.0.0.1:4200/api] [--out DIR]
 
@@ -6,6 +6,14 @@ Renders the flow run's page and its metrics-table and progress artifacts' pages 
 Chromium (`chromium` on PATH, e.g. `apt-get install chromium`), saves a screenshot of each into
 `--out`, and fails unless the rendered pages show the flow run's name, its state and the
 artifacts' content (the metrics table's rows). The API URL defaults to PREFECT_API_URL.
+
+A run placed on work pools (`placement.mode=pools`) has child flow runs: its learner node(s),
+generators and evaluator, each a run of its own deployment. When the flow run has children
+(flow runs whose parent task run belongs to it: what the UI's "Subflow Runs" tab lists), the
+script prints one line per child (name, state, work pool, deployment), renders the parent's
+page on that tab (`/runs/flow-run/<id>?tab=Subflow%20Runs`) into `subflow-runs.png`, and fails
+unless the children's names appear there (the tab lists 10 runs a page: with more children,
+any 10 of them).
 """
 
 from __future__ import annotations
@@ -17,11 +25,24 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowFilter,
+    FlowFilterId,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+)
+from prefect.client.schemas.sorting import FlowRunSort
 
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome")
+LIST_LIMIT = 10  # runs per page in the UI's flow run lists (its default)
+PAGE = 200  # flow runs per API request
 
 
 def _browser() -> str:
@@ -47,13 +68,71 @@ def _render(browser: str, url: str, screenshot: Path) -> str:
     return done.stdout
 
 
-async def _flow_run(flow_run_id: str):
+async def _flow_run(flow_run_id: str) -> tuple[Any, list[Any], list[Any], dict[Any, str]]:
+    """The flow run, its artifacts, its child flow runs (oldest first) and the names
+    (flow/deployment) of the children's deployments."""
     async with get_client() as client:
         run = await client.read_flow_run(flow_run_id)
         artifacts = await client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
         )
-    return run, artifacts
+        children: list[Any] = []
+        while True:  # the server links a child through a task run of the parent
+            page = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])
+                ),
+                sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+                limit=PAGE,
+                offset=len(children),
+            )
+            children.extend(page)
+            if len(page) < PAGE:
+                break
+        deployments: dict[Any, str] = {}
+        ids = list({c.deployment_id for c in children if c.deployment_id})
+        if ids:
+            found = await client.read_deployments(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=ids))
+            )
+            flow_ids = list({d.flow_id for d in found})
+            flows = {
+                f.id: f.name
+                for f in await client.read_flows(
+                    flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids))
+                )
+            }
+            deployments = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
+    return run, artifacts, children, deployments
+
+
+def _check(browser: str, name: str, url: str, expected: list[str], out: Path) -> bool:
+    """Render `url`; print whether every text of `expected` appears. True when all do."""
+    dom = _render(browser, url, out / f"{name}.png")
+    missing = [text for text in expected if text not in dom]
+    status = "ok" if not missing else f"MISSING {missing}"
+    print(f"{name:14s} {url}\n{'':14s} screenshot {out / f'{name}.png'}: {status}")
+    return not missing
+
+
+def _check_children(
+    browser: str, ui: str, run: Any, children: list[Any], deployments: dict[Any, str], out: Path
+) -> bool:
+    """Render the parent's Subflow Runs tab and look for the children's names there."""
+    name, url = "subflow-runs", f"{ui}/runs/flow-run/{run.id}?tab=Subflow%20Runs"
+    dom = _render(browser, url, out / f"{name}.png")
+    shown = {c.id for c in children if c.name in dom}
+    wanted = min(len(children), LIST_LIMIT)
+    status = "ok" if len(shown) >= wanted else f"MISSING (shown {len(shown)} of {wanted})"
+    print(f"{name:14s} {url}\n{'':14s} screenshot {out / f'{name}.png'}: {status}")
+    print(f"child flow runs of {run.name}: {len(children)}")
+    for child in children:
+        state = child.state.name if child.state else "unknown"
+        where = deployments.get(child.deployment_id, "no deployment")
+        seen = "shown" if child.id in shown else "not shown"
+        pool = child.work_pool_name or "-"
+        print(f"  {child.name:32s} {state:12s} pool {pool:12s} {where} ({seen})")
+    return len(shown) >= wanted
 
 
 def main() -> int:
@@ -70,23 +149,30 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     browser = _browser()
 
-    run, artifacts = asyncio.run(_flow_run(args.flow_run))
-    table = max((a for a in artifacts if a.type == "markdown"), key=lambda a: a.created)
-    progress = next(a for a in artifacts if a.type == "progress")
-    pages = {
-        "flow-run": (f"{ui}/runs/flow-run/{run.id}", [run.name, run.state.name, "learner"]),
-        "metrics-table": (f"{ui}/artifacts/artifact/{table.id}", ["reward (mean)", "accuracy"]),
-        "progress": (f"{ui}/artifacts/artifact/{progress.id}", [progress.key, "100"]),
-    }
+    run, artifacts, children, deployments = asyncio.run(_flow_run(args.flow_run))
+    pages = {"flow-run": (f"{ui}/runs/flow-run/{run.id}", [run.name, run.state.name, "learner"])}
+    tables = [a for a in artifacts if a.type == "markdown"]
+    progress = next((a for a in artifacts if a.type == "progress"), None)
+    if tables:
+        table = max(tables, key=lambda a: a.created)
+        pages["metrics-table"] = (
+            f"{ui}/artifacts/artifact/{table.id}",
+            ["reward (mean)", "accuracy"],
+        )
+    if progress is not None:
+        pages["progress"] = (f"{ui}/artifacts/artifact/{progress.id}", [progress.key, "100"])
     failures = []
+    for kind, found in (("metrics-table", tables), ("progress", progress)):
+        if not found:
+            print(f"{kind:14s} MISSING: the flow run has no {kind} artifact")
+            failures.append(kind)
     for name, (url, expected) in pages.items():
-        dom = _render(browser, url, out / f"{name}.png")
-        missing = [text for text in expected if text not in dom]
-        status = "ok" if not missing else f"MISSING {missing}"
-        print(f"{name:14s} {url}\n{'':14s} screenshot {out / f'{name}.png'}: {status}")
-        if missing:
+        if not _check(browser, name, url, expected, out):
             failures.append(name)
-    print(f"flow run {run.name}: {run.state.name}; artifacts: {sorted({a.key for a in artifacts})}")
+    if children and not _check_children(browser, ui, run, children, deployments, out):
+        failures.append("subflow-runs")
+    print(f"flow run {run.name}: {run.state.name}; artifacts: {sorted({a.key for a in artifacts})}"
+          f"; child flow runs: {len(children)}")  # fmt: skip
     return 1 if failures else 0
 
 

@@ -181,7 +181,7 @@ def _cmd_generator(args: argparse.Namespace) -> int:
 EXAMPLES_LEARNER = """\
 examples:
   streamrl learner --run ./runs/demo
-  torchrun --nproc_per_node 8 -m streamrl learner --run s3://bucket/runs/x
+  torchrun --nproc_per_node 8 -m -- streamrl learner --run s3://bucket/runs/x
 Trains an existing run (its run.json holds the configuration) from its latest checkpoint to
 learner.total_steps, then writes the run's stop marker.
 """
@@ -222,6 +222,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
     config = _config_from(args)
+    if config.placement.pools:
+        raise ConfigError(
+            ["placement.mode=pools places each process on a Prefect work pool, which only the "
+             "streamrl flow does (prefect deployment run streamrl/dapo ...); `streamrl run` runs "
+             "them on this machine: leave placement.mode=local"]
+        )  # fmt: skip
     count = args.generators or config.generator.count
     placement = plan_placement(config, generators=count)  # refused before anything starts
     config, run = prepare_run(config, resume=args.resume)

@@ -1,7 +1,7 @@
 """The local stack (`scripts/stack.sh`, behind `make up` / `make down`), in a temporary stack dir
-and Prefect home: `up` serves the four deployments of deploy/prefect.yaml on the `local` pool
-with a worker and SeaweedFS; a second `up` is a no-op; `down` leaves no process behind and is
-safe to repeat."""
+and Prefect home: `up` serves the deployments of deploy/prefect.yaml on the pools `local`,
+`learner` and `generators`, with a worker each, and SeaweedFS; a second `up` is a no-op; `down`
+leaves no process behind and is safe to repeat."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = ("server", "worker", "seaweedfs")
+COMPONENTS = ("server", "worker-local", "worker-learner", "worker-generators", "seaweedfs")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -87,11 +87,14 @@ def test_stack_serves_the_deployments_and_stops_without_leftovers(tmp_path: Path
             "streamrl/vapo",
             "streamrl/grpo",
             "generator/default",
+            "learner/default",
+            "evaluator/default",
+            "scale/default",
         }
-        assert "local" in pools
+        assert {"local", "learner", "generators"} <= set(pools)
         for preset in ("dapo", "vapo", "grpo"):
             assert deployments[f"streamrl/{preset}"]["preset"] == preset
-            assert deployments[f"streamrl/{preset}"]["run_uri"] == f"./runs/{preset}"
+            assert deployments[f"streamrl/{preset}"]["run_uri"] is None  # a fresh run each time
         assert "model.critic.init_from=policy" in deployments["streamrl/vapo"]["overrides"]
         assert generator_schema["required"] == ["run_uri"]
 

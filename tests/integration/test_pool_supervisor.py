@@ -226,6 +226,7 @@ def test_a_learner_node_lost_fails_its_attempt_and_the_next_attempt_starts_every
 
 def test_a_pool_without_the_deployment_is_refused_with_the_command_that_adds_it(client, tmp_path):
     fleet, _ = _fleet(client, tmp_path, "placement.generator_pool=spot")
-    with pytest.raises(PoolError, match=r"`generator` flow on work pool 'spot'.*--pool spot"):
+    refused = r"`generator` flow on work pool 'spot'.*-n join_run/default --pool spot"
+    with pytest.raises(PoolError, match=refused):
         fleet.start()
     assert fleet.children == []
