@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,9 +68,9 @@ from streamrl.config import RunConfig
 from streamrl.launch import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
 from streamrl.runs import open_run_location
-from streamrl.supervisor import FINISH_GRACE_S, ComponentFailedError
+from streamrl.supervisor import FINISH_GRACE_S, ComponentFailedError, RestartBudget
 
-__all__ = ["PoolError", "PoolSupervisor", "RestartWindow", "job_variables"]
+__all__ = ["PoolError", "PoolSupervisor", "job_variables"]
 
 log = logging.getLogger(__name__)
 
@@ -94,25 +93,6 @@ _NOT_STARTED = {StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED}
 
 class PoolError(RuntimeError):
     """A work pool cannot run what the run places on it; the message names the fix."""
-
-
-class RestartWindow:
-    """How many times a component may be replaced: `allowed` within any `window_s` seconds."""
-
-    def __init__(self, allowed: int, window_s: float = float("inf")) -> None:
-        self.allowed, self.window_s = allowed, window_s
-        self.times: deque[float] = deque()
-        self.total = 0
-
-    def spend(self, now: float) -> bool:
-        """Record one replacement at `now`; False (nothing recorded) when none is left."""
-        while self.times and self.times[0] <= now - self.window_s:
-            self.times.popleft()
-        if len(self.times) >= self.allowed:
-            return False
-        self.times.append(now)
-        self.total += 1
-        return True
 
 
 @dataclass
@@ -188,9 +168,9 @@ class PoolSupervisor:
         self.generators = generators
         self.generator_retries = generator_retries
         self.with_eval = evaluator and config.eval.every_versions > 0
-        self.learner_attempts = RestartWindow(learner_retries)
-        self.eval_restarts = RestartWindow(1)
-        self.gen_restarts: dict[int, RestartWindow] = {}
+        self.learner_attempts = RestartBudget(learner_retries)
+        self.eval_restarts = RestartBudget(1)
+        self.gen_restarts: dict[int, RestartBudget] = {}
         self.children: list[Child] = []
         self.failure: str | None = None
         self.finishing_since: float | None = None
@@ -270,7 +250,7 @@ class PoolSupervisor:
     def _start_generator(self, index: int) -> None:
         clear_stop(self.run, writer=f"gen{index}")  # a stopped index may run again
         self.gen_restarts.setdefault(
-            index, RestartWindow(self.generator_retries, self.config.placement.retry_window_s)
+            index, RestartBudget(self.generator_retries, self.config.placement.retry_window_s)
         )
         parameters = {"run_uri": self.config.storage.run_uri, "index": index, "retries": 0}
         self._launch("generator", f"gen{index}", parameters)

@@ -1,9 +1,10 @@
 """Starting a run's processes: their command lines, running one under a placement, and
 generator indexes. The supervision core that keeps them running is `streamrl.supervisor`.
 
-A run is a learner (one process, or a torchrun job of `learner.nproc_per_node` ranks), N
-generators and, when `eval.every_versions` > 0, an evaluator: each a `streamrl` subprocess of
-this Python interpreter, sharing nothing but the run's storage.
+A run is a learner (one process, or a torchrun job of `learner.nproc_per_node` ranks; on work
+pools, one such job per node, `streamrl.rendezvous`), N generators and, when
+`eval.every_versions` > 0, an evaluator: each a `streamrl` subprocess of this Python
+interpreter, sharing nothing but the run's storage.
 
 Opening a run (`prepare_run`, `open_existing_run`, `load_run_config`) lives in
 `streamrl.runs`, which the components import; nothing but supervisors imports this module.

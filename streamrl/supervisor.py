@@ -18,6 +18,7 @@ import logging
 import re
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ __all__ = [
     "Component",
     "ComponentFailedError",
     "ComponentLogs",
+    "RestartBudget",
     "RunInterruptedError",
     "Supervisor",
     "noteworthy",
@@ -126,17 +128,42 @@ class ComponentLogs:
             self._files.clear()
 
 
+class RestartBudget:
+    """How often a component may be restarted (or, on work pools, replaced): `allowed` times
+    within any `window_s` seconds (default: over its whole life)."""
+
+    def __init__(self, allowed: int, window_s: float = float("inf")) -> None:
+        self.allowed, self.window_s = allowed, window_s
+        self.times: deque[float] = deque()
+        self.total = 0
+
+    def spend(self, now: float | None = None) -> bool:
+        """Record one restart at `now` (default: the monotonic clock); False, recording
+        nothing, when none is left."""
+        now = time.monotonic() if now is None else now
+        while self.times and self.times[0] <= now - self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.allowed:
+            return False
+        self.times.append(now)
+        self.total += 1
+        return True
+
+
 @dataclass
 class Component:
     """One process of the run and its history under supervision."""
 
     name: str  # learner, gen<i>, eval
     argv: list[str]
-    restarts_allowed: int
+    budget: RestartBudget
     placement: ProcessPlacement | None = None
-    restarts: int = 0
     exit_code: int | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def restarts(self) -> int:
+        return self.budget.total
 
 
 class Supervisor:
@@ -194,14 +221,20 @@ class Supervisor:
         the learner (it resumes from its checkpoint), one for the evaluator."""
         plan = placement or plan_placement(config, generators=generators, evaluator=evaluator)
         components = [
-            Component("learner", learner_command(config), learner_restarts, plan.learner),
+            Component(
+                "learner", learner_command(config), RestartBudget(learner_restarts), plan.learner
+            ),
             *(
-                Component(f"gen{i}", generator_command(config, i), max_restarts, placed)
+                Component(
+                    f"gen{i}", generator_command(config, i), RestartBudget(max_restarts), placed
+                )
                 for i, placed in enumerate(plan.generators)
             ),
         ]
         if plan.evaluator is not None:
-            components.append(Component("eval", evaluator_command(config), 1, plan.evaluator))
+            components.append(
+                Component("eval", evaluator_command(config), RestartBudget(1), plan.evaluator)
+            )
         return cls(config, components, plan=plan, on_line=on_line, owner=owner)
 
     @classmethod
@@ -226,7 +259,7 @@ class Supervisor:
             argv = generator_command(config, index)
         else:
             argv = evaluator_command(config)
-        component = Component(placement.name, argv, max_restarts, placement)
+        component = Component(placement.name, argv, RestartBudget(max_restarts), placement)
         return cls(config, [component], owns_run=False, on_line=on_line, owner=owner)
 
     def prepare(self) -> None:
@@ -257,7 +290,7 @@ class Supervisor:
                 if component.name == "learner" and component.exit_code == 0:
                     self._finish()
                 return
-            if component.restarts >= component.restarts_allowed:
+            if not component.budget.spend():
                 tail = "\n    ".join(list(component.tail)[-10:])
                 failure = (
                     f"{component.name} failed for good (exit code {component.exit_code} after "
@@ -266,10 +299,9 @@ class Supervisor:
                 self.failures.append(failure)
                 self.abort(f"{component.name} failed")
                 raise ComponentFailedError(failure)
-            component.restarts += 1
             show(
                 f"{_RESTART} {component.exit_code}; restart {component.restarts} of "
-                f"{component.restarts_allowed} (log: {self.logs.folder / component.name}.log)"
+                f"{component.budget.allowed} (log: {self.logs.folder / component.name}.log)"
             )
 
     def run(self) -> dict[str, Any]:

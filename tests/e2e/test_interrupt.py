@@ -28,7 +28,8 @@ TINY = [
     "learner.total_steps=500",  # interrupted long before
 ]
 
-pytestmark = pytest.mark.timeout(600)
+# Slow (~45 s each: a whole run is started, then stopped); the suite keeps to its 15-minute aim.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _processes_of(run_dir: Path) -> list[str]:

@@ -3,10 +3,12 @@ server and one process worker for each of the pools `local`, `learner` and `gene
 `streamrl/dapo` deployment run with `placement.mode=pools` fans out into child flow runs of the
 `learner` and `generator` deployments; killing a generator flow run's process gets it replaced
 and the run completes; `streamrl scale` starts and stops generator flow runs; cancelling the
-parent cancels its children and leaves no process of the run behind."""
+parent cancels its children and leaves no process of the run behind; a learner of two nodes
+(two flow runs meeting through the run's storage) and the evaluator complete as children."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -82,7 +84,7 @@ def stack(tmp_path_factory):
         stack_sh("down")
 
 
-def _start(run_dir: Path, steps: int, generators: int) -> UUID:
+def _start(run_dir: Path, steps: int, generators: int, extra: list[str] | None = None) -> UUID:
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("streamrl/dapo")
         flow_run = client.create_flow_run_from_deployment(
@@ -91,7 +93,7 @@ def _start(run_dir: Path, steps: int, generators: int) -> UUID:
                 "size": "tiny-cpu",
                 "run_uri": str(run_dir),
                 "generators": generators,
-                "overrides": [*TINY, f"learner.total_steps={steps}"],
+                "overrides": [*TINY, f"learner.total_steps={steps}", *(extra or [])],
             },
         )
     return flow_run.id
@@ -219,3 +221,22 @@ def test_scaling_and_cancelling_the_parent_cancels_its_children(stack, tmp_path)
     still = {c.name: _state(c.id).type.value for c in children}
     assert all(_state(c.id).is_cancelled() for c in children if c.id != gen1.id), still
     _wait_for("no process of the run", lambda: not _processes_of(run_dir), 120)
+
+
+def test_a_learner_of_two_nodes_and_the_evaluator_run_as_flow_runs_of_their_own(stack, tmp_path):
+    run_dir = tmp_path / "nodes"
+    evaluation = ["eval.every_versions=2", "eval.max_prompts=4", "eval.k=2"]
+    parent = _start(run_dir, steps=4, generators=1, extra=["learner.nnodes=2", *evaluation])
+    _wait_for("the parent to end", lambda: _state(parent).is_final(), 900)
+    assert _state(parent).is_completed(), _state(parent)
+    children = {c.name.rsplit("-", 1)[-1]: c for c in _children(parent)}
+    assert sorted(children) == ["eval", "gen0", "node0", "node1"]  # <run>-learner-node<k>
+    assert all(_state(c.id).is_completed() for c in children.values())
+    attempts = {children[n].parameters["attempt"] for n in ("node0", "node1")}
+    assert len(attempts) == 1  # both nodes of one attempt, which node 0 published
+    assert (run_dir / "control" / "rendezvous" / f"{attempts.pop()}.json").exists()
+    assert WeightStore(open_location(str(run_dir))).versions()[-1] == 4
+    metrics = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    assert len(metrics) == 4  # one learner of two nodes, not two learners
+    evaluated = (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()
+    assert [json.loads(line)["version"] for line in evaluated] == [2, 4]

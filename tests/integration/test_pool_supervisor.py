@@ -17,11 +17,11 @@ from prefect.states import Completed, Crashed, Failed, Running
 from prefect.testing.utilities import prefect_test_harness
 from prefect.workers.process import ProcessWorker
 
-from flows.pools import PoolError, PoolSupervisor, RestartWindow, job_variables
+from flows.pools import PoolError, PoolSupervisor, job_variables
 from storage.control import request_stop, set_requested_generators, stop_requested
 from streamrl.config import load_config
 from streamrl.runs import prepare_run
-from streamrl.supervisor import ComponentFailedError
+from streamrl.supervisor import ComponentFailedError, RestartBudget
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,8 +91,8 @@ def _named(fleet, name: str):
     return [c for c in fleet.children if c.name == name][-1]
 
 
-def test_restart_window_counts_replacements_within_the_window():
-    window = RestartWindow(2, window_s=10.0)
+def test_a_restart_budget_counts_restarts_within_its_window():
+    window = RestartBudget(2, window_s=10.0)
     assert window.spend(0.0)
     assert window.spend(5.0)
     assert not window.spend(9.0)  # two within 10 s already
