@@ -159,7 +159,9 @@ start_server() {
     port="$(pick_port)"
     printf '%s' "$port" >"$STACK/port"
     say "starting the Prefect server on $HOST:$port (SQLite: $(show "$STACK/prefect.db"))"
+    # The UI's own API address: without it the UI calls port 4200 whatever port the server has.
     PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT=false \
+        PREFECT_SERVER_UI_API_URL="$(api_url)" \
         PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$STACK/prefect.db" \
         launch server "$log" env -u PREFECT_API_URL "$PREFECT" server start --host "$HOST" --port "$port"
     wait_for server "$SERVER_SIG" "$log" healthy "$(api_url)"
