@@ -1,12 +1,17 @@
-"""Learner throughput: `Learner.train_step()` against a bare forward + backward + AdamW step of
-the same model on the same micro-batches, plus peak memory and weight publish time.
+"""Learner throughput: the learner's step on today's path and on the fast one, against a bare
+forward + backward + AdamW step of the same model, plus `Learner.train_step()` itself, peak
+memory and weight publish time.
 
     .venv/bin/python -m benchmarks.learner_bench [--model smollm2-135m-instruct] [--repeats 3]
+    .venv/bin/python -m benchmarks.learner_bench --group-size 8 --prompt-len 64 76 \
+        --min-response-len 16 --max-response-len 64          # the demo's shapes
+    .venv/bin/python -m benchmarks.learner_bench --groups 2 --group-size 8 \
+        --prompt-len 512 512 --max-response-len 128          # a long shared prompt
 
 One run directory holds a replay stream of synthetic DAPO groups (policy version 0, varied
 response lengths, rewards with variance so dynamic sampling keeps every group): `--batches`
 distinct batches of B groups, each written `--repeats` times in a row, after one warm-up copy
-of the first. Two phases read it, each in its own process so that their memory peaks do not
+of the first. Four phases read it, each in its own process so that their memory peaks do not
 mix:
 
 - *learner*: `Learner(config, run, topology).train_step()`, which reads a batch from the stream,
@@ -15,10 +20,15 @@ mix:
   (everything but the publish); the publish is its `perf/weight_sync_s`.
 - *bare*: the same FSDP2-wrapped model and AdamW settings on the micro-batches rebuilt from the
   same groups in the same order (`TrainBatch.from_groups` + `make_mini_batches`, outside the
-  timed region): forward, a log-softmax-gather loss on the targets, backward, optimiser step.
+  timed region, a padded row per response): forward, a log-softmax-gather loss on the
+  targets, backward, optimiser step.
+- *today*: the learner's step (`train_on_batch`: DAPO's scoring, loss, metrics) on those rows
+  with the model's full logits: the path before shared prompts and the response-only head.
+- *new*: the same step on the fast path: shared-prompt rows (`learner.shared_prompt=on`) and
+  the LM head only on response positions (`use_hidden_states_head`).
 
-The parent runs the two processes in lockstep: step k of one right after step k of the other
-(on the same batch), so that both see the same machine load. Both count loss tokens
+The parent runs the processes in lockstep: step k of each right after step k of the others
+(on the same batch), so that all see the same machine load. Both count loss tokens
 (`loss_mask`) per second after the warm-up steps: over all measured steps, and best-of-repeats
 (each batch's fastest step, the least disturbed on a shared machine). Memory is the
 resident set size (RSS, Linux `/proc`): sampled every 5 ms and split into training and
@@ -51,9 +61,11 @@ from storage.stream import StreamReader, StreamWriter
 from storage.weights import WeightStore
 from streamrl.config import RunConfig, load_config, validate_config
 from streamrl.learner.batching import MiniBatch, TrainBatch, make_mini_batches
+from streamrl.learner.forward import use_hidden_states_head
 from streamrl.learner.loop import Learner
 from streamrl.learner.model import full_state_dict, load_policy, shard_model
 from streamrl.learner.optim import build_optimizer
+from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
 
@@ -74,6 +86,8 @@ def bench_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
             f"storage.run_uri={run_dir}",
             f"generator.group_size={args.group_size}",
             f"generator.max_tokens={args.max_response_len}",
+            f"data.max_prompt_len={args.prompt_len[1]}",
+            f"model.max_model_len={max(2048, args.prompt_len[1] + args.max_response_len)}",
             f"learner.batch_groups={args.groups}",
             f"learner.mini_batch_groups={args.groups}",
             f"learner.micro_batch_tokens={args.micro_batch_tokens}",
@@ -88,22 +102,29 @@ def bench_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
 
 
 def synthetic_groups(
-    count: int, group_size: int, min_len: int, max_len: int, vocab: int, seed: int = 0
+    count: int,
+    group_size: int,
+    min_len: int,
+    max_len: int,
+    vocab: int,
+    prompt_len: tuple[int, int] = (32, 64),
+    seed: int = 0,
 ) -> list[ScoredGroup]:
-    """`count` groups of 32–64-token prompts and `min_len`–`max_len`-token responses (uniform;
-    those of `max_len` count as truncated), half of each group rewarded +1 and half −1."""
+    """`count` groups of `prompt_len` (a low–high range) prompts and `min_len`–`max_len`-token
+    responses (uniform; those of `max_len` count as truncated), half of each group rewarded +1
+    and half −1."""
     rng = np.random.default_rng(seed)
     groups = []
     for i in range(count):
         lengths = rng.integers(min_len, max_len + 1, size=group_size)
         truncated = lengths == max_len
         correct = rng.permutation(np.arange(group_size) < group_size // 2)
-        prompt_len = int(rng.integers(32, 65))
+        prompt_length = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         now = time.time()
         groups.append(
             ScoredGroup(
                 prompt_id=f"p{i}",
-                prompt_tokens=rng.integers(0, vocab, size=prompt_len, dtype=np.int32),
+                prompt_tokens=rng.integers(0, vocab, size=prompt_length, dtype=np.int32),
                 ground_truth="0",
                 response_tokens=[rng.integers(0, vocab, size=n, dtype=np.int32) for n in lengths],
                 behaviour_logprobs=[-rng.exponential(1.0, n).astype(np.float32) for n in lengths],
@@ -129,7 +150,12 @@ def prepare_run(args: argparse.Namespace, run_dir: str) -> RunConfig:
     vocab = AutoConfig.from_pretrained(resolve_model_path(config.model.path)).vocab_size
     B = args.groups
     groups = synthetic_groups(
-        B * args.batches, args.group_size, args.min_response_len, args.max_response_len, vocab
+        B * args.batches,
+        args.group_size,
+        args.min_response_len,
+        args.max_response_len,
+        vocab,
+        tuple(args.prompt_len),
     )
     batches = [groups[b * B : (b + 1) * B] for b in range(args.batches)]
     writer = StreamWriter(run, "bench")
@@ -267,7 +293,9 @@ class BarePhase:
         bare_step(self.model, self.optimizer, minis)
         step_s = time.perf_counter() - started
         self.windows.append((started, started + step_s))
-        return {"tokens": sum(m.num_loss_tokens for m in minis), "step_s": step_s}
+        forward = sum(m.input_ids.numel() for mini in minis for m in mini.micro_batches)
+        tokens = sum(m.num_loss_tokens for m in minis)
+        return {"tokens": tokens, "step_s": step_s, "forward_tokens": forward}
 
     def finish(self, warmup: int) -> dict[str, Any]:
         # What the learner's publish does, in its two parts: gather the full weights, then
@@ -291,15 +319,83 @@ class BarePhase:
         }
 
 
-# The parent drives both children in lockstep over their stdin/stdout, one step at a time, so
-# that each pair of steps on the same batch runs back to back under the same machine load.
+class StepPhase(BarePhase):
+    """The learner's step, `train_on_batch` (DAPO), on the micro-batches built here (untimed):
+    `fast` on shared-prompt rows with the response-only LM head, else a row per response with
+    full logits (today's path)."""
+
+    def __init__(self, config: RunConfig, run: Location, *, fast: bool) -> None:
+        cfg = config.learner
+        self.config, self.run, self.fast = config, run, fast
+        self.sampler = RssSampler()
+        self.topology = Topology.from_env(cfg.device)
+        model = load_policy(config.model.path, config.model)
+        if fast:
+            use_hidden_states_head(model)
+        model = shard_model(model, self.topology, cfg.mixed_precision, cfg.activation_checkpointing)
+        optimizer = build_optimizer(
+            model.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
+        )
+        self.model, self.models = model, StepModels(Trainable(model, optimizer))
+        self.settings = StepSettings(
+            temperature=config.generator.temperature,
+            max_response_len=config.generator.max_tokens,
+            logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+            grad_clip=cfg.grad_clip,
+        )
+        self.groups = StreamReader(run).groups(timeout_s=60)
+        self.rss_setup = self.sampler.now()
+        self.windows: list[tuple[float, float]] = []
+
+    def step(self) -> dict[str, Any]:
+        cfg = self.config.learner
+        train = TrainBatch.from_groups([next(self.groups) for _ in range(cfg.batch_groups)])
+        minis = make_mini_batches(
+            train,
+            cfg.mini_batch_groups,
+            cfg.micro_batch_tokens,
+            overlong_filter=self.config.algorithm.overlong.filter,
+            shared_prompt=self.fast,
+        )
+        forward = sum(m.input_ids.numel() for mini in minis for m in mini.micro_batches)
+        started = time.perf_counter()
+        metrics = train_on_batch(
+            self.models, train, minis, self.config.algorithm, self.settings, self.topology
+        )
+        step_s = time.perf_counter() - started
+        self.windows.append((started, started + step_s))
+        tokens = sum(m.num_loss_tokens for m in minis)
+        return {"tokens": tokens, "step_s": step_s, "forward_tokens": forward,
+                "loss": metrics["actor/pg_loss"]}  # fmt: skip
+
+    def finish(self, warmup: int) -> dict[str, Any]:
+        self.groups.close()
+        self.sampler.stop()
+        self.topology.destroy()
+        return {
+            "rss_setup_MB": self.rss_setup / MB,
+            "rss_train_MB": self.sampler.peak(self.windows[warmup:]) / MB,
+            "rss_high_water_MB": _high_water_mb(),
+        }
+
+
+PHASES = {
+    "bare": BarePhase,
+    "today": lambda config, run: StepPhase(config, run, fast=False),
+    "new": lambda config, run: StepPhase(config, run, fast=True),
+    "learner": LearnerPhase,
+}
+
+
+# The parent drives the children in lockstep over their stdin/stdout, one step at a time, so
+# that the steps on the same batch run back to back under the same machine load.
 REPLY = "@learner_bench "
 
 
 def _phase_main(args: argparse.Namespace) -> None:  # pragma: no cover - a child process
     run = open_location(args.run)
     config = validate_config(open_run(run).config, source=f"{args.run}/run.json")
-    phase = (LearnerPhase if args.phase == "learner" else BarePhase)(config, run)
+    phase = PHASES[args.phase](config, run)
     reply = lambda obj: print(REPLY + json.dumps(obj), flush=True)  # noqa: E731
     reply({"ready": True})
     for line in sys.stdin:
@@ -345,23 +441,25 @@ class PhaseProcess:
         self.stderr.close()
 
 
-def run_phases(run_dir: str, warmup: int, steps: int) -> tuple[dict, dict]:
-    """Both phases, step k of one right after step k of the other (which goes first
-    alternates); each result holds its measured `steps` rows and its `finish` figures."""
-    bare, learner = PhaseProcess("bare", run_dir), PhaseProcess("learner", run_dir)
+def run_phases(run_dir: str, warmup: int, steps: int) -> dict[str, dict]:
+    """Every phase, step k of each right after step k of the others (the order rotates);
+    each result holds its measured `steps` rows and its `finish` figures."""
+    procs = [PhaseProcess(name, run_dir) for name in PHASES]
     try:
-        bare.ask(), learner.ask()  # both set up
-        rows: dict[str, list] = {"bare": [], "learner": []}
+        for proc in procs:
+            proc.ask()  # set up
+        rows: dict[str, list] = {proc.phase: [] for proc in procs}
         for k in range(warmup + steps):
-            for proc in (bare, learner) if k % 2 == 0 else (learner, bare):
+            for proc in procs[k % len(procs) :] + procs[: k % len(procs)]:
                 rows[proc.phase].append(proc.ask("step"))
-        results = []
-        for proc in (bare, learner):
-            results.append({"steps": rows[proc.phase][warmup:]} | proc.ask(f"finish {warmup}"))
+        results = {
+            proc.phase: {"steps": rows[proc.phase][warmup:]} | proc.ask(f"finish {warmup}")
+            for proc in procs
+        }
     finally:
-        bare.close()
-        learner.close()
-    return results[0], results[1]
+        for proc in procs:
+            proc.close()
+    return results
 
 
 # -- report --------------------------------------------------------------------------------
@@ -378,42 +476,47 @@ def _best_rate(rows: list[dict], repeats: int) -> float:
     return _rate(best)
 
 
-def report(bare: dict, learner: dict, repeats: int) -> None:
-    b_rows, l_rows = bare["steps"], learner["steps"]
-    if [r["tokens"] for r in b_rows] != [r["tokens"] for r in l_rows]:
+def report(results: dict[str, dict], repeats: int) -> None:
+    bare, learner = results["bare"], results["learner"]
+    rows = {name: result["steps"] for name, result in results.items()}
+    if len({tuple(r["tokens"] for r in steps) for steps in rows.values()}) != 1:
         raise RuntimeError("the phases trained on different loss tokens; not comparable")
-    tokens = statistics.mean(r["tokens"] for r in b_rows)
-    print("\n| phase | loss_tokens/step | s/step | tokens/s | best-of tokens/s | RSS setup MB | "
-          "RSS peak train MB | RSS peak publish MB | RSS high-water MB |")  # fmt: skip
+    tokens = statistics.mean(r["tokens"] for r in rows["bare"])
+    print("\n| phase | response tokens/step | forward tokens/step | s/step | tokens/s | "
+          "best-of tokens/s | RSS setup MB | RSS peak train MB | RSS high-water MB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, result, publish in (
-        ("bare fwd+bwd+AdamW", bare, "–"),
-        ("Learner.train_step", learner, f"{learner['rss_publish_MB']:.0f}"),
-    ):
-        rows = result["steps"]
+    names = {
+        "bare": "bare fwd+bwd+AdamW (a row per response)",
+        "today": "learner step, today's path",
+        "new": "learner step, shared prompts + response-only head",
+        "learner": "Learner.train_step (new path, + stream, publish)",
+    }
+    for name, result in results.items():
+        steps = result["steps"]
+        forward = statistics.mean(r.get("forward_tokens", float("nan")) for r in steps)
         print(
-            f"| {name} | {tokens:.0f} | {statistics.mean(r['step_s'] for r in rows):.3g} | "
-            f"{_rate(rows):.1f} | {_best_rate(rows, repeats):.1f} | "
-            f"{result['rss_setup_MB']:.0f} | {result['rss_train_MB']:.0f} | "
-            f"{publish} | {result['rss_high_water_MB']:.0f} |"
+            f"| {names[name]} | {tokens:.0f} | {forward:.0f} | "
+            f"{statistics.mean(r['step_s'] for r in steps):.3g} | {_rate(steps):.1f} | "
+            f"{_best_rate(steps, repeats):.1f} | {result['rss_setup_MB']:.0f} | "
+            f"{result['rss_train_MB']:.0f} | {result['rss_high_water_MB']:.0f} |"
         )
-    ratio = _rate(l_rows) / _rate(b_rows)
-    best = _best_rate(l_rows, repeats) / _best_rate(b_rows, repeats)
-    per_step = [b["step_s"] / lr["step_s"] for b, lr in zip(b_rows, l_rows, strict=True)]
+    speedup = _best_rate(rows["new"], repeats) / _best_rate(rows["today"], repeats)
     print(
-        f"\nlearner / bare tokens/s: {best:.3f} best-of-repeats, overhead {1 / best - 1:+.1%} "
-        f"of the bare step time (goal ≤ +10%); {ratio:.3f} over all measured steps "
-        f"(per step: {', '.join(f'{r:.3f}' for r in per_step)})"
+        f"\nnew / today response tokens/s: {speedup:.2f}× best-of-repeats (goal ≥ 2×), "
+        f"{_rate(rows['new']) / _rate(rows['today']):.2f}× over all measured steps; "
+        f"new / bare {_best_rate(rows['new'], repeats) / _best_rate(rows['bare'], repeats):.2f}×"
     )
-    sync = statistics.mean(r["sync_s"] for r in l_rows)
-    wall = statistics.mean(r["wall_s"] - r["step_s"] - r["sync_s"] for r in l_rows)
+    losses = [(a["loss"], b["loss"]) for a, b in zip(rows["today"], rows["new"], strict=True)]
+    print(f"policy loss, today vs new (first measured step): {losses[0][0]:.6f} vs "
+          f"{losses[0][1]:.6f} (later steps diverge only by float rounding)")  # fmt: skip
+    best = _best_rate(rows["learner"], repeats) / _best_rate(rows["new"], repeats)
+    print(f"Learner.train_step / new-path step tokens/s: {best:.3f} best-of-repeats")
+    sync = statistics.mean(r["sync_s"] for r in rows["learner"])
     print(
-        f"weight publish (perf/weight_sync_s, mean of {len(l_rows)}): {sync:.3g} s for "
-        f"{learner['weights_MB']:.0f} MB ({learner['weights_MB'] / sync:.0f} MB/s); "
-        f"the same in parts, on the bare phase's model: full_state_dict {bare['gather_s']:.3g} s "
-        f"+ WeightStore.publish {bare['write_s']:.3g} s"
+        f"weight publish (perf/weight_sync_s, mean of {len(rows['learner'])}): {sync:.3g} s for "
+        f"{learner['weights_MB']:.0f} MB; on the bare phase's model: full_state_dict "
+        f"{bare['gather_s']:.3g} s + WeightStore.publish {bare['write_s']:.3g} s"
     )
-    print(f"train_step outside step_s and publish (metrics log): {wall * 1000:.1f} ms/step")
 
 
 def main() -> None:
@@ -421,13 +524,17 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SIZE_PRESETS), default="smollm2-135m-instruct")
     parser.add_argument("--groups", type=int, default=4, help="B, groups per batch")
     parser.add_argument("--group-size", type=int, default=4, help="G, responses per group")
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=[32, 64], metavar=("LOW", "HIGH"),
+        help="prompt lengths, uniform in [LOW, HIGH]",
+    )  # fmt: skip
     parser.add_argument("--min-response-len", type=int, default=32)
     parser.add_argument("--max-response-len", type=int, default=128)
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--warmup-steps", type=int, default=1, help="not measured")
     parser.add_argument("--batches", type=int, default=1, help="distinct measured batches")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per batch")
-    parser.add_argument("--phase", choices=["learner", "bare"], help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -440,14 +547,14 @@ def main() -> None:
         print(
             f"model {args.model} ({config.model.dtype}, {config.learner.device}, "
             f"{torch.get_num_threads()} threads), B={args.groups} groups × G={args.group_size}, "
+            f"prompts {args.prompt_len[0]}–{args.prompt_len[1]} tokens, "
             f"responses {args.min_response_len}–{args.max_response_len} tokens, "
             f"micro_batch_tokens {args.micro_batch_tokens}; {args.warmup_steps} warm-up + "
             f"{args.batches} batch(es) × {args.repeats} measured steps per phase, "
-            "the two processes in lockstep"
+            "the processes in lockstep"
         )
         steps = args.batches * args.repeats
-        bare, learner = run_phases(run_dir, args.warmup_steps, steps)
-        report(bare, learner, args.repeats)
+        report(run_phases(run_dir, args.warmup_steps, steps), args.repeats)
 
 
 if __name__ == "__main__":

@@ -370,6 +370,12 @@ class LearnerConfig(_Component):
     activation_checkpointing: bool = Field(
         False, description="Recompute decoder-layer activations in the backward pass."
     )
+    shared_prompt: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Compute each group's prompt once for all its responses (one row: the "
+        "prompt, then each response attending to the prompt and itself). auto: on where the "
+        "model's attention takes such a mask (SDPA); off: a row per response.",
+    )
     logprob_chunk_tokens: int = Field(
         1024, gt=0, description="Tokens per chunk for log-prob/entropy over the vocabulary."
     )

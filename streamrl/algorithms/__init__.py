@@ -2,6 +2,10 @@
 
 No I/O, no models, no distributed state beyond an optional process group for global
 statistics. Each module states its formulas in its docstring and names its paper.
+
+The algorithms' configurations (`config`: one class per algorithm, by family in `outcome`,
+`reinforce_pp` and `vapo`, on the interface of `base`) carry what differs per algorithm in a
+learner step — advantages, models, loss terms, denominators — built from these functions.
 """
 
 from streamrl.algorithms.advantages import (
@@ -25,26 +29,39 @@ from streamrl.algorithms.logits import (
     token_logprobs_and_entropy,
 )
 from streamrl.algorithms.losses import (
+    LossDenominators,
     aggregate,
     explained_variance,
+    explained_variance_from_stats,
+    explained_variance_stats,
     importance_weights,
     pg_loss,
     positive_nll_loss,
     ppo_policy_loss,
     value_loss,
 )
-from streamrl.algorithms.masked import masked_mean, masked_sum, masked_whiten
+from streamrl.algorithms.masked import (
+    group_centred,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    masked_whiten_jointly,
+)
 from streamrl.algorithms.shaping import overlong_filter_mask, overlong_penalty, scale_rule_reward
 
 __all__ = [
+    "LossDenominators",
     "aggregate",
     "broadcast_to_tokens",
     "dr_grpo_advantages",
     "ema_update_",
     "entropy_from_logits",
     "explained_variance",
+    "explained_variance_from_stats",
+    "explained_variance_stats",
     "gae",
     "gpg_advantages",
+    "group_centred",
     "groups_with_signal",
     "grpo_advantages",
     "importance_weights",
@@ -53,6 +70,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "masked_whiten_jointly",
     "outcome_token_rewards",
     "overlong_filter_mask",
     "overlong_penalty",

@@ -21,7 +21,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from streamrl.algorithms.masked import group_count, group_mean, group_std, masked_whiten
+from streamrl.algorithms.masked import (
+    group_centred,
+    group_count,
+    group_mean,
+    group_std,
+    masked_whiten_jointly,
+)
 
 __all__ = [
     "broadcast_to_tokens",
@@ -81,8 +87,7 @@ def grpo_advantages(
 
 def dr_grpo_advantages(rewards: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
     """Dr. GRPO: A_i = R_i − mean_g R (no division by the group std). `[N]` → `[N]`."""
-    rewards = rewards.float()
-    return rewards - group_mean(rewards, group_index, num_groups)[group_index]
+    return group_centred(rewards, group_index, num_groups)
 
 
 def rloo_advantages(rewards: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
@@ -115,8 +120,7 @@ def gpg_advantages(
     alpha = torch.where(
         informative > 0, num_groups / informative.clamp(min=1.0), torch.ones_like(informative)
     )
-    centred = rewards - group_mean(rewards, group_index, num_groups)[group_index]
-    return alpha * centred, alpha
+    return alpha * group_centred(rewards, group_index, num_groups), alpha
 
 
 def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
@@ -171,6 +175,11 @@ def reinforce_pp_advantages(
     whitened with mean/std over all valid tokens of the whole global batch (no group
     baseline). The -baseline variant subtracts the group mean reward from R_i first.
 
+    The learner takes the same three steps over its micro-batches (`ReinforcePPConfig`): the
+    baseline on the whole batch, the returns per micro-batch, `masked_whiten_jointly` over the
+    loss tokens of all of them; for one micro-batch without overlong filtering (loss mask =
+    response mask) its advantages are this function's, bit for bit.
+
     Args:
         rewards: `[N]` outcome rewards.
         mask: `[N, T]` response-token mask (right-padded).
@@ -185,9 +194,9 @@ def reinforce_pp_advantages(
     if baseline:
         if group_index is None or num_groups is None:
             raise ValueError("REINFORCE++-baseline needs group_index and num_groups")
-        rewards = rewards - group_mean(rewards, group_index, num_groups)[group_index]
+        rewards = group_centred(rewards, group_index, num_groups)
     returns = reinforce_pp_returns(rewards, mask, kl, kl_coef)
-    return masked_whiten(returns, mask, process_group=process_group)
+    return masked_whiten_jointly([returns], [mask], process_group=process_group)[0]
 
 
 def gae(

@@ -10,6 +10,9 @@ discarded. Under autograd every chunk is recomputed in the backward pass
 backward pass, which is one fused softmax pass per chunk): the learner's hot path when the
 entropy is a metric, not a loss term.
 
+`head_logprobs_and_entropy` goes one step further: the LM head itself, applied only to the hidden
+states that score a token (a response's, not the prompt's), chunk by chunk.
+
 All functions divide the logits by `temperature` first: the generator samples from
 softmax(z / τ) and stores that distribution's log-probs, so the learner must score the same one.
 """
@@ -22,7 +25,12 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["entropy_from_logits", "token_logprobs", "token_logprobs_and_entropy"]
+__all__ = [
+    "entropy_from_logits",
+    "head_logprobs_and_entropy",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+]
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -155,3 +163,81 @@ def token_logprobs_and_entropy(
         flat, tokens.reshape(-1).long(), float(temperature), chunk_tokens
     )
     return logp.reshape(lead), entropy.reshape(lead)
+
+
+class _HeadLogprobsAndEntropy(torch.autograd.Function):
+    """The LM head fused with `_LogprobsAndEntropy`: from hidden-state rows `[M, H]` and the
+    head's weight `[V, H]`, log p(token) and H per row, one chunk of logits `[c, V]` at a time
+    (never `[M, V]` whole), recomputed in the backward pass. The entropy has a gradient when
+    `entropy_grad` (an entropy loss term), else it is a metric."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature: float, chunk: int, entropy_grad: bool):
+        rows = hidden.shape[0]
+        logp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            z = (hidden[part] @ weight.t()).float()
+            if temperature != 1.0:
+                z = z / temperature
+            lse[part] = torch.logsumexp(z, dim=-1)
+            logp[part] = z.gather(-1, ids[part, None]).squeeze(-1) - lse[part]
+            log_probs = z - lse[part, None]
+            entropy[part] = -(log_probs.exp() * log_probs).sum(-1)
+        ctx.save_for_backward(hidden, weight, ids, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor | None):
+        hidden, weight, ids, lse, entropy = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            h = hidden[part]
+            z = (h @ weight.t()).float()
+            if temperature != 1.0:
+                z = z / temperature
+            log_probs = z - lse[part, None]
+            probs = log_probs.exp()
+            g = grad_logp[part].float()
+            # d logp / du = onehot − p, with u = z / τ
+            dz = probs * -g[:, None]
+            dz.scatter_add_(-1, ids[part, None], g[:, None])
+            if with_entropy:  # dH / du = −p · (log p + H)
+                ge = grad_entropy[part].float()
+                dz -= probs * (log_probs + entropy[part, None]) * ge[:, None]
+            if temperature != 1.0:
+                dz /= temperature
+            if grad_hidden is not None:
+                grad_hidden[part] = (dz @ weight.float()).to(hidden.dtype)
+            grad_weight += dz.t() @ h.float()
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def head_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of `tokens` and entropies under softmax(hidden · weightᵀ / τ), the LM head
+    applied only to the given rows: `hidden: [M, H]` (the hidden states that score a token),
+    `weight: [V, H]`, `tokens: [M]` → two `[M]` float32 tensors. Log-probs are differentiable
+    (in `hidden` and `weight`); the entropy too when `entropy_grad`. Equal to
+    `token_logprobs_and_entropy(hidden @ weight.T, tokens)` without ever holding the `[M, V]`
+    logits: one chunk of `chunk_tokens` rows at a time, recomputed in the backward pass."""
+    return _HeadLogprobsAndEntropy.apply(
+        hidden, weight, tokens.long(), float(temperature), chunk_tokens, entropy_grad
+    )

@@ -30,6 +30,7 @@ known only after the forward pass, while the denominator must be fixed before it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -40,8 +41,11 @@ from streamrl.algorithms.masked import masked_mean, zero_outside
 __all__ = [
     "Aggregation",
     "ImportanceMode",
+    "LossDenominators",
     "aggregate",
     "explained_variance",
+    "explained_variance_from_stats",
+    "explained_variance_stats",
     "importance_weights",
     "pg_loss",
     "positive_nll_loss",
@@ -52,6 +56,30 @@ __all__ = [
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 ImportanceMode = Literal["tis", "mask", "none"]
 Metrics = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class LossDenominators:
+    """The global denominators of one optimiser mini-batch: counted over all its micro-batches
+    on all ranks, fixed before any forward pass (so every micro-batch's loss is its exact share).
+
+    tokens            loss tokens (token-mean; the KL and entropy terms)
+    responses         responses (seq-mean-token-sum-norm)
+    scored_responses  responses with at least one loss token (seq-mean-token-mean)
+    positive_tokens   loss tokens of correct responses (VAPO's positive-example loss)
+    max_len           L_max, the generator's max_tokens (seq-mean-token-sum-norm)
+    """
+
+    tokens: int
+    responses: int
+    scored_responses: int
+    positive_tokens: int
+    max_len: int
+
+    def sequences(self, aggregation: Aggregation) -> int:
+        """The sequence denominator of `aggregation`: seq-mean-token-mean averages over the
+        responses that have a loss token, seq-mean-token-sum-norm over all of them."""
+        return self.scored_responses if aggregation == "seq-mean-token-mean" else self.responses
 
 
 def aggregate(
@@ -319,20 +347,41 @@ def positive_nll_loss(
 
 
 def explained_variance(values: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """1 − Var(V_tgt − V) / Var(V_tgt) over masked tokens (detached scalar).
+    """1 − Var(V_tgt − V) / Var(V_tgt) over masked tokens (detached float32 scalar).
 
     1 is a perfect critic, 0 no better than a constant, negative worse. Returns 0 when the
-    targets have no variance (the ratio is undefined there).
+    targets have no variance (the ratio is undefined there). Computed as
+    `explained_variance_from_stats(explained_variance_stats(...))`: over several micro-batches
+    or ranks, sum their statistics first (a mean of per-micro-batch ratios is not the ratio).
     """
-    mask = mask.float()
-    values = values.detach().float()
-    targets = targets.detach().float()
+    stats = explained_variance_stats(values, targets, mask)
+    return torch.tensor(
+        explained_variance_from_stats(stats), dtype=torch.float32, device=values.device
+    )
 
-    def var(x: Tensor) -> Tensor:
-        mean = masked_mean(x, mask)
-        return masked_mean((x - mean) ** 2, mask)
 
-    var_targets = var(targets)
-    defined = var_targets > 1e-12
-    ratio = var(targets - values) / var_targets.clamp(min=1e-12)
-    return torch.where(defined, 1.0 - ratio, torch.zeros_like(ratio))
+def explained_variance_stats(values: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """The additive statistics of explained variance over masked tokens, `[5]` float64:
+    [n, Σt, Σt², Σr, Σr²] with t = V_tgt and r = V_tgt − V (detached). `values, targets,
+    mask: [N, T]`. Sums over micro-batches and ranks are the statistics of their union."""
+    mask = mask.double()
+    target, residual = targets.double(), (targets - values).double()
+    return torch.stack(
+        [
+            mask.sum(),
+            (target * mask).sum(),
+            (target * target * mask).sum(),
+            (residual * mask).sum(),
+            (residual * residual * mask).sum(),
+        ]
+    ).detach()
+
+
+def explained_variance_from_stats(stats: Tensor) -> float:
+    """1 − Var(r) / Var(t) from summed `explained_variance_stats` (population variances);
+    0 for no tokens or targets without variance."""
+    n, st, st2, sr, sr2 = stats.tolist()
+    if n == 0:
+        return 0.0
+    var_t, var_r = st2 / n - (st / n) ** 2, sr2 / n - (sr / n) ** 2
+    return 1.0 - var_r / var_t if var_t > 1e-12 else 0.0

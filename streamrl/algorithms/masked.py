@@ -14,16 +14,20 @@ and computed in float32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 __all__ = [
+    "group_centred",
     "group_count",
     "group_mean",
     "group_std",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "masked_whiten_jointly",
     "zero_outside",
 ]
 
@@ -81,6 +85,36 @@ def masked_whiten(
     return (x - mean) * torch.rsqrt(var.clamp(min=0.0) + eps) * mask
 
 
+def masked_whiten_jointly(
+    xs: Sequence[Tensor],
+    masks: Sequence[Tensor],
+    eps: float = 1e-8,
+    process_group: torch.distributed.ProcessGroup | None = None,
+) -> list[Tensor]:
+    """`masked_whiten` of several tensors together: μ and σ² over the masked elements of all of
+    them (and of all ranks with `process_group`), as if they were one batch.
+
+    The learner whitens its micro-batches this way, each `[n_k, T_k]` with its own padding:
+    the masked elements are gathered into one flat row (in order), whitened, and put back.
+
+    Args:
+        xs: `[n_k, T_k]` values, one tensor per piece of the batch.
+        masks: `[n_k, T_k]` bool or 0/1, which elements enter the statistics and the output.
+
+    Returns one `[n_k, T_k]` float32 tensor per piece, zero where its mask is 0.
+    """
+    keep = [mask.bool() for mask in masks]
+    pieces = [x[k] for x, k in zip(xs, keep, strict=True)]
+    flat = torch.cat(pieces)[None]
+    whitened = masked_whiten(flat, torch.ones_like(flat), eps, process_group)[0]
+    out = []
+    for x, k, piece in zip(xs, keep, whitened.split([p.numel() for p in pieces]), strict=True):
+        result = torch.zeros_like(x, dtype=torch.float32)
+        result[k] = piece
+        out.append(result)
+    return out
+
+
 def group_count(group_index: Tensor, num_groups: int) -> Tensor:
     """Responses per group. `group_index: [N] int64` → `[num_groups]` float32."""
     ones = torch.ones_like(group_index, dtype=torch.float32)
@@ -92,6 +126,12 @@ def group_mean(values: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
     values = values.float()
     sums = torch.zeros(num_groups, device=values.device).index_add_(0, group_index, values)
     return sums / group_count(group_index, num_groups).clamp(min=1.0)
+
+
+def group_centred(values: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+    """Each value less its group's mean: `[N]` → `[N]` float32."""
+    values = values.float()
+    return values - group_mean(values, group_index, num_groups)[group_index]
 
 
 def group_std(values: Tensor, group_index: Tensor, num_groups: int) -> Tensor:

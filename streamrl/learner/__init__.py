@@ -1,9 +1,13 @@
 """The learner: consumes the replay stream, trains the policy with FSDP2, publishes weights and
 checkpoints through `storage/`.
 
-- `batching`: stream groups → filtered training batches → token-budget micro-batches.
+- `batching`: stream groups → filtered training batches → token-budget micro-batches, whose
+  forward rows (`packing`) compute each group's prompt once.
 - `topology`, `model`, `optim`: the process group, FSDP2-sharded models, AdamW and schedules.
-- `step`: advantages and one optimiser update per mini-batch.
+- `forward`: the models' forward passes, the LM head only where a loss needs it.
+- `step`: one optimiser update per mini-batch — `scoring` (advantages and what the losses
+  compare against), `objective` (the losses), `step_metrics` (their reduction over ranks),
+  `step_inputs` (models, settings).
 - `reporting`: each step's metrics to the run's JSONL, wandb and a console progress bar.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
 

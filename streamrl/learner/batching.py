@@ -26,8 +26,10 @@ from torch import Tensor
 
 from storage.records import Cursor, RolloutSums, ScoredGroup
 from storage.stream_reader import SkippedSegment
+from streamrl.learner.packing import PAD_ID, forward_rows
 
 __all__ = [
+    "PAD_ID",
     "BatchCollector",
     "FilterCounts",
     "IncompatibleGroupError",
@@ -39,8 +41,6 @@ __all__ = [
     "make_mini_batches",
     "shard_for_rank",
 ]
-
-PAD_ID = 0
 
 
 class IncompatibleGroupError(ValueError):
@@ -254,11 +254,20 @@ class TrainBatch:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """n sequences (prompt + response), right-padded to T = the longest, for one forward pass.
+    """n responses for one forward pass: the forward rows, and a per-response view `[n, T−1]`
+    of their sequences prompt + response, right-padded to T = the longest.
 
-    input_ids           `[n, T]   int64`  tokens, padded with PAD_ID (0)
-    attention_mask      `[n, T]   int64`  1 on real tokens
-    targets             `[n, T−1] int64`  input_ids[:, 1:]: position j scores token j + 1
+    The forward rows (`streamrl.learner.packing`): one per response (prompt + response), or,
+    with shared prompts, one per group — its prompt once, then its responses.
+    input_ids           `[R, S]   int64`  the rows' tokens, padded with PAD_ID (0)
+    attention_mask      `[R, S]   int64`  1 on real tokens
+    block_mask          `[R, 1, S, S] bool | None`  who attends to whom in shared-prompt rows
+    position_ids        `[R, S]   int64`  each token's position in its response's sequence
+    gather              `[n, T−1] int64`  flat index (row · S + position) of the hidden state
+                                          scoring targets[i, j], where response_mask
+
+    The per-response view (what the losses read):
+    targets             `[n, T−1] int64`  position j scores token j + 1 of prompt + response
     response_mask       `[n, T−1] bool`   True exactly at response targets, j ∈ [P−1, P+L−2]
     loss_mask           `[n, T−1] bool`   response_mask, less truncated responses if
                                           overlong_filter (returns and GAE use response_mask)
@@ -273,6 +282,8 @@ class MicroBatch:
 
     input_ids: Tensor
     attention_mask: Tensor
+    position_ids: Tensor
+    gather: Tensor
     targets: Tensor
     response_mask: Tensor
     loss_mask: Tensor
@@ -282,6 +293,7 @@ class MicroBatch:
     rewards: Tensor
     positive: Tensor
     num_tokens: int
+    block_mask: Tensor | None = None
     is_dummy: bool = False
 
     @classmethod
@@ -292,6 +304,8 @@ class MicroBatch:
         return cls(
             input_ids=ids,
             attention_mask=ones,
+            position_ids=torch.arange(2)[None],
+            gather=torch.zeros(1, 1, dtype=torch.long),
             targets=ids[:, 1:].clone(),
             response_mask=no_loss,
             loss_mask=no_loss,
@@ -340,10 +354,13 @@ def make_mini_batches(
     micro_batch_tokens: int,
     *,
     overlong_filter: bool = False,
+    shared_prompt: bool = False,
 ) -> list[MiniBatch]:
     """Split `batch` into B / mini_batch_groups mini-batches of consecutive groups, each packed
-    into micro-batches of n × T ≤ `micro_batch_tokens`: sequences sorted longest first (ties by
-    row), each micro-batch filled while one more still fits at its first sequence's length.
+    into micro-batches of R × S ≤ `micro_batch_tokens` forward tokens: units (a response with
+    its prompt or, with `shared_prompt`, a whole group with its prompt once; a group longer
+    than the budget falls back to its responses) sorted longest first (ties in batch order),
+    each micro-batch filled while one more still fits at its first unit's length.
     `overlong_filter` drops truncated responses from `loss_mask` and the denominators."""
     if batch.num_groups % mini_batch_groups:
         raise ValueError(
@@ -361,9 +378,14 @@ def make_mini_batches(
         groups = range(first, first + mini_batch_groups)
         rows = torch.nonzero((batch.group_index >= first) & (batch.group_index < groups.stop))
         rows = rows.squeeze(1)
-        order = torch.sort(lengths[rows], descending=True, stable=True).indices
-        chunks = _pack(lengths[rows[order]].tolist(), micro_batch_tokens)
-        micro = [_micro_batch(batch, rows[order[chunk]], overlong_filter) for chunk in chunks]
+        units = _units(batch, rows, micro_batch_tokens if shared_prompt else 0)
+        unit_length = torch.tensor([_unit_length(batch, u) for u in units], dtype=torch.long)
+        order = torch.sort(unit_length, descending=True, stable=True).indices
+        chunks = _pack(unit_length[order].tolist(), micro_batch_tokens)
+        micro = [
+            _micro_batch(batch, [units[i] for i in order[chunk].tolist()], overlong_filter)
+            for chunk in chunks
+        ]
         per_row = torch.cat([m.loss_mask.sum(1) for m in micro])  # loss tokens per response
         positive = torch.cat([m.positive for m in micro])
         mini_batches.append(
@@ -380,6 +402,26 @@ def make_mini_batches(
     return mini_batches
 
 
+def _units(batch: TrainBatch, rows: Tensor, shared_budget: int) -> list[Tensor]:
+    """`rows` as forward units: each response alone, or (`shared_budget` > 0) each group's
+    responses together when the group's row fits the budget."""
+    if not shared_budget:
+        return [rows[i : i + 1] for i in range(len(rows))]
+    units: list[Tensor] = []
+    for group in torch.unique_consecutive(batch.group_index[rows]).tolist():
+        members = rows[batch.group_index[rows] == group]
+        if _unit_length(batch, members) <= shared_budget:
+            units.append(members)
+        else:  # too long for one row: its responses one by one, each with the prompt
+            units.extend(members[i : i + 1] for i in range(len(members)))
+    return units
+
+
+def _unit_length(batch: TrainBatch, unit: Tensor) -> int:
+    """Tokens of a unit's row: its prompt once plus its responses."""
+    return int(batch.prompt_length[unit[0]]) + int(batch.response_length[unit].sum())
+
+
 def _pack(sorted_lengths: list[int], budget: int) -> list[slice]:
     """Consecutive runs of longest-first lengths with count × first length ≤ budget."""
     chunks, start = [], 0
@@ -390,23 +432,32 @@ def _pack(sorted_lengths: list[int], budget: int) -> list[slice]:
     return chunks
 
 
-def _micro_batch(batch: TrainBatch, rows: Tensor, overlong_filter: bool) -> MicroBatch:
-    """Gather `rows` of the batch into padded `[n, T]` tensors (vectorised, no token loops)."""
+def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) -> MicroBatch:
+    """Gather the units' responses into the forward rows (`forward_rows`) and the padded
+    per-response view `[n, T]` (vectorised, no token loops)."""
+    rows = torch.cat(units)
     P, L = batch.prompt_length[rows, None], batch.response_length[rows, None]
     pos = torch.arange(int((P + L).max()))[None, :]
     real = pos < P + L
     at_token = torch.where(real, batch.seq_start[rows, None] + pos, 0)  # index into tokens
-    input_ids = torch.where(real, batch.tokens[at_token], PAD_ID)
+    sequences = torch.where(real, batch.tokens[at_token], PAD_ID)
     j = pos[:, :-1]
     response_mask = (j >= P - 1) & (j < P + L - 1)
     loss_mask = response_mask & ~batch.truncated[rows, None] if overlong_filter else response_mask
     behaviour_logprobs = torch.zeros(response_mask.shape)
     at = batch.logprob_start[rows, None] + j - (P - 1)  # index into the flat log-probs
     behaviour_logprobs[response_mask] = batch.logprobs[at[response_mask]]
+    forward = forward_rows(
+        batch.prompt_length, batch.response_length, batch.tokens, batch.seq_start, units,
+        view_length=j.shape[1],
+    )  # fmt: skip
     return MicroBatch(
-        input_ids=input_ids,
-        attention_mask=real.long(),
-        targets=input_ids[:, 1:].contiguous(),
+        input_ids=forward.input_ids,
+        attention_mask=forward.attention_mask,
+        block_mask=forward.block_mask,
+        position_ids=forward.position_ids,
+        gather=forward.gather,
+        targets=sequences[:, 1:].contiguous(),
         response_mask=response_mask,
         loss_mask=loss_mask,
         behaviour_logprobs=behaviour_logprobs,

@@ -55,16 +55,11 @@ from streamrl.learner.batching import (
     TrainBatch,
     make_mini_batches,
 )
+from streamrl.learner.forward import shares_prompts, use_hidden_states_head
 from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
 from streamrl.learner.optim import build_optimizer, build_scheduler
 from streamrl.learner.reporting import MetricsReporter
-from streamrl.learner.step import (
-    StepModels,
-    StepSettings,
-    Trainable,
-    needs_reference,
-    train_on_batch,
-)
+from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology
 
 __all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
@@ -155,7 +150,9 @@ class Learner:
             return shard_model(model, topology, cfg.mixed_precision, cfg.activation_checkpointing)
 
         updates = cfg.total_steps * cfg.updates_per_batch  # schedules count optimiser updates
-        policy = shard(load_policy(config.model.path, config.model))
+        loaded = use_hidden_states_head(load_policy(config.model.path, config.model))
+        self.shared_prompt = shares_prompts(loaded, cfg.shared_prompt)
+        policy = shard(loaded)
         policy_optimizer = build_optimizer(
             policy.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
         )
@@ -168,8 +165,8 @@ class Learner:
                 ),
             )
         )
-        if needs_reference(algorithm):
-            reference = shard(load_policy(config.model.path, config.model))
+        if algorithm.needs_reference:
+            reference = shard(use_hidden_states_head(load_policy(config.model.path, config.model)))
             models.reference = reference.requires_grad_(False).eval()
         if algorithm.uses_value_model:
             critic = shard(load_value_model(config.model.path, config.model, seed=cfg.seed))
@@ -202,7 +199,7 @@ class Learner:
         state = {"policy": ModelState(models.policy.model, models.policy.optimizer)}
         if models.critic is not None:
             state["critic"] = ModelState(models.critic.model, models.critic.optimizer)
-        kl = getattr(self.config.algorithm, "kl", None)
+        kl = self.config.algorithm.reference_kl
         if models.reference is not None and kl.reference == "ema":  # a frozen one is reloaded
             state["reference"] = ModelState(models.reference)
         return state
@@ -210,7 +207,7 @@ class Learner:
     def _layout(self) -> dict[str, object]:
         """What decides the shapes of the checkpointed state: it must match to resume."""
         model = self.models.policy.model.config
-        kl = getattr(self.config.algorithm, "kl", None)
+        kl = self.config.algorithm.reference_kl
         return {
             "architecture": (model.architectures or [type(self.models.policy.model).__name__])[0],
             "vocab_size": model.vocab_size,
@@ -314,17 +311,16 @@ class Learner:
             cfg.mini_batch_groups,
             cfg.micro_batch_tokens,
             overlong_filter=self.config.algorithm.overlong.filter,
+            shared_prompt=self.shared_prompt,
         )
-        algorithm = self.config.algorithm
         metrics = train_on_batch(
             self.models,
             train,
             mini_batches,
-            algorithm,
+            self.config.algorithm,
             self.settings,
             self.topology,
             train_policy=train_policy,
-            value_clip=getattr(algorithm, "value_clip", 0.5),
         )
         done = time.perf_counter()
         tokens = sum(m.num_loss_tokens for m in mini_batches)

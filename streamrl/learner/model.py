@@ -228,7 +228,9 @@ def shard_model(
             layer = checkpoint_wrapper(layer)
             layers[index] = layer
         fully_shard(layer, mesh=topology.mesh, mp_policy=policy)
-    fully_shard(model, mesh=topology.mesh, mp_policy=policy)
+    # The root keeps its parameters gathered from forward to backward: the output layer's
+    # weight is read after the forward (`streamrl.learner.forward.token_scores`).
+    fully_shard(model, mesh=topology.mesh, mp_policy=policy, reshard_after_forward=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

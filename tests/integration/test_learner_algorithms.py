@@ -14,13 +14,8 @@ from streamrl.config import load_config
 from streamrl.learner.batching import TrainBatch, make_mini_batches, shard_for_rank
 from streamrl.learner.model import load_policy, load_value_model
 from streamrl.learner.optim import build_optimizer
-from streamrl.learner.step import (
-    StepModels,
-    StepSettings,
-    Trainable,
-    score_batch,
-    train_on_batch,
-)
+from streamrl.learner.scoring import score_batch
+from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
 

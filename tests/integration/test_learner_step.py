@@ -11,15 +11,10 @@ from streamrl.algorithms import broadcast_to_tokens, grpo_advantages
 from streamrl.config import load_config
 from streamrl.learner.batching import TrainBatch, make_mini_batches
 from streamrl.learner.model import load_policy
+from streamrl.learner.objective import policy_loss
 from streamrl.learner.optim import build_optimizer
-from streamrl.learner.step import (
-    MicroTargets,
-    StepModels,
-    StepSettings,
-    Trainable,
-    policy_loss,
-    train_on_batch,
-)
+from streamrl.learner.scoring import MicroTargets
+from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
 

@@ -1,0 +1,303 @@
+"""What every algorithm configuration shares: the importance, KL and overlong sub-configs,
+the shared fields, and the interface through which a learner step asks an algorithm for what
+differs per algorithm, so that the step itself has no per-algorithm branches
+(`streamrl.learner.step`):
+
+* models: `uses_value_model` (a critic), `reference_kl` / `needs_reference` (a reference
+  policy, frozen or EMA);
+* advantages, in the three stages of the learner's micro-batched scoring pass:
+  `response_outcomes` on the whole batch (`[N]`), `token_advantages` per micro-batch
+  (`[n, T]`, and value targets for a critic), `normalise_advantages` over all micro-batches
+  of all ranks;
+* loss terms: `policy_gradient_loss` (the clipped surrogate, or GPG's plain policy gradient),
+  `kl_loss` (β·KL as a loss term), `positive_nll_coef` (VAPO's μ), `entropy_coef`, and the
+  critic's `critic_loss`; their denominators follow `aggregation` (`LossDenominators`).
+
+The algorithms themselves: `streamrl.algorithms.outcome` (grpo, dr_grpo, dapo, rloo, gpg),
+`streamrl.algorithms.reinforce_pp`, `streamrl.algorithms.vapo`; `streamrl.algorithms.config`
+joins them as a discriminated union.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from streamrl._dicts import deep_merge
+from streamrl.algorithms.advantages import broadcast_to_tokens
+from streamrl.algorithms.kl import KLEstimator
+from streamrl.algorithms.losses import (
+    Aggregation,
+    ImportanceMode,
+    LossDenominators,
+    Metrics,
+    ppo_policy_loss,
+)
+from streamrl.algorithms.shaping import RewardScale
+
+__all__ = [
+    "AlgorithmBase",
+    "ClippedAlgorithmBase",
+    "ImportanceConfig",
+    "KLConfig",
+    "OverlongConfig",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ImportanceConfig(_Strict):
+    """Correction for the mismatch between the behaviour policy (generator) and the learner."""
+
+    mode: ImportanceMode = Field(
+        "tis",
+        description="tis: weight tokens by min(π_prox/π_behav, cap); mask: drop tokens whose "
+        "ratio exceeds cap; none: ignore the mismatch (only sound when max_staleness = 0 and "
+        "generator and learner compute identical log-probs).",
+    )
+    cap: float = Field(2.0, ge=1.0, description="Truncation / rejection threshold C (≥ 1).")
+
+
+class KLConfig(_Strict):
+    """KL regularisation against a reference policy."""
+
+    estimator: KLEstimator = Field("k3", description="Per-token estimator: k1, k2 or k3.")
+    coef: float = Field(0.001, gt=0.0, description="β, the KL coefficient.")
+    placement: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: add β·KL (token-mean) to the loss; reward: subtract β·KL from the "
+        "token reward (REINFORCE++ only).",
+    )
+    reference: Literal["frozen", "ema"] = Field(
+        "frozen", description="frozen: the initial policy; ema: an EMA of the policy (T1)."
+    )
+    ema_tau: float = Field(
+        0.99, ge=0.0, lt=1.0, description="τ in θ_ref ← τ·θ_ref + (1 − τ)·θ (reference=ema)."
+    )
+
+
+class OverlongConfig(_Strict):
+    """DAPO's treatment of responses that approach or hit the length limit."""
+
+    shaping: bool = Field(
+        False, description="Add the soft overlong punishment R_len (DAPO eq. 13) to the reward."
+    )
+    cache_len: int | None = Field(
+        None,
+        gt=0,
+        description="L_cache, the soft buffer in tokens; default: generator.max_tokens / 5.",
+    )
+    filter: bool = Field(
+        False, description="Mask truncated responses out of the loss (still counted in metrics)."
+    )
+
+
+class AlgorithmBase(_Strict):
+    """Fields every algorithm shares, and what a learner step asks of an algorithm (see the
+    module docstring): the outcome family's behaviour by default, overridden where a family
+    departs from it.
+
+    Subclasses state where their paper departs from these field defaults in `paper_defaults`;
+    user input is deep-merged over them, so `overlong: {filter: true}` on DAPO keeps DAPO's
+    overlong shaping on, and `kl: null` turns GRPO's KL off.
+    """
+
+    paper_defaults: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_paper_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return deep_merge(cls.paper_defaults, data)
+        return data
+
+    reward_scale: RewardScale = Field(
+        "plus_minus_one",
+        description="Rule reward: plus_minus_one (+1 correct / −1 wrong, DAPO) or zero_one.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="Skip groups whose rewards are all equal (DAPO dynamic sampling); the "
+        "learner reads on until its batch holds enough groups with signal.",
+    )
+    overlong: OverlongConfig = Field(
+        default_factory=OverlongConfig, description="Overlong reward shaping and filtering."
+    )
+    importance: ImportanceConfig = Field(
+        default_factory=ImportanceConfig, description="Behaviour-policy importance correction."
+    )
+    aggregation: Aggregation = Field(
+        "token-mean",
+        description="Loss aggregation: token-mean, seq-mean-token-mean or "
+        "seq-mean-token-sum-norm, over the whole optimiser mini-batch.",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="c_H: loss −= c_H · token-mean entropy (T1). 0 disables."
+    )
+
+    # -- models -----------------------------------------------------------------------------
+
+    @property
+    def uses_value_model(self) -> bool:
+        """Whether this algorithm trains a critic."""
+        return False
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether advantages compare responses within a group (so G ≥ 2 is required)."""
+        return True
+
+    @property
+    def reference_kl(self) -> KLConfig | None:
+        """The KL regularisation toward a reference policy, or None: no reference model."""
+        return None
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the algorithm compares the policy with a reference policy (a KL term)."""
+        return self.reference_kl is not None
+
+    # -- advantages ---------------------------------------------------------------------------
+
+    def response_outcomes(
+        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
+    ) -> Tensor:
+        """Stage 1, on the whole batch: what each response's outcome brings to its token
+        advantages, `[N]` float32 — its outcome advantage (the outcome family), or its reward
+        (less the group mean for REINFORCE++-baseline).
+
+        `rewards`, `scores` (raw verifier scores): `[N]`; `group_index`: `[N]` int64."""
+        raise NotImplementedError
+
+    def token_advantages(
+        self,
+        outcomes: Tensor,
+        mask: Tensor,
+        *,
+        ref_kl: Tensor | None = None,
+        values: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Stage 2, per micro-batch: token advantages `[n, T]` float32 (zero off `mask`) and
+        the critic's value targets `[n, T]` (None without a critic).
+
+        Args:
+            outcomes: `[n]`, `response_outcomes` of these responses.
+            mask: `[n, T]` response-token mask.
+            ref_kl: `[n, T]` KL of the behaviour policy to the reference, when there is one.
+            values: `[n, T]` the critic's values when the batch was scored, when there is one.
+
+        The outcome family: the response's outcome advantage on each of its tokens."""
+        return broadcast_to_tokens(outcomes, mask), None
+
+    def normalise_advantages(
+        self,
+        advantages: Sequence[Tensor],
+        masks: Sequence[Tensor],
+        process_group: torch.distributed.ProcessGroup | None = None,
+    ) -> list[Tensor]:
+        """Stage 3, over every micro-batch (`[n_k, T_k]` each, with its loss mask) on every
+        rank of `process_group`: the advantages the losses use. Unchanged by default."""
+        return list(advantages)
+
+    # -- loss terms ---------------------------------------------------------------------------
+
+    def policy_gradient_loss(
+        self,
+        logp: Tensor,
+        logp_prox: Tensor,
+        logp_behav: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        denominators: LossDenominators,
+    ) -> tuple[Tensor, Metrics]:
+        """The policy-gradient term of one micro-batch, its exact share of the mini-batch's
+        (`ppo_policy_loss` or `pg_loss` with this algorithm's importance correction and
+        aggregation; tensors `[n, T]`)."""
+        raise NotImplementedError
+
+    def _aggregation(self, denominators: LossDenominators) -> dict[str, Any]:
+        """The keywords the policy losses share: importance correction and aggregation over
+        the mini-batch's global denominators."""
+        return {
+            "importance": self.importance.mode,
+            "importance_cap": self.importance.cap,
+            "aggregation": self.aggregation,
+            "num_tokens": denominators.tokens,
+            "num_seqs": denominators.sequences(self.aggregation),
+            "max_len": denominators.max_len,
+        }
+
+    @property
+    def kl_loss(self) -> KLConfig | None:
+        """The KL to the reference as a loss term (β · token-mean KL), or None."""
+        kl = self.reference_kl
+        return kl if kl is not None and kl.placement == "loss" else None
+
+    @property
+    def positive_nll_coef(self) -> float:
+        """μ, the weight of the positive-example LM loss (VAPO); 0: no such term."""
+        return 0.0
+
+    def critic_loss(
+        self, values: Tensor, old_values: Tensor, targets: Tensor, mask: Tensor, *, num_tokens: int
+    ) -> tuple[Tensor, Metrics]:
+        """The critic's loss on one micro-batch (algorithms with a value model)."""
+        raise TypeError(f"algorithm {self.name!r} has no value model")
+
+
+class ClippedAlgorithmBase(AlgorithmBase):
+    """Algorithms optimising the clipped surrogate objective."""
+
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="ε_low: ratio floor is 1 − ε_low.")
+    clip_high: float = Field(0.2, gt=0.0, description="ε_high: ratio ceiling is 1 + ε_high.")
+    dual_clip: float | None = Field(
+        None,
+        gt=1.0,
+        description="c of the dual clip: the loss of a negative-advantage token is at most "
+        "−c·A. null disables.",
+    )
+    kl: KLConfig | None = Field(None, description="KL to a reference policy; null disables.")
+
+    kl_in_reward: ClassVar[bool] = False
+    """Whether `kl.placement='reward'` is defined (REINFORCE++ only)."""
+
+    @model_validator(mode="after")
+    def _kl_in_reward_only_for_reinforce_pp(self) -> ClippedAlgorithmBase:
+        if self.kl is not None and self.kl.placement == "reward" and not self.kl_in_reward:
+            raise ValueError(
+                "kl.placement='reward' is only defined for reinforce_pp; "
+                "use kl.placement='loss' for this algorithm"
+            )
+        return self
+
+    @property
+    def reference_kl(self) -> KLConfig | None:
+        return self.kl
+
+    def policy_gradient_loss(
+        self,
+        logp: Tensor,
+        logp_prox: Tensor,
+        logp_behav: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        denominators: LossDenominators,
+    ) -> tuple[Tensor, Metrics]:
+        """The clipped surrogate (Clip-Higher, dual clip): `ppo_policy_loss`."""
+        return ppo_policy_loss(
+            logp,
+            logp_prox,
+            logp_behav,
+            advantages,
+            mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            **self._aggregation(denominators),
+        )

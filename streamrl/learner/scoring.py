@@ -1,0 +1,118 @@
+"""The scoring pass of a learner step: no gradient, before any update, over this rank's
+micro-batches.
+
+It computes what the losses compare against: proximal log-probs when several updates share
+the batch (with one, logp_prox = logp_θ.detach(): ratio 1, same gradient, no extra forward
+pass); reference log-probs when the algorithm has a KL term; the critic's values V_old when it
+has a value model. From them, the algorithm's token advantages `[n, T−1]` for every
+micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`): per response on
+the whole batch, per token in each micro-batch, then normalised over every micro-batch of
+every rank (REINFORCE++ whitens there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from streamrl.algorithms.config import AlgorithmConfig
+from streamrl.algorithms.kl import kl_estimate
+from streamrl.learner.batching import MicroBatch, TrainBatch
+from streamrl.learner.forward import token_scores, values
+from streamrl.learner.step_inputs import StepModels, StepSettings
+from streamrl.learner.topology import Topology
+
+__all__ = ["MicroTargets", "score_batch"]
+
+
+@dataclass(frozen=True)
+class MicroTargets:
+    """A micro-batch's scoring-pass results, all `[n, T−1]` float32 (zero off the response).
+
+    advantages      per-token advantages
+    logp_prox       proximal log-probs, or None: use logp_θ.detach()
+    logp_ref        reference log-probs (a KL term), or None
+    old_values      critic values when scored (a value model), or None
+    value_targets   critic targets (a value model), or None
+    """
+
+    advantages: Tensor
+    logp_prox: Tensor | None = None
+    logp_ref: Tensor | None = None
+    old_values: Tensor | None = None
+    value_targets: Tensor | None = None
+
+
+def _logprobs(model: nn.Module, micro: MicroBatch, settings: StepSettings) -> Tensor:
+    """log p(targets) at `micro`'s response targets, `[n, T − 1]` (`forward.token_scores`)."""
+    return token_scores(
+        model,
+        micro,
+        temperature=settings.temperature,
+        chunk_tokens=settings.logprob_chunk_tokens,
+    )[0]
+
+
+def _values(critic: nn.Module, micro: MicroBatch) -> Tensor:
+    """V of the state each response target is chosen in: `[n, T − 1]` float32."""
+    return values(critic, micro)
+
+
+@torch.no_grad()
+def score_batch(
+    models: StepModels,
+    batch: TrainBatch,
+    micros: list[list[MicroBatch]],
+    algorithm: AlgorithmConfig,
+    settings: StepSettings,
+    topology: Topology,
+    *,
+    proximal: bool,
+) -> tuple[list[list[MicroTargets]], dict[str, float]]:
+    """The scoring pass over this rank's micro-batches (`micros[mini][j]`, on the device).
+
+    Returns their `MicroTargets` in the same layout and the scoring metrics (`actor/ref_kl`,
+    the behaviour policy's KL to the reference, when there is one)."""
+    outcomes = algorithm.response_outcomes(  # [N], on the whole batch
+        batch.rewards.float(), batch.group_index, batch.num_groups, batch.raw_scores
+    ).to(topology.device)
+    kl_cfg = algorithm.reference_kl
+    reference = models.reference if kl_cfg is not None else None
+    critic = models.critic.model if algorithm.uses_value_model else None
+
+    scored: list[list[MicroTargets]] = []
+    kl_sum = torch.zeros((), dtype=torch.float64, device=topology.device)
+    for mini in micros:
+        row = []
+        for micro in mini:
+            logp_prox = _logprobs(models.policy.model, micro, settings) if proximal else None
+            logp_ref = ref_kl = None
+            if reference is not None:
+                logp_ref = _logprobs(reference, micro, settings)
+                ref_kl = kl_estimate(micro.behaviour_logprobs, logp_ref, kl_cfg.estimator)
+                kl_sum += (ref_kl * micro.loss_mask).sum().double()
+            old_values = _values(critic, micro) if critic is not None else None
+            advantages, value_targets = algorithm.token_advantages(
+                outcomes[micro.sample_index], micro.response_mask, ref_kl=ref_kl, values=old_values
+            )
+            row.append(MicroTargets(advantages, logp_prox, logp_ref, old_values, value_targets))
+        scored.append(row)
+
+    normalised = iter(  # over every micro-batch of every rank
+        algorithm.normalise_advantages(
+            [t.advantages for row in scored for t in row],
+            [m.loss_mask for mini in micros for m in mini],
+            dist.group.WORLD if topology.world_size > 1 else None,
+        )
+    )
+    scored = [[replace(t, advantages=next(normalised)) for t in row] for row in scored]
+
+    metrics = {}
+    if reference is not None:
+        tokens = sum(m.num_tokens for mini in micros for m in mini)
+        totals = topology.all_reduce_sum(torch.stack([kl_sum, kl_sum.new_tensor(tokens)]))
+        metrics["actor/ref_kl"] = float(totals[0] / totals[1].clamp(min=1.0))
+    return scored, metrics
