@@ -11,8 +11,8 @@ memory and weight publish time.
 One run directory holds a replay stream of synthetic DAPO groups (policy version 0, varied
 response lengths, rewards with variance so dynamic sampling keeps every group): `--batches`
 distinct batches of B groups, each written `--repeats` times in a row, after one warm-up copy
-of the first. Four phases read it, each in its own process so that their memory peaks do not
-mix:
+of the first. The phases read it, each in its own process so that their memory peaks do not
+mix (`--phases`; every phase process lives for the whole run, so mind the machine's memory):
 
 - *learner*: `Learner(config, run, topology).train_step()`, which reads a batch from the stream,
   builds micro-batches, trains (DAPO loss, entropy metric, gradient clipping, metrics
@@ -441,10 +441,10 @@ class PhaseProcess:
         self.stderr.close()
 
 
-def run_phases(run_dir: str, warmup: int, steps: int) -> dict[str, dict]:
-    """Every phase, step k of each right after step k of the others (the order rotates);
+def run_phases(run_dir: str, warmup: int, steps: int, phases: list[str]) -> dict[str, dict]:
+    """The `phases`, step k of each right after step k of the others (the order rotates);
     each result holds its measured `steps` rows and its `finish` figures."""
-    procs = [PhaseProcess(name, run_dir) for name in PHASES]
+    procs = [PhaseProcess(name, run_dir) for name in phases]
     try:
         for proc in procs:
             proc.ask()  # set up
@@ -477,7 +477,6 @@ def _best_rate(rows: list[dict], repeats: int) -> float:
 
 
 def report(results: dict[str, dict], repeats: int) -> None:
-    bare, learner = results["bare"], results["learner"]
     rows = {name: result["steps"] for name, result in results.items()}
     if len({tuple(r["tokens"] for r in steps) for steps in rows.values()}) != 1:
         raise RuntimeError("the phases trained on different loss tokens; not comparable")
@@ -509,6 +508,9 @@ def report(results: dict[str, dict], repeats: int) -> None:
     losses = [(a["loss"], b["loss"]) for a, b in zip(rows["today"], rows["new"], strict=True)]
     print(f"policy loss, today vs new (first measured step): {losses[0][0]:.6f} vs "
           f"{losses[0][1]:.6f} (later steps diverge only by float rounding)")  # fmt: skip
+    if "learner" not in results:
+        return
+    bare, learner = results["bare"], results["learner"]
     best = _best_rate(rows["learner"], repeats) / _best_rate(rows["new"], repeats)
     print(f"Learner.train_step / new-path step tokens/s: {best:.3f} best-of-repeats")
     sync = statistics.mean(r["sync_s"] for r in rows["learner"])
@@ -534,6 +536,11 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=1, help="not measured")
     parser.add_argument("--batches", type=int, default=1, help="distinct measured batches")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per batch")
+    parser.add_argument(
+        "--phases", default="bare,today,new",
+        help="comma-separated, of bare, today, new, learner (each a process alive for the whole "
+        "run: mind the memory)",
+    )  # fmt: skip
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -554,7 +561,10 @@ def main() -> None:
             "the processes in lockstep"
         )
         steps = args.batches * args.repeats
-        report(run_phases(run_dir, args.warmup_steps, steps), args.repeats)
+        phases = args.phases.split(",")
+        if set(phases) - set(PHASES) or {"bare", "today", "new"} - set(phases):
+            parser.error(f"--phases {args.phases}: bare, today and new, optionally learner")
+        report(run_phases(run_dir, args.warmup_steps, steps, phases), args.repeats)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ class HiddenStatesHead(nn.Module):
         self.weight = weight
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return hidden
+        # A copy, not the caller's view: FSDP2 hooks the root's output for its backward, which
+        # a view would not keep safely (it warns).
+        return hidden.clone()
 
 
 def use_hidden_states_head(model: nn.Module) -> nn.Module:
