@@ -152,6 +152,12 @@ class Learner:
         updates = cfg.total_steps * cfg.updates_per_batch  # schedules count optimiser updates
         loaded = use_hidden_states_head(load_policy(config.model.path, config.model))
         self.shared_prompt = shares_prompts(loaded, cfg.shared_prompt)
+        attention = getattr(loaded.config, "_attn_implementation", "?")
+        topology.main_only(lambda: log.info(
+            "each group's prompt computed %s (learner.shared_prompt=%s, %s attention); LM head "
+            "on response positions only", "once" if self.shared_prompt else "per response",
+            cfg.shared_prompt, attention,
+        ))  # fmt: skip
         policy = shard(loaded)
         policy_optimizer = build_optimizer(
             policy.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps

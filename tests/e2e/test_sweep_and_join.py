@@ -76,6 +76,9 @@ def test_joining_generators_claim_distinct_indexes_beyond_the_runs_own(tmp_path)
     assert sorted(claimed) == list(range(2, 10))
 
 
+# Slow: a Prefect server and a whole run; the generator flow also runs, as a run's child on a
+# work pool, in tests/e2e/test_pools.py (slow too). Keeps the default suite near 15 minutes.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_generator_flow_joins_a_run_and_stops_with_it(tmp_path):
     from prefect.testing.utilities import prefect_test_harness
