@@ -264,12 +264,14 @@ class BarePhase:
     """The same model, optimiser settings and micro-batches (built here, untimed), trained by
     `bare_step`, one batch of B stream groups per step in stream order."""
 
-    def __init__(self, config: RunConfig, run: Location) -> None:
+    shared_prompt = False  # a row per response
+
+    def __init__(self, config: RunConfig, run: Location, model: torch.nn.Module | None = None):
         cfg = config.learner
         self.config, self.run = config, run
         self.sampler = RssSampler()
         self.topology = Topology.from_env(cfg.device)
-        model = load_policy(config.model.path, config.model)
+        model = model if model is not None else load_policy(config.model.path, config.model)
         self.model = shard_model(
             model, self.topology, cfg.mixed_precision, cfg.activation_checkpointing
         )
@@ -281,6 +283,7 @@ class BarePhase:
         self.windows: list[tuple[float, float]] = []
 
     def step(self) -> dict[str, Any]:
+        """The next B stream groups as micro-batches (untimed), then the timed `train`."""
         cfg = self.config.learner
         train = TrainBatch.from_groups([next(self.groups) for _ in range(cfg.batch_groups)])
         minis = make_mini_batches(
@@ -288,14 +291,19 @@ class BarePhase:
             cfg.mini_batch_groups,
             cfg.micro_batch_tokens,
             overlong_filter=self.config.algorithm.overlong.filter,
+            shared_prompt=self.shared_prompt,
         )
         started = time.perf_counter()
-        bare_step(self.model, self.optimizer, minis)
+        extra = self.train(train, minis)
         step_s = time.perf_counter() - started
         self.windows.append((started, started + step_s))
         forward = sum(m.input_ids.numel() for mini in minis for m in mini.micro_batches)
         tokens = sum(m.num_loss_tokens for m in minis)
-        return {"tokens": tokens, "step_s": step_s, "forward_tokens": forward}
+        return {"tokens": tokens, "step_s": step_s, "forward_tokens": forward, **extra}
+
+    def train(self, train: TrainBatch, minis: list[MiniBatch]) -> dict[str, Any]:
+        bare_step(self.model, self.optimizer, minis)
+        return {}
 
     def finish(self, warmup: int) -> dict[str, Any]:
         # What the learner's publish does, in its two parts: gather the full weights, then
@@ -325,48 +333,19 @@ class StepPhase(BarePhase):
     full logits (today's path)."""
 
     def __init__(self, config: RunConfig, run: Location, *, fast: bool) -> None:
-        cfg = config.learner
-        self.config, self.run, self.fast = config, run, fast
-        self.sampler = RssSampler()
-        self.topology = Topology.from_env(cfg.device)
         model = load_policy(config.model.path, config.model)
         if fast:
             use_hidden_states_head(model)
-        model = shard_model(model, self.topology, cfg.mixed_precision, cfg.activation_checkpointing)
-        optimizer = build_optimizer(
-            model.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
-        )
-        self.model, self.models = model, StepModels(Trainable(model, optimizer))
-        self.settings = StepSettings(
-            temperature=config.generator.temperature,
-            max_response_len=config.generator.max_tokens,
-            logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-            grad_clip=cfg.grad_clip,
-        )
-        self.groups = StreamReader(run).groups(timeout_s=60)
-        self.rss_setup = self.sampler.now()
-        self.windows: list[tuple[float, float]] = []
+        self.shared_prompt = fast
+        super().__init__(config, run, model)
+        self.models = StepModels(Trainable(self.model, self.optimizer))
+        self.settings = StepSettings.from_config(config)
 
-    def step(self) -> dict[str, Any]:
-        cfg = self.config.learner
-        train = TrainBatch.from_groups([next(self.groups) for _ in range(cfg.batch_groups)])
-        minis = make_mini_batches(
-            train,
-            cfg.mini_batch_groups,
-            cfg.micro_batch_tokens,
-            overlong_filter=self.config.algorithm.overlong.filter,
-            shared_prompt=self.fast,
-        )
-        forward = sum(m.input_ids.numel() for mini in minis for m in mini.micro_batches)
-        started = time.perf_counter()
+    def train(self, train: TrainBatch, minis: list[MiniBatch]) -> dict[str, Any]:
         metrics = train_on_batch(
             self.models, train, minis, self.config.algorithm, self.settings, self.topology
         )
-        step_s = time.perf_counter() - started
-        self.windows.append((started, started + step_s))
-        tokens = sum(m.num_loss_tokens for m in minis)
-        return {"tokens": tokens, "step_s": step_s, "forward_tokens": forward,
-                "loss": metrics["actor/pg_loss"]}  # fmt: skip
+        return {"loss": metrics["actor/pg_loss"]}
 
     def finish(self, warmup: int) -> dict[str, Any]:
         self.groups.close()

@@ -102,6 +102,18 @@ def entropy_from_logits(
     return _chunked(chunk_entropy, logits, chunk_tokens=chunk_tokens)
 
 
+def _scores(logits: Tensor, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk of logit rows `[c, V]` (any dtype) → its log-sum-exp, log p(ids) and entropy
+    under softmax(z / τ), each `[c]` float32. The logits stay untouched."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    log_probs = z - lse[:, None]
+    logp = log_probs.gather(-1, ids[:, None]).squeeze(-1)
+    return lse, logp, -(log_probs.exp() * log_probs).sum(-1)
+
+
 class _LogprobsAndEntropy(torch.autograd.Function):
     """log p(token) (differentiable) and H (a metric, no gradient) over `[M, V]` logit rows,
     chunk by chunk; saves one log-sum-exp per row for the backward pass."""
@@ -114,13 +126,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         lse = torch.empty_like(logp)
         for start in range(0, rows, chunk):
             part = slice(start, start + chunk)
-            z = logits[part].float()
-            if temperature != 1.0:
-                z = z / temperature
-            lse[part] = torch.logsumexp(z, dim=-1)
-            logp[part] = z.gather(-1, ids[part, None]).squeeze(-1) - lse[part]
-            log_probs = z - lse[part, None]  # a new chunk: the logits stay untouched
-            entropy[part] = -(log_probs.exp() * log_probs).sum(-1)
+            lse[part], logp[part], entropy[part] = _scores(logits[part], ids[part], temperature)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -179,13 +185,8 @@ class _HeadLogprobsAndEntropy(torch.autograd.Function):
         lse = torch.empty_like(logp)
         for start in range(0, rows, chunk):
             part = slice(start, start + chunk)
-            z = (hidden[part] @ weight.t()).float()
-            if temperature != 1.0:
-                z = z / temperature
-            lse[part] = torch.logsumexp(z, dim=-1)
-            logp[part] = z.gather(-1, ids[part, None]).squeeze(-1) - lse[part]
-            log_probs = z - lse[part, None]
-            entropy[part] = -(log_probs.exp() * log_probs).sum(-1)
+            z = hidden[part] @ weight.t()
+            lse[part], logp[part], entropy[part] = _scores(z, ids[part], temperature)
         ctx.save_for_backward(hidden, weight, ids, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
         if not entropy_grad:

@@ -86,12 +86,7 @@ class Learner:
         self.vocab_size = self.models.policy.model.config.vocab_size
         self.weights = WeightStore(run)
         self.checkpoints = CheckpointStore(run)
-        self.settings = StepSettings(
-            temperature=config.generator.temperature,
-            max_response_len=config.generator.max_tokens,
-            logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-            grad_clip=cfg.grad_clip,
-        )
+        self.settings = StepSettings.from_config(config)
         self.step, self.version, cursor, totals = 0, 0, Cursor(), FilterCounts()
         self.value_pretrained = not algorithm.uses_value_model
         latest = self.checkpoints.latest_committed()

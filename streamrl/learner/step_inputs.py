@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from streamrl.learner.optim import clip_grad_norm
+
+if TYPE_CHECKING:
+    from streamrl.config import RunConfig
 
 __all__ = ["StepModels", "StepSettings", "Trainable"]
 
@@ -24,6 +28,16 @@ class StepSettings:
     max_response_len: int
     logprob_chunk_tokens: int = 1024
     grad_clip: float | None = 1.0
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> StepSettings:
+        """The learner's settings for `config`: the generators' temperature and L_max."""
+        return cls(
+            temperature=config.generator.temperature,
+            max_response_len=config.generator.max_tokens,
+            logprob_chunk_tokens=config.learner.logprob_chunk_tokens,
+            grad_clip=config.learner.grad_clip,
+        )
 
 
 @dataclass
