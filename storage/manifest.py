@@ -75,7 +75,12 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "storage.endpoint_url",
     "storage.storage_options",
     "storage.sweep_grace_s",
-    "storage.keep_weight_versions",
+    "weights.full_every",  # how versions are stored, never their values
+    "weights.max_delta_ratio",
+    "weights.background",
+    "weights.publish_timeout_s",
+    "weights.shard_bytes",
+    "weights.keep_versions",
     "storage.stream_retention",  # what is kept of consumed segments (never what a resume needs)
 )
 """Dotted config paths that may differ when a run is resumed; an entry covers its subtree."""

@@ -2,57 +2,74 @@
 
 Layout under `<run>/weights/`:
 
-    v<version:08d>/model-00001-of-0000N.safetensors ...   shards (safetensors)
-    v<version:08d>/manifest.json    `WeightManifest`: every tensor, its shard, sha256 + size per
-                                    shard, the model config; written LAST, create-if-absent
+    v<version:08d>/<publish>-r<rank>-<i>.safetensors    pieces written by learner rank <rank>
+    v<version:08d>/<publish>-part-<rank>-of-<world>.json    `SharePart`: what that rank wrote,
+                                    written after its files (or the error that stopped it)
+    v<version:08d>/manifest.json    `WeightManifest` (storage.weight_manifest): every tensor, its
+                                    pieces and their files, checksums; written LAST by rank 0,
+                                    create-if-absent, once every rank's part is there
     LATEST                          {"version": N}; written after the manifest, the only object
                                     ever overwritten (atomic rename locally, one PUT on S3)
 
-Publishing is two steps: `write_shards` uploads the shards (concurrently on S3), `commit`
-writes the manifest and then LATEST. A version exists exactly when its manifest does: a
-publisher killed before `commit` leaves a folder that no reader lists or opens, and that
-`retain` deletes once a newer version is committed. Versions are immutable; publishing one
-that has a manifest fails; a state dict holding NaN or inf is refused before anything is
-written. Readers verify the size and sha256 of every shard before
-deserialising it. One publisher per run (the learner's rank 0) is assumed: two publishers of
-the same version could overwrite each other's shards, which loading would then detect.
+`<publish>` is one id per publishing learner life, so a dead life's leftovers in a folder are
+never mistaken for this one's. No host holds the whole model: each rank writes its own pieces
+(`write_share`); rank 0 then `commit`s. A version exists exactly when its manifest does: a
+publish killed before `commit` leaves a folder no reader lists or opens, deleted by `retain`
+once a newer version is committed. Versions are immutable; publishing one that has a manifest
+fails; NaN or inf is refused before anything is written.
+
+A version is *full* or a *delta* against the previous version (`manifest.base`). Readers build
+a version from the nearest full version and the deltas after it (`WeightFollower`), verifying
+every file and every rebuilt piece; `retain` never deletes a version that a kept delta needs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 import re
+import time
+import uuid
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 import safetensors.torch
 import torch
 
 from storage.fs import Location, StorageError, put_if_absent, replace_object
+from storage.weight_manifest import (
+    FileEntry,
+    PieceEntry,
+    SharePart,
+    TensorEntry,
+    WeightManifest,
+    checksum,
+    piece_key,
+)
+from storage.weight_pieces import Assembled, PieceMismatchError, TensorShare, encode_share
 
 __all__ = [
-    "IntactVersion",
+    "Advance",
     "NonFiniteWeightsError",
-    "ShardInfo",
-    "TensorSpec",
+    "PublishAbandonedError",
+    "TensorShare",
+    "WeightFollower",
     "WeightIntegrityError",
     "WeightManifest",
     "WeightStore",
     "WeightVersionExistsError",
     "WeightVersionNotFoundError",
+    "new_publish_id",
+    "whole_shares",
 ]
 
-MANIFEST_FORMAT = "streamrl.weights.v1"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "LATEST"
-DEFAULT_SHARD_BYTES = 2 * 1024**3
-_UPLOAD_BATCH_BYTES = 4 * 1024**3  # serialised shards held in memory per concurrent upload
+DEFAULT_SHARD_BYTES = 512 * 1024**2
+_IO_BATCH_BYTES = 1024**3  # serialised bytes in memory per batch of concurrent PUTs / GETs
 _VERSION_DIR = re.compile(r"v(\d{8,})")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class WeightIntegrityError(StorageError):
@@ -67,19 +84,25 @@ class WeightVersionNotFoundError(StorageError):
     """The version has no manifest (never committed, dead publish, or removed by `retain`)."""
 
 
+class PublishAbandonedError(StorageError):
+    """A rank could not write its share of a version (its part names the error), or not in
+    time: the version was not committed and LATEST did not move."""
+
+
 class NonFiniteWeightsError(ValueError):
-    """A state dict to publish holds NaN or ±inf; nothing of that version was written."""
+    """Weights to publish hold NaN or ±inf; nothing of that version was written."""
 
 
-def _shard_file(index: int, count: int) -> str:
-    return f"model-{index:05d}-of-{count:05d}.safetensors"
+def new_publish_id() -> str:
+    """A fresh id for one publishing learner life (file names of its versions start with it)."""
+    return uuid.uuid4().hex[:12]
 
 
-def _check_finite(version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+def check_finite(version: int, tensors: Mapping[str, torch.Tensor]) -> None:
     """Refuse NaN/inf weights before anything is uploaded: generators would sample garbage."""
     bad = [
         name
-        for name, value in state_dict.items()
+        for name, value in tensors.items()
         if value.is_floating_point() and not bool(torch.isfinite(value).all())
     ]
     if bad:
@@ -92,143 +115,46 @@ def _check_finite(version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         )
 
 
+def whole_shares(
+    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, TensorShare]:
+    """Each tensor of `state_dict` as one piece (what a single process publishes), on CPU,
+    cast to `dtype` if given; tied tensors get their own copies."""
+    shares: dict[str, TensorShare] = {}
+    for name, value in state_dict.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"state_dict keys must be non-empty strings, got {name!r}")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a Tensor")
+        data = value.detach()
+        if dtype is not None and data.is_floating_point():
+            data = data.to(dtype)
+        data = data.to("cpu").reshape(-1).clone()
+        shares[name] = TensorShare(data, 0, tuple(value.shape))
+    return shares
+
+
 def _check_int(value: object, minimum: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
 
 
-class TensorSpec(NamedTuple):
-    """dtype (torch name without `torch.`, e.g. "bfloat16") and shape (`()` for a 0-d tensor)."""
-
-    dtype: str
-    shape: tuple[int, ...]
+def _part_name(publish_id: str, rank: int, world: int) -> str:
+    return f"{publish_id}-part-{rank:05d}-of-{world:05d}.json"
 
 
-def _spec(tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One uploaded shard: file name, byte size, sha256 (hex) and its tensors in write order."""
-
-    file: str
-    size: int
-    sha256: str
-    tensors: dict[str, TensorSpec]
-
-    def __post_init__(self) -> None:
-        _check_int(self.size, 1, f"size of shard {self.file}")
-        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
-            raise ValueError(f"shard {self.file}: sha256 {self.sha256!r} is not 64 hex digits")
-        if not self.tensors:
-            raise ValueError(f"shard {self.file} holds no tensors")
-        specs = {
-            name: TensorSpec(dtype, tuple(shape)) for name, (dtype, shape) in self.tensors.items()
-        }
-        object.__setattr__(self, "tensors", specs)  # JSON gives lists: normalise to TensorSpec
-        for name, (dtype, shape) in specs.items():
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-            for dim in shape:
-                _check_int(dim, 0, f"each dimension of tensor {name!r}")
-
-
-@dataclass(frozen=True)
-class WeightManifest:
-    """What one committed version holds; the only thing readers trust.
-
-    Invariants (checked on construction, so on every read):
-    - `version` is an int > 0 and equals the folder it is stored in (checked by the reader);
-    - `shards` is non-empty and named `model-{i:05d}-of-{n:05d}.safetensors`, i = 1..n in order;
-    - every tensor name appears in exactly one shard (tied weights are stored under each name);
-    - each shard's `size` and `sha256` are those of its stored bytes (checked on every load);
-    - `model_config` is the publisher's JSON object; `created_at` is ISO 8601 UTC.
-    """
-
-    version: int
-    shards: tuple[ShardInfo, ...]
-    model_config: dict[str, Any]
-    created_at: str
-
-    def __post_init__(self) -> None:
-        _check_int(self.version, 1, "weight version")
-        if not self.shards:
-            raise ValueError("a weight manifest needs at least one shard")
-        expected = [_shard_file(i, len(self.shards)) for i in range(1, len(self.shards) + 1)]
-        if [shard.file for shard in self.shards] != expected:
-            raise ValueError(f"shards must be named {expected} in order")
-        if len(self.tensors) != sum(len(shard.tensors) for shard in self.shards):
-            raise ValueError("a tensor name appears in more than one shard")
-        if not isinstance(self.model_config, dict):
-            raise ValueError("model_config must be a JSON object")
-        datetime.fromisoformat(self.created_at)
-
-    @property
-    def tensors(self) -> dict[str, TensorSpec]:
-        """Every tensor name → its dtype and shape, in write order."""
-        return {name: spec for shard in self.shards for name, spec in shard.tensors.items()}
-
-    @property
-    def weight_map(self) -> dict[str, str]:
-        """Every tensor name → the shard file holding it (as in HF `*.index.json`)."""
-        return {name: shard.file for shard in self.shards for name in shard.tensors}
-
-    def to_json(self) -> str:
-        return json.dumps({"format": MANIFEST_FORMAT, **asdict(self)})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WeightManifest:
-        """Parse and validate; any malformation raises `ValueError`."""
-        raw = json.loads(text)
-        try:
-            if raw.pop("format") != MANIFEST_FORMAT:
-                raise ValueError(f"format is not {MANIFEST_FORMAT!r}")
-            shards = tuple(ShardInfo(**shard) for shard in raw.pop("shards"))
-            return cls(shards=shards, **raw)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"malformed weight manifest: {exc!r}") from exc
-
-
-def _plan_shards(state_dict: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
-    """Greedy packing in state-dict order; a tensor over `shard_bytes` ends up alone."""
-    groups: list[list[str]] = []
-    filled = 0
-    for name, tensor in state_dict.items():
-        size = tensor.numel() * tensor.element_size()
-        if groups and filled + size <= shard_bytes:
-            groups[-1].append(name)
-            filled += size
-        else:
-            groups.append([name])
-            filled = size
-    return groups
-
-
-def _cpu_contiguous(names: list[str], state_dict: Mapping[str, torch.Tensor]) -> dict:
-    """The shard's tensors on CPU, contiguous, no two sharing storage (safetensors refuses)."""
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for name in names:
-        tensor = state_dict[name].detach().to("cpu").contiguous()
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in storages:  # tied weights (e.g. lm_head = embed_tokens): own copy
-            tensor = tensor.clone()
-            pointer = tensor.untyped_storage().data_ptr()
-        storages.add(pointer)
-        out[name] = tensor
-    return out
-
-
-@dataclass(frozen=True)
-class IntactVersion:
-    """What `WeightStore.load_newest_intact` found: the version loaded (None: none intact) and
-    its tensors, the versions that failed verification (→ why) and those that vanished."""
-
-    version: int | None
-    tensors: dict[str, torch.Tensor]
-    corrupt: dict[int, str]
-    vanished: list[int]
+def _batches(items: list[tuple[str, int]], limit: int) -> Iterator[list[str]]:
+    """Names grouped so each group's sizes add up to about `limit` (one item at least)."""
+    batch: list[str] = []
+    size = 0
+    for name, nbytes in items:
+        if batch and size + nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(name)
+        size += nbytes
+    if batch:
+        yield batch
 
 
 class WeightStore:
@@ -242,6 +168,8 @@ class WeightStore:
         """The folder of `version`, or the object `name` in it."""
         return self.root.join(f"v{version:08d}", *name)
 
+    # -- writing -------------------------------------------------------------------------
+
     def publish(
         self,
         version: int,
@@ -249,73 +177,153 @@ class WeightStore:
         *,
         model_config: dict[str, Any] | None = None,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
+        base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+        max_delta_ratio: float = 0.5,
     ) -> WeightManifest:
-        """Store `state_dict` as `version`: `write_shards`, then `commit`."""
+        """Store a whole `state_dict` as `version` from one process: `write_share` as the only
+        rank, then `commit`. `base` = (version, its state dict) allows a delta against it."""
         config = _json_object(model_config)  # a bad config fails before any upload
-        shards = self.write_shards(version, state_dict, shard_bytes=shard_bytes)
-        return self.commit(version, shards, model_config=config)
-
-    def write_shards(
-        self,
-        version: int,
-        state_dict: Mapping[str, torch.Tensor],
-        *,
-        shard_bytes: int = DEFAULT_SHARD_BYTES,
-    ) -> list[ShardInfo]:
-        """Serialise and upload the shards of `version`; invisible to readers until `commit`.
-
-        Tensors may live on any device, be non-contiguous or tied; every name is stored with its
-        own data (what vLLM and transformers loaders expect). Shards hold tensors in state-dict
-        order up to `shard_bytes`; a larger tensor gets a shard of its own.
-        Raises `WeightVersionExistsError` if `version` is committed.
-        """
-        _check_int(version, 1, "weight version")
-        _check_int(shard_bytes, 1, "shard_bytes")
         if not state_dict:
             raise ValueError("state_dict is empty: nothing to publish")
-        for name, value in state_dict.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"state_dict keys must be non-empty strings, got {name!r}")
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a Tensor")
-        _check_finite(version, state_dict)
+        shares = whole_shares(state_dict)
+        base_pieces = None
+        if base is not None:
+            base_pieces = {name: share.data for name, share in whole_shares(base[1]).items()}
+        publish_id = new_publish_id()
+        self.write_share(
+            version,
+            shares,
+            publish_id=publish_id,
+            rank=0,
+            world=1,
+            base=None if base is None else (base[0], base_pieces),
+            shard_bytes=shard_bytes,
+            max_delta_ratio=max_delta_ratio,
+        )
+        return self.commit(version, publish_id=publish_id, world=1, model_config=config)
+
+    def write_share(
+        self,
+        version: int,
+        shares: Mapping[str, TensorShare],
+        *,
+        publish_id: str,
+        rank: int,
+        world: int,
+        base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        max_delta_ratio: float = 0.5,
+    ) -> SharePart:
+        """Upload rank `rank`'s pieces of `version`, then its part record; invisible to readers
+        until `commit`. Every rank of the publish passes the same tensor names (a rank holding
+        no elements of a tensor passes an empty piece). With `base` = (version, name → the same
+        pieces' data in that version) pieces may be stored as deltas (`encode_share`).
+        Raises `WeightVersionExistsError` if `version` is committed."""
+        _check_int(version, 1, "weight version")
+        _check_int(shard_bytes, 1, "shard_bytes")
+        if not shares:
+            raise ValueError("no tensors to publish")
+        check_finite(version, {name: share.data for name, share in shares.items()})
         if self.fs.exists(self._path(version, MANIFEST_NAME)):
             raise self._exists_error(version)
-        groups = _plan_shards(state_dict, shard_bytes)
+        if base is not None and not 0 < base[0] < version:
+            raise ValueError(f"base version {base[0]} must be in [1, {version})")
+        encoded = encode_share(
+            shares, None if base is None else base[1], max_delta_ratio=max_delta_ratio
+        )
         if self.root.is_local:
             self.fs.makedirs(self._path(version), exist_ok=True)
-        shards: list[ShardInfo] = []
+        # A delta piece's `.index` and `.values` must land in one file (the piece names one):
+        # files are filled piece by piece, never entry by entry.
+        keys_of: dict[str, list[str]] = {}
+        for key in encoded.entries:
+            keys_of.setdefault(_piece_of_key(key), []).append(key)
+        sizes = [
+            (piece, sum(encoded.entries[k].nbytes for k in keys)) for piece, keys in keys_of.items()
+        ]
+        file_of: dict[str, str] = {}
+        files: list[FileEntry] = []
         pending: dict[str, bytes] = {}
-        for index, names in enumerate(groups, start=1):
-            tensors = _cpu_contiguous(names, state_dict)
-            data = safetensors.torch.save(tensors)
-            specs = {name: _spec(tensor) for name, tensor in tensors.items()}
-            file = _shard_file(index, len(groups))
-            shards.append(ShardInfo(file, len(data), hashlib.sha256(data).hexdigest(), specs))
+        for index, pieces in enumerate(_batches(sizes, shard_bytes), start=1):
+            file = f"{publish_id}-r{rank:05d}-{index:05d}.safetensors"
+            keys = [key for piece in pieces for key in keys_of[piece]]
+            data = safetensors.torch.save({key: encoded.entries[key] for key in keys})
+            files.append(FileEntry(file, len(data), checksum(data)))
+            file_of.update((key, file) for key in keys)
             pending[self._path(version, file)] = data
-            if sum(map(len, pending.values())) >= _UPLOAD_BATCH_BYTES or index == len(groups):
+            if sum(map(len, pending.values())) >= _IO_BATCH_BYTES:
                 self.fs.pipe(pending)  # concurrent PUTs on S3
                 pending = {}
-        return shards
+        if pending:
+            self.fs.pipe(pending)
+        tensors = {
+            name: TensorEntry(
+                entry.dtype,
+                entry.shape,
+                tuple(
+                    PieceEntry(
+                        p.start, p.stop, file_of[_first_key(name, p)], p.encoding, p.checksum
+                    )
+                    for p in entry.pieces
+                ),
+            )
+            for name, entry in encoded.tensors.items()
+        }
+        part = SharePart(
+            rank,
+            world,
+            tuple(files),
+            tensors,
+            base=base[0] if base is not None and encoded.has_delta else None,
+        )
+        replace_object(self.root, self._path(version, _part_name(publish_id, rank, world)),
+                       part.to_json().encode())  # fmt: skip
+        return part
+
+    def abandon_share(
+        self, version: int, *, publish_id: str, rank: int, world: int, error: str
+    ) -> None:
+        """Record that rank `rank` could not write its share, so `commit` stops waiting."""
+        part = SharePart(rank, world, error=error)
+        replace_object(self.root, self._path(version, _part_name(publish_id, rank, world)),
+                       part.to_json().encode())  # fmt: skip
 
     def commit(
-        self, version: int, shards: list[ShardInfo], *, model_config: dict[str, Any] | None = None
+        self,
+        version: int,
+        *,
+        publish_id: str,
+        world: int,
+        model_config: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
     ) -> WeightManifest:
-        """Check the uploaded `shards` are all there, write the manifest (create-if-absent),
-        then point LATEST at `version`. LATEST always moves to the version just committed."""
+        """Wait for the part of every rank of `publish_id`, check their files are all there,
+        write the manifest (create-if-absent), then point LATEST at `version`.
+
+        Raises `PublishAbandonedError` if a rank recorded an error or a part is still missing
+        after `timeout_s` (nothing committed, LATEST unchanged)."""
+        parts = self._wait_for_parts(version, publish_id, world, timeout_s)
+        tensors: dict[str, TensorEntry] = {}
+        for part in parts:
+            for name, entry in part.tensors.items():
+                tensors[name] = tensors[name].merged(entry) if name in tensors else entry
+        bases = {part.base for part in parts if part.base is not None}
+        if len(bases) > 1:
+            raise PublishAbandonedError(f"version {version}: ranks used different bases {bases}")
         manifest = WeightManifest(
-            version, tuple(shards), _json_object(model_config), datetime.now(UTC).isoformat()
+            version=version,
+            base=bases.pop() if bases else None,
+            tensors=tensors,
+            files=tuple(f for part in parts for f in part.files),
+            model_config=_json_object(model_config),
+            created_at=datetime.now(UTC).isoformat(),
         )
-        try:  # one listing: every shard there, with the size write_shards recorded
-            listing = self.fs.ls(self._path(version), detail=True)
-        except FileNotFoundError:
-            listing = []
-        sizes = {posixpath.basename(entry["name"]): entry["size"] for entry in listing}
-        for shard in shards:
-            if sizes.get(shard.file) != shard.size:
+        listing = self._listing(version)
+        for entry in manifest.files:
+            if listing.get(entry.file) != entry.size:
                 raise WeightIntegrityError(
-                    f"cannot commit version {version}: shard {shard.file} is missing or not "
-                    f"{shard.size} bytes; run write_shards again"
+                    f"cannot commit version {version}: {entry.file} is missing or not "
+                    f"{entry.size} bytes"
                 )
         encoded = manifest.to_json().encode()
         path = self._path(version, MANIFEST_NAME)
@@ -327,6 +335,44 @@ class WeightStore:
             self.root, self.root.join(LATEST_NAME), json.dumps({"version": version}).encode()
         )
         return manifest
+
+    def _listing(self, version: int) -> dict[str, int]:
+        """Object name → size in the folder of `version` (one listing)."""
+        try:
+            entries = self.fs.ls(self._path(version), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {posixpath.basename(e["name"]): e["size"] for e in entries}
+
+    def _wait_for_parts(
+        self, version: int, publish_id: str, world: int, timeout_s: float
+    ) -> list[SharePart]:
+        names = [_part_name(publish_id, rank, world) for rank in range(world)]
+        deadline = time.monotonic() + timeout_s
+        pause = 0.02
+        while True:
+            present = self._listing(version)
+            if all(name in present for name in names):
+                break
+            if time.monotonic() > deadline:
+                missing = [name for name in names if name not in present]
+                raise PublishAbandonedError(
+                    f"version {version} not committed: no part from {len(missing)} rank(s) "
+                    f"after {timeout_s:.0f}s ({', '.join(missing[:3])}); LATEST is unchanged"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        blobs = self.fs.cat([self._path(version, name) for name in names])
+        parts = [SharePart.from_json(blobs[self._path(version, name)]) for name in names]
+        failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error is not None]
+        if failed:
+            raise PublishAbandonedError(
+                f"version {version} not committed, a rank could not write its share "
+                f"({'; '.join(failed)}); LATEST is unchanged"
+            )
+        return parts
+
+    # -- reading -------------------------------------------------------------------------
 
     def _scan(self) -> dict[int, bool]:
         """Every version folder → whether it has a manifest (one listing)."""
@@ -385,78 +431,92 @@ class WeightStore:
             raise WeightIntegrityError(f"manifest of v{version:08d} says {manifest.version}")
         return manifest
 
-    def load_newest_intact(self, newer_than: int = 0, skip: Collection[int] = ()) -> IntactVersion:
-        """The newest committed version above `newer_than` and not in `skip` whose manifest and
-        shards all verify, with its tensors (`version` None if there is none). Versions found
-        corrupt on the way, or removed by `retain` while being read, are reported, not raised:
-        one bad publication must not stop the readers of the ones around it."""
-        corrupt: dict[int, str] = {}
-        vanished: list[int] = []
-        for version in sorted(self.versions(), reverse=True):
-            if version <= newer_than:
-                break
-            if version in skip:
-                continue
+    def chain(self, version: int) -> list[WeightManifest]:
+        """The manifests needed to build `version`: its nearest full version, then every delta
+        after it up to `version` (oldest first). A missing link raises
+        `WeightIntegrityError` (or `WeightVersionNotFoundError` if `version` itself is gone)."""
+        chain = [self.read_manifest(version)]
+        while (base := chain[-1].base) is not None:
             try:
-                tensors, _ = self.load(version)
-            except WeightIntegrityError as exc:
-                corrupt[version] = str(exc)
+                chain.append(self.read_manifest(base))
             except WeightVersionNotFoundError:
-                vanished.append(version)
-            else:
-                return IntactVersion(version, tensors, corrupt, vanished)
-        return IntactVersion(None, {}, corrupt, vanished)
+                if not self.fs.exists(self._path(version, MANIFEST_NAME)):
+                    raise  # the whole chain went: retention removed it while we read
+                raise WeightIntegrityError(
+                    f"weight version {version} cannot be built: version {base}, which "
+                    f"{chain[-1].version} is a delta against, has no manifest"
+                ) from None
+            if chain[-1].version != base:
+                raise WeightIntegrityError(f"manifest of v{base:08d} is not version {base}")
+        return chain[::-1]
+
+    def read_pieces(self, manifest: WeightManifest) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
+        """The files of `manifest`, verified and deserialised, a batch of about 1 GiB at a time
+        (file → its safetensors entries); concurrent GETs within a batch on S3."""
+        version = manifest.version
+        sizes = [(entry.file, entry.size) for entry in manifest.files]
+        entries = {entry.file: entry for entry in manifest.files}
+        for batch in _batches(sizes, _IO_BATCH_BYTES):
+            paths = {self._path(version, file): file for file in batch}
+            try:
+                blobs = self.fs.cat(list(paths))
+            except FileNotFoundError as exc:
+                raise self._vanished_error(version, exc) from exc
+            loaded: dict[str, dict[str, torch.Tensor]] = {}
+            for path, file in paths.items():
+                data = blobs.pop(path)
+                expected = entries[file]
+                if len(data) != expected.size or checksum(data) != expected.checksum:
+                    raise WeightIntegrityError(
+                        f"weight version {version} file {file} is corrupt: expected "
+                        f"{expected.size} bytes with checksum {expected.checksum}, got "
+                        f"{len(data)} bytes with {checksum(data)}"
+                    )
+                try:
+                    loaded[file] = safetensors.torch.load(data)
+                except Exception as exc:  # a checksum-clean file that does not parse
+                    raise WeightIntegrityError(
+                        f"weight version {version} file {file} does not parse: {exc}"
+                    ) from exc
+            yield loaded
+
+    def build(self, version: int, onto: Assembled | None = None) -> Assembled:
+        """`version` assembled: from `onto` (a held earlier version) when it lies on the
+        version's chain, applying the deltas after it in place; otherwise (or if that fails)
+        from the nearest full version. Every file and rebuilt piece is verified."""
+        chain = self.chain(version)
+        held = [m.version for m in chain]
+        if onto is not None and onto.version in held:
+            try:
+                for manifest in chain[held.index(onto.version) + 1 :]:
+                    self._apply(onto, manifest)
+                return onto
+            except WeightIntegrityError:
+                pass  # onto is left at a verified version: start over from the full version
+        assembled = Assembled(chain[0])
+        for manifest in chain:
+            self._apply(assembled, manifest)
+        return assembled
+
+    def _apply(self, assembled: Assembled, manifest: WeightManifest) -> None:
+        blobs: dict[str, dict[str, torch.Tensor]] = {}
+        for batch in self.read_pieces(manifest):
+            blobs.update(batch)
+        try:
+            assembled.apply(manifest, blobs)
+        except PieceMismatchError as exc:
+            raise WeightIntegrityError(f"weight version {manifest.version}: {exc}") from exc
 
     def load(self, version: int | None = None) -> tuple[dict[str, torch.Tensor], WeightManifest]:
-        """All tensors of `version` (default: `latest_version()`) on CPU, every shard verified."""
+        """All tensors of `version` (default: `latest_version()`) on CPU, built and verified."""
         if version is None and (version := self.latest_version()) is None:
             raise WeightVersionNotFoundError(f"no weights published under {self.root.uri}")
-        manifest = self.read_manifest(version)
-        paths = [self._path(version, shard.file) for shard in manifest.shards]
-        try:
-            blobs = self.fs.cat(paths)  # concurrent GETs on S3
-        except FileNotFoundError as exc:
-            raise self._vanished_error(version, exc) from exc
-        tensors: dict[str, torch.Tensor] = {}
-        for shard, path in zip(manifest.shards, paths, strict=True):
-            tensors.update(self._verified(version, shard, blobs.pop(path)))
-        return tensors, manifest
-
-    def iter_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, CPU tensor) of `version`, one shard in memory at a time, each shard verified
-        before any of its tensors is yielded. The manifest is read at the call, so a missing
-        version fails here rather than at the first `next`."""
-        manifest = self.read_manifest(version)
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for shard in manifest.shards:
-                try:
-                    data = self.fs.cat_file(self._path(version, shard.file))
-                except FileNotFoundError as exc:
-                    raise self._vanished_error(version, exc) from exc
-                yield from self._verified(version, shard, data).items()
-
-        return stream()
-
-    def _verified(self, version: int, shard: ShardInfo, data: bytes) -> dict[str, torch.Tensor]:
-        """The shard's tensors in manifest order, after checking sha256, size, names, specs."""
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != shard.sha256 or len(data) != shard.size:
-            raise WeightIntegrityError(
-                f"weight version {version} shard {shard.file} is corrupt: expected sha256 "
-                f"{shard.sha256} ({shard.size} bytes), got {actual} ({len(data)} bytes)"
-            )
-        loaded = safetensors.torch.load(data)
-        if {name: _spec(tensor) for name, tensor in loaded.items()} != shard.tensors:
-            raise WeightIntegrityError(
-                f"weight version {version} shard {shard.file}: names, dtypes or shapes differ "
-                "from the manifest"
-            )
-        return {name: loaded[name] for name in shard.tensors}
+        assembled = self.build(version)
+        return assembled.tensors(), self.read_manifest(version)
 
     def _vanished_error(self, version: int, exc: FileNotFoundError) -> StorageError:
         return WeightVersionNotFoundError(
-            f"a shard of weight version {version} vanished while reading ({exc}), probably "
+            f"a file of weight version {version} vanished while reading ({exc}), probably "
             f"deleted by retain(); available versions: {self.versions() or 'none'}"
         )
 
@@ -466,18 +526,30 @@ class WeightStore:
             f"are immutable: publish a version > {max(self.versions(), default=version)}"
         )
 
-    def retain(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed versions; returns the deleted versions.
+    # -- retention -----------------------------------------------------------------------
 
-        Never deletes the version LATEST names. Also deletes manifest-less folders older than
-        the newest committed version (dead publishes); newer ones may be in progress and stay.
-        A reader still streaming a deleted version gets `WeightVersionNotFoundError`: keep >= 2
-        leaves generators one publication of slack.
+    def retain(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` committed versions and what they need; returns the
+        deleted versions.
+
+        Never deletes the version LATEST names, nor a version on the chain of a kept one (the
+        full version and deltas a kept delta is built from). Also deletes manifest-less
+        folders older than the newest committed version (dead publishes); newer ones may be in
+        progress and stay. A reader still reading a deleted version gets
+        `WeightVersionNotFoundError`: keep >= 2 leaves generators one publication of slack.
         """
         _check_int(keep, 1, "keep")
         folders = self._scan()
         committed = sorted(v for v, has_manifest in folders.items() if has_manifest)
         protected = {*committed[-keep:], self._read_latest()}
+        for version in sorted(v for v in protected if folders.get(v)):
+            base = version
+            while base is not None:
+                protected.add(base)
+                try:
+                    base = self.read_manifest(base).base
+                except (WeightVersionNotFoundError, WeightIntegrityError):
+                    break  # a broken chain: readers detect it; keep what is left of it
         newest = max(committed, default=0)
         doomed = [v for v in sorted(folders) if v not in protected and (folders[v] or v < newest)]
         for version in doomed:
@@ -485,6 +557,90 @@ class WeightStore:
                 self.fs.rm_file(self._path(version, MANIFEST_NAME))
             self.fs.rm(self._path(version), recursive=True)
         return doomed
+
+
+def _piece_of_key(key: str) -> str:
+    """The piece key (`<name>@<start>`) a safetensors entry belongs to: a full piece's own key
+    ends in its start's digits, a delta's two entries add `.index` / `.values` to it."""
+    return key.removesuffix(".index").removesuffix(".values")
+
+
+def _first_key(name: str, piece: PieceEntry) -> str:
+    """The safetensors key that locates `piece` in the files written."""
+    key = piece_key(name, piece.start)
+    return key if piece.encoding == "full" else f"{key}.index"
+
+
+@dataclass(frozen=True)
+class Advance:
+    """What `WeightFollower.advance` did: the version now held (None: none intact, nothing
+    changed), the versions found corrupt on the way (→ why) and those that vanished."""
+
+    version: int | None
+    corrupt: dict[int, str] = field(default_factory=dict)
+    vanished: list[int] = field(default_factory=list)
+
+
+class WeightFollower:
+    """Follows a run's weight versions for one consumer (a generator's engine worker, the
+    evaluator): `advance` moves to the newest intact version, applying deltas to the version
+    held when it can, and `tensors()` gives that version's tensors.
+
+    With `hold=False` nothing is kept between versions (every version is built from its full
+    version): use it when the run publishes only full versions (`weights.full_every` = 1).
+    Held memory: one copy of the model in the published dtype, on CPU."""
+
+    def __init__(self, store: WeightStore, *, hold: bool = True) -> None:
+        self.store, self.hold = store, hold
+        self._assembled: Assembled | None = None
+        self.version: int | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The held version's tensors (views: valid until the next `advance` or `release`)."""
+        if self._assembled is None:
+            raise RuntimeError("no weights held: call advance() first")
+        return self._assembled.tensors()
+
+    def release(self) -> None:
+        """Drop the held tensors unless holding them between versions (`hold`)."""
+        if not self.hold:
+            self._assembled = None
+
+    def advance(
+        self, newer_than: int | None = None, skip: Collection[int] = (), exactly: int | None = None
+    ) -> Advance:
+        """Build the newest committed version above `newer_than` (default: the held one) and
+        not in `skip` whose chain verifies — or `exactly` that version, raising if it cannot be
+        built. Versions found corrupt or vanished on the way are reported, not raised: one bad
+        publication must not stop the readers of the ones around it."""
+        if exactly is not None:
+            self._build(exactly)
+            return Advance(exactly)
+        floor = (self.version or 0) if newer_than is None else newer_than
+        corrupt: dict[int, str] = {}
+        vanished: list[int] = []
+        for version in sorted(self.store.versions(), reverse=True):
+            if version <= floor:
+                break
+            if version in skip:
+                continue
+            try:
+                self._build(version)
+            except WeightIntegrityError as exc:
+                corrupt[version] = str(exc)
+            except WeightVersionNotFoundError:
+                vanished.append(version)
+            else:
+                return Advance(version, corrupt, vanished)
+        return Advance(None, corrupt, vanished)
+
+    def _build(self, version: int) -> None:
+        onto = self._assembled if self.hold else None
+        try:
+            self._assembled = self.store.build(version, onto=onto)
+        finally:  # a failed build may have moved the held weights to a verified later version
+            if self._assembled is not None:
+                self.version = self._assembled.version
 
 
 def _json_object(config: dict[str, Any] | None) -> dict[str, Any]:

@@ -475,12 +475,6 @@ class StorageConfig(_Component):
         "and faster on token/log-prob arrays), zstd, or none.",
     )
     compression_level: int = Field(3, ge=0, le=22, description="Codec level.")
-    weight_shard_bytes: int = Field(
-        2 * 1024**3, gt=0, description="Largest safetensors shard of a published version."
-    )
-    keep_weight_versions: int = Field(
-        3, ge=1, description="Published versions retained (LATEST is never deleted)."
-    )
     sweep_grace_s: float = Field(
         3600.0,
         ge=MIN_SWEEP_GRACE_S,
@@ -506,6 +500,56 @@ class StorageConfig(_Component):
                 "profile instead"
             )
         return options
+
+
+class WeightsConfig(_Component):
+    """How the learner publishes policy versions and generators load them (storage.weights).
+
+    Each learner rank uploads its own FSDP shard of every parameter in `dtype`; rank 0 commits
+    the version once every rank's share is there. Publishing runs in the background: the step
+    that publishes copies this rank's shard to host memory and training goes on while it is
+    uploaded; the next publish waits for the previous one (versions commit in order, never
+    skipped). Host memory per rank: two copies of its shard in `dtype` (the version being
+    uploaded and the base of the next delta) plus up to 1 GiB of serialised files.
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype of published weights; auto: model.dtype, what the generators run "
+        "(float32 keeps exact importance ratios on CPU).",
+    )
+    full_every: int = Field(
+        8,
+        ge=1,
+        description="A full version at least every N versions; the ones between are deltas "
+        "against the previous version (the elements that changed). 1: full versions only.",
+    )
+    max_delta_ratio: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="A delta larger than this fraction of a full version is published full.",
+    )
+    background: bool = Field(
+        True,
+        description="Upload while the next step trains (false: the step waits for the upload).",
+    )
+    publish_timeout_s: float = Field(
+        600.0, gt=0.0, description="Rank 0 gives up on a version whose shares are not all in."
+    )
+    shard_bytes: int = Field(
+        512 * 1024**2, gt=0, description="Largest safetensors file a rank writes per version."
+    )
+    keep_versions: int = Field(
+        3,
+        ge=1,
+        description="Published versions retained, plus the versions a kept delta is built "
+        "from (LATEST is never deleted).",
+    )
+
+    def resolved_dtype(self, model: ModelConfig) -> str:
+        """The dtype versions are published in (a torch dtype name)."""
+        return model.dtype if self.dtype == "auto" else self.dtype
 
 
 class PlacementConfig(_Component):
@@ -590,6 +634,9 @@ class RunConfig(_Component):
     )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Run location and storage options."
+    )
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig, description="Publishing and loading policy versions."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
     placement: PlacementConfig = Field(

@@ -76,7 +76,8 @@ def test_resume_safe_changes_are_accepted(run_location: Location) -> None:
         learner={"total_steps": 500, "checkpoint_every": 5, "keep_checkpoints": 4},
         generator={"count": 8, "weight_poll_s": 1.0, "prompts_in_flight": 64},
         logging={"wandb_mode": "disabled", "level": "DEBUG"},
-        storage={"run_uri": "/elsewhere/run", "sweep_grace_s": 900.0, "keep_weight_versions": 9},
+        storage={"run_uri": "/elsewhere/run", "sweep_grace_s": 900.0},
+        weights={"keep_versions": 9, "full_every": 4},
     )
     manifest = open_run(run_location, resumed)
     assert manifest.config == original  # the stored config is never rewritten
