@@ -1,7 +1,8 @@
 """The learner loop: stream in, weights and checkpoints out.
 
 Consumes: the run's replay stream, from the cursor of the latest committed checkpoint.
-Produces: a weight version every `publish_every` steps (the generators load it), a checkpoint
+Produces: a weight version every `publish_every` steps (each rank uploads its shard in the
+background while the next step trains: `streamrl.learner.publish`), a checkpoint
 every `checkpoint_every` steps and at the end (model, optimiser, step, policy version, stream
 cursor, filter totals, RNG), one JSON line of metrics per step in `<run>/metrics/learner.jsonl`,
 its progress after each step in `<run>/control/learner.json` (cursor, version, groups consumed
@@ -55,11 +56,10 @@ from streamrl.learner.batching import (
     TrainBatch,
     make_mini_batches,
 )
-from streamrl.learner.forward import shares_prompts, use_hidden_states_head
-from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
-from streamrl.learner.optim import build_optimizer, build_scheduler
+from streamrl.learner.loading import build_step_models
+from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.reporting import MetricsReporter
-from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
+from streamrl.learner.step import StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology
 
 __all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
@@ -82,9 +82,15 @@ class Learner:
     def __init__(self, config: RunConfig, run: Location, topology: Topology) -> None:
         self.config, self.run_location, self.topology = config, run, topology
         cfg, algorithm = config.learner, config.algorithm
-        self.models = self._build_models()
+        self.models, self.shared_prompt = build_step_models(config, topology)
         self.vocab_size = self.models.policy.model.config.vocab_size
         self.weights = WeightStore(run)
+        self.publisher = WeightPublisher(
+            self.weights,
+            topology,
+            config.weights,
+            getattr(torch, config.weights.resolved_dtype(config.model)),
+        )
         self.checkpoints = CheckpointStore(run)
         self.settings = StepSettings.from_config(config)
         self.step, self.version, cursor, totals = 0, 0, Cursor(), FilterCounts()
@@ -134,59 +140,6 @@ class Learner:
             self.collector = collector
             self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
             self._quarantined_before = len(quarantined(run))
-
-    def _build_models(self) -> StepModels:
-        """Policy, and the critic / reference the algorithm needs, sharded over the topology."""
-        config, topology = self.config, self.topology
-        cfg, algorithm = config.learner, config.algorithm
-        torch.manual_seed(cfg.seed)
-
-        def shard(model: torch.nn.Module) -> torch.nn.Module:
-            return shard_model(model, topology, cfg.mixed_precision, cfg.activation_checkpointing)
-
-        updates = cfg.total_steps * cfg.updates_per_batch  # schedules count optimiser updates
-        loaded = use_hidden_states_head(load_policy(config.model.path, config.model))
-        self.shared_prompt = shares_prompts(loaded, cfg.shared_prompt)
-        attention = getattr(loaded.config, "_attn_implementation", "?")
-        topology.main_only(lambda: log.info(
-            "each group's prompt computed %s (learner.shared_prompt=%s, %s attention); LM head "
-            "on response positions only", "once" if self.shared_prompt else "per response",
-            cfg.shared_prompt, attention,
-        ))  # fmt: skip
-        policy = shard(loaded)
-        policy_optimizer = build_optimizer(
-            policy.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
-        )
-        models = StepModels(
-            Trainable(
-                policy,
-                policy_optimizer,
-                build_scheduler(
-                    policy_optimizer, cfg.warmup_steps, updates, cfg.schedule, cfg.min_lr_ratio
-                ),
-            )
-        )
-        if algorithm.needs_reference:
-            reference = shard(use_hidden_states_head(load_policy(config.model.path, config.model)))
-            models.reference = reference.requires_grad_(False).eval()
-        if algorithm.uses_value_model:
-            critic = shard(load_value_model(config.model.path, config.model, seed=cfg.seed))
-            critic_optimizer = build_optimizer(
-                critic.parameters(), cfg.critic_lr, cfg.weight_decay, cfg.betas, cfg.eps
-            )
-            critic_updates = updates + algorithm.value_pretrain_steps * cfg.updates_per_batch
-            models.critic = Trainable(
-                critic,
-                critic_optimizer,
-                build_scheduler(
-                    critic_optimizer,
-                    cfg.warmup_steps,
-                    critic_updates,
-                    cfg.schedule,
-                    cfg.min_lr_ratio,
-                ),
-            )
-        return models
 
     def _trainables(self) -> dict[str, Trainable]:
         """The models that learn, by metric prefix."""
@@ -245,6 +198,7 @@ class Learner:
                 self.pretrain_value()
             while self.step < cfg.total_steps:
                 self.train_step()
+        self.publisher.flush()  # the last version is committed before the generators stop
         if self.topology.is_main:
             request_stop(self.run_location, f"learner reached {cfg.total_steps} steps")
         return self.step
@@ -342,7 +296,8 @@ class Learner:
         self.step += 1
         self._check_skipped_updates(metrics)
         if self.step % cfg.publish_every == 0:
-            metrics["perf/weight_sync_s"] = self._publish()
+            metrics.update(self.publisher.publish(self.models.policy.model, self.version + 1))
+            self.version += 1
         if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
             self._checkpoint(batch)
         self._write_progress(batch)
@@ -423,24 +378,9 @@ class Learner:
                     "(nothing diverged was published or checkpointed)"
                 )
 
-    def _publish(self) -> float:
-        """Gather the full weights and publish the next version; seconds taken."""
-        started = time.perf_counter()
-        state = full_state_dict(self.models.policy.model, self.topology)
-        version = self.version + 1
-
-        def publish() -> None:
-            if version in self.weights.versions():  # an earlier life of this run published it
-                log.info("weights v%d already published; not publishing again", version)
-                return
-            self.weights.publish(version, state, shard_bytes=self.config.storage.weight_shard_bytes)
-            self.weights.retain(self.config.storage.keep_weight_versions)
-
-        self.topology.decide_on_main(publish)
-        self.version = version
-        return time.perf_counter() - started
-
     def _checkpoint(self, batch: StreamBatch) -> None:
+        # A checkpoint at version v implies v is committed (or abandoned), never in flight.
+        self.publisher.flush()
         state = LearnerState(
             step=self.step,
             policy_version=self.version,

