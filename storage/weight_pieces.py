@@ -9,7 +9,8 @@ verifying each piece's checksum and undoing everything if one fails.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -140,9 +141,13 @@ class Assembled:
         return {name: self.flat[name].view(entry.shape) for name, entry in self.entries.items()}
 
     def apply(
-        self, manifest: WeightManifest, blobs: Mapping[str, Mapping[str, torch.Tensor]]
+        self,
+        manifest: WeightManifest,
+        batches: Iterable[Mapping[str, Mapping[str, torch.Tensor]]],
     ) -> None:
-        """Apply `manifest`'s pieces, read from `blobs` (file → its safetensors entries).
+        """Apply `manifest`'s pieces, read from `batches` of files (each: file → its
+        safetensors entries; every file of the manifest once), so only one batch of files is
+        in memory at a time.
 
         A full version may be applied to anything of the same tensors; a delta version only to
         the version it is based on."""
@@ -158,20 +163,32 @@ class Assembled:
                 f"version {manifest.version} holds other tensors (names, dtypes or shapes) than "
                 f"the held version {self.version}"
             )
+        pieces_in: dict[str, list[tuple[str, PieceEntry]]] = defaultdict(list)
+        for name, entry in manifest.tensors.items():
+            for piece in entry.pieces:
+                pieces_in[piece.file].append((name, piece))
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         try:
-            for name, entry in manifest.tensors.items():
-                for piece in entry.pieces:
-                    undo.append(self._apply_piece(name, piece, blobs.get(piece.file, {})))
-        except (PieceMismatchError, RuntimeError, IndexError) as exc:
+            for batch in batches:
+                for file, entries in batch.items():
+                    for name, piece in pieces_in.pop(file, ()):
+                        try:
+                            undo.append(self._apply_piece(name, piece, entries))
+                        except (RuntimeError, IndexError) as exc:  # bad positions or shapes
+                            if isinstance(exc, PieceMismatchError):
+                                raise
+                            raise PieceMismatchError(f"version {manifest.version}: {exc}") from exc
+            if pieces_in:
+                raise PieceMismatchError(
+                    f"version {manifest.version}: files never read: {sorted(pieces_in)}"
+                )
+        except BaseException:  # also a failed read of the next batch: leave nothing half-done
             for target, old, index in reversed(undo):
                 if index is None:
                     target.copy_(old)
                 else:
                     target[index] = old
-            if isinstance(exc, PieceMismatchError):
-                raise
-            raise PieceMismatchError(f"version {manifest.version}: {exc}") from exc
+            raise
         self.version = manifest.version
 
     def _apply_piece(

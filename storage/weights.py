@@ -283,7 +283,8 @@ class WeightStore:
     def abandon_share(
         self, version: int, *, publish_id: str, rank: int, world: int, error: str
     ) -> None:
-        """Record that rank `rank` could not write its share, so `commit` stops waiting."""
+        """Record that rank `rank` could not write its share: `commit` stops waiting as soon as
+        it reads this, whatever the other ranks do."""
         part = SharePart(rank, world, error=error)
         replace_object(self.root, self._path(version, _part_name(publish_id, rank, world)),
                        part.to_json().encode())  # fmt: skip
@@ -347,30 +348,34 @@ class WeightStore:
     def _wait_for_parts(
         self, version: int, publish_id: str, world: int, timeout_s: float
     ) -> list[SharePart]:
-        names = [_part_name(publish_id, rank, world) for rank in range(world)]
+        """Every rank's part, read as each appears; the first one recording an error, or the
+        deadline, ends the wait with `PublishAbandonedError`."""
+        paths = [self._path(version, _part_name(publish_id, r, world)) for r in range(world)]
+        parts: dict[str, SharePart] = {}
         deadline = time.monotonic() + timeout_s
         pause = 0.02
         while True:
             present = self._listing(version)
-            if all(name in present for name in names):
-                break
+            new = [p for p in paths if p not in parts and posixpath.basename(p) in present]
+            if new:
+                blobs = self.fs.cat(new)
+                parts.update((path, SharePart.from_json(blobs[path])) for path in new)
+            failed = [f"rank {p.rank}: {p.error}" for p in parts.values() if p.error is not None]
+            if failed:
+                raise PublishAbandonedError(
+                    f"version {version} not committed, a rank could not write its share "
+                    f"({'; '.join(failed)}); LATEST is unchanged"
+                )
+            if len(parts) == world:
+                return [parts[path] for path in paths]
             if time.monotonic() > deadline:
-                missing = [name for name in names if name not in present]
+                missing = [posixpath.basename(p) for p in paths if p not in parts]
                 raise PublishAbandonedError(
                     f"version {version} not committed: no part from {len(missing)} rank(s) "
                     f"after {timeout_s:.0f}s ({', '.join(missing[:3])}); LATEST is unchanged"
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
-        blobs = self.fs.cat([self._path(version, name) for name in names])
-        parts = [SharePart.from_json(blobs[self._path(version, name)]) for name in names]
-        failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error is not None]
-        if failed:
-            raise PublishAbandonedError(
-                f"version {version} not committed, a rank could not write its share "
-                f"({'; '.join(failed)}); LATEST is unchanged"
-            )
-        return parts
 
     # -- reading -------------------------------------------------------------------------
 
@@ -499,11 +504,8 @@ class WeightStore:
         return assembled
 
     def _apply(self, assembled: Assembled, manifest: WeightManifest) -> None:
-        blobs: dict[str, dict[str, torch.Tensor]] = {}
-        for batch in self.read_pieces(manifest):
-            blobs.update(batch)
         try:
-            assembled.apply(manifest, blobs)
+            assembled.apply(manifest, self.read_pieces(manifest))
         except PieceMismatchError as exc:
             raise WeightIntegrityError(f"weight version {manifest.version}: {exc}") from exc
 

@@ -1,17 +1,48 @@
-"""Readers skip bad weight versions: `WeightStore.load_newest_intact` on a local folder and on
-SeaweedFS, with tampered shards, a broken manifest and a version deleted by retention."""
+"""Readers of weight versions on a local folder and on SeaweedFS: `WeightFollower` skips
+corrupt and vanished versions, detects a delta chain with a missing or corrupted link, applies
+a good delta to the version it holds in place, and `retain` keeps what kept deltas need."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
-from storage.fs import Location, open_location
-from storage.weights import WeightStore
+from storage.fs import Location
+from storage.weights import (
+    Advance,
+    WeightFollower,
+    WeightIntegrityError,
+    WeightStore,
+    WeightVersionNotFoundError,
+)
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"embed.weight": torch.randn(16, 8, generator=g), "bias": torch.randn(8, generator=g)}
+
+
+def _next_state(state: dict[str, torch.Tensor], row: int) -> dict[str, torch.Tensor]:
+    """`state` with one row of the embedding changed: a small delta."""
+    new = {name: tensor.clone() for name, tensor in state.items()}
+    new["embed.weight"][row] += 1.0
+    return new
+
+
+def _publish(store: WeightStore, states: dict, version: int, *, full: bool = False) -> None:
+    """Publish `version` (state derived from the previous one), as a delta unless `full`."""
+    states[version] = _next_state(states[version - 1], version) if version > 1 else _state(0)
+    base = None if full or version == 1 else (version - 1, states[version - 1])
+    manifest = store.publish(version, states[version], base=base)
+    assert manifest.base == (None if base is None else version - 1)
+
+
+def _assert_holds(follower: WeightFollower, version: int, states: dict) -> None:
+    assert follower.version == version
+    for name, tensor in states[version].items():
+        assert torch.equal(follower.tensors()[name], tensor), name
 
 
 def _tamper(location: Location, version: int, name: str) -> None:
@@ -21,35 +52,165 @@ def _tamper(location: Location, version: int, name: str) -> None:
     location.fs.pipe_file(path, bytes(data))
 
 
-def test_the_newest_intact_version_is_loaded_and_the_bad_ones_reported(run_location: Location):
+def _data_file(store: WeightStore, version: int) -> str:
+    (file,) = store.read_manifest(version).files
+    return file.file
+
+
+def test_the_newest_intact_version_is_built_and_the_bad_ones_reported(run_location):
     store = WeightStore(run_location)
-    assert store.load_newest_intact().version is None
+    states: dict = {}
+    assert WeightFollower(store).advance() == Advance(None)
     for version in range(1, 6):
-        store.publish(version, _state(version))
-    _tamper(run_location, 5, "model-00001-of-00001.safetensors")
+        _publish(store, states, version, full=True)
+    _tamper(run_location, 5, _data_file(store, 5))
     _tamper(run_location, 4, "manifest.json")
 
-    found = store.load_newest_intact()
-    assert found.version == 3
-    assert torch.equal(found.tensors["embed.weight"], _state(3)["embed.weight"])
-    assert sorted(found.corrupt) == [4, 5]
-    assert "corrupt" in found.corrupt[5]
+    follower = WeightFollower(store)
+    found = follower.advance()
+    assert (found.version, sorted(found.corrupt), found.vanished) == (3, [4, 5], [])
+    assert f"file {_data_file(store, 5)} is corrupt" in found.corrupt[5]
     assert "manifest" in found.corrupt[4]
+    _assert_holds(follower, 3, states)
 
     # A reader at v3 that knows 4 and 5 are corrupt reads nothing until v6 arrives.
-    assert store.load_newest_intact(newer_than=3, skip={4, 5}).version is None
-    store.publish(6, _state(6))
-    assert store.load_newest_intact(newer_than=3, skip={4, 5}).version == 6
-    # Everything above `newer_than` corrupt: nothing to load, the corrupt ones reported.
-    nothing = store.load_newest_intact(newer_than=3, skip={6})
+    assert follower.advance(skip={4, 5}) == Advance(None)
+    _assert_holds(follower, 3, states)
+    _publish(store, states, 6, full=True)  # a delta on the corrupt v5 could not be built
+    assert follower.advance(skip={4, 5}) == Advance(6)
+    _assert_holds(follower, 6, states)
+    # Everything above `newer_than` corrupt: nothing built, the corrupt ones reported.
+    nothing = WeightFollower(store).advance(newer_than=3, skip={6})
     assert (nothing.version, sorted(nothing.corrupt)) == (None, [4, 5])
+    with pytest.raises(WeightIntegrityError, match=r"version 5 file .* is corrupt"):
+        WeightFollower(store).advance(exactly=5)
 
 
-def test_a_version_deleted_while_being_read_is_reported_as_vanished(tmp_path):
-    location = open_location(str(tmp_path / "run"))
-    store = WeightStore(location)
+def test_a_version_deleted_while_being_read_is_reported_as_vanished(run_location):
+    store = WeightStore(run_location)
+    states: dict = {}
+    for version in (1, 2, 3):
+        _publish(store, states, version, full=True)
+    run_location.fs.rm_file(run_location.join("weights", "v00000003", _data_file(store, 3)))
+    follower = WeightFollower(store)
+    assert follower.advance() == Advance(2, vanished=[3])
+    _assert_holds(follower, 2, states)
+
+    manifest = store.read_manifest(2)  # a reader has the manifest; retention deletes v2
+    run_location.fs.pipe_file(run_location.join("weights", "LATEST"), b'{"version": 1}')
+    assert store.retain(keep=1) == [2]
+    with pytest.raises(WeightVersionNotFoundError, match="version 2 vanished while reading"):
+        list(store.read_pieces(manifest))
+    with pytest.raises(WeightVersionNotFoundError, match=r"available versions: \[1, 3\]"):
+        store.load(2)
+
+
+def test_a_chain_with_a_missing_link_falls_back_to_the_full_version(run_location):
+    store = WeightStore(run_location)
+    states: dict = {}
+    _publish(store, states, 1)
+    at_1 = WeightFollower(store)
+    assert at_1.advance() == Advance(1)
+    for version in (2, 3, 4):
+        _publish(store, states, version)
+    run_location.fs.rm_file(run_location.join("weights", "v00000002", "manifest.json"))
+
+    with pytest.raises(WeightIntegrityError, match="version 2, which 3 is a delta against"):
+        store.chain(4)
+    fresh = WeightFollower(store)
+    found = fresh.advance()
+    assert (found.version, sorted(found.corrupt)) == (1, [3, 4])
+    assert "has no manifest" in found.corrupt[4]
+    _assert_holds(fresh, 1, states)
+    assert at_1.advance().version is None  # holding the version before the link: stays
+    _assert_holds(at_1, 1, states)
+
+    _publish(store, states, 5, full=True)
+    for follower in (fresh, at_1):
+        assert follower.advance() == Advance(5)
+        _assert_holds(follower, 5, states)
+    assert store.retain(keep=1) == [1, 2, 3, 4]  # v2's folder, manifest gone, is a dead one
+
+
+def test_a_corrupted_link_is_detected_and_good_deltas_apply_in_place(run_location):
+    store = WeightStore(run_location)
+    states: dict = {}
+    followers = {}
+    for version in (1, 2, 3):
+        _publish(store, states, version)
+        followers[version] = WeightFollower(store)
+        assert followers[version].advance() == Advance(version)
+    held_3 = followers[3].tensors()["embed.weight"]
+    _tamper(run_location, 3, _data_file(store, 3))  # after the follower at 3 read it
+    _publish(store, states, 4)
+
+    # The follower at 3 applies v4's delta in place: it never reads v3's (now corrupt) file.
+    assert followers[3].advance() == Advance(4)
+    _assert_holds(followers[3], 4, states)
+    assert followers[3].tensors()["embed.weight"].data_ptr() == held_3.data_ptr()
+    assert torch.equal(held_3, states[4]["embed.weight"])
+
+    # Any other reader must rebuild v3, and cannot.
+    fresh = WeightFollower(store)
+    found = fresh.advance()
+    assert (found.version, sorted(found.corrupt)) == (2, [3, 4])
+    assert f"version 3 file {_data_file(store, 3)} is corrupt" in found.corrupt[3]
+    assert found.corrupt[4] == found.corrupt[3]  # v4 is built through v3
+    _assert_holds(fresh, 2, states)
+    assert followers[2].advance() == Advance(None, found.corrupt)  # stays where it is
+    _assert_holds(followers[2], 2, states)
+    assert followers[1].advance().version == 2  # up to the link, in place
+    _assert_holds(followers[1], 2, states)
+
+    _publish(store, states, 5, full=True)
+    for follower in (fresh, *followers.values()):
+        assert follower.advance().version == 5
+        _assert_holds(follower, 5, states)
+
+
+def test_a_follower_that_does_not_hold_rebuilds_each_version_from_its_full_version(
+    run_location,
+):
+    store = WeightStore(run_location)
+    states: dict = {}
     for version in (1, 2):
-        store.publish(version, _state(version))
-    location.fs.rm_file(location.join("weights", "v00000002", "model-00001-of-00001.safetensors"))
-    found = store.load_newest_intact()
-    assert (found.version, found.vanished, found.corrupt) == (1, [2], {})
+        _publish(store, states, version)
+    follower = WeightFollower(store, hold=False)
+    assert follower.advance() == Advance(2)
+    _assert_holds(follower, 2, states)
+    follower.release()
+    with pytest.raises(RuntimeError, match="call advance"):
+        follower.tensors()
+    _publish(store, states, 3)
+    assert follower.advance() == Advance(3)
+    _assert_holds(follower, 3, states)
+
+
+def test_retain_keeps_latest_and_what_kept_deltas_need(run_location):
+    store = WeightStore(run_location)
+    states: dict = {}
+    for version in range(1, 7):  # 1 full, 2-4 deltas, 5 full, 6 delta
+        _publish(store, states, version, full=version == 5)
+    latest = run_location.join("weights", "LATEST")
+
+    assert store.retain(keep=3) == []  # 4 needs 3, 2 and 1
+    run_location.fs.pipe_file(latest, json.dumps({"version": 3}).encode())  # e.g. a rollback
+    assert store.retain(keep=1) == [4]  # 6 needs 5; LATEST (3) needs 2 and 1
+    assert store.versions() == [1, 2, 3, 5, 6]
+    for version in (3, 6):
+        tensors, _ = store.load(version)
+        assert all(torch.equal(tensors[n], t) for n, t in states[version].items())
+
+    chain_of_3 = store.chain(3)  # a reader of v3 has its manifests
+    run_location.fs.pipe_file(latest, json.dumps({"version": 6}).encode())
+    assert store.retain(keep=2) == [1, 2, 3]
+    assert store.versions() == [5, 6]
+    assert store.latest_version() == 6
+    with pytest.raises(WeightVersionNotFoundError, match="vanished while reading"):
+        list(store.read_pieces(chain_of_3[0]))
+    with pytest.raises(WeightVersionNotFoundError, match="version 3 has no manifest"):
+        store.load(3)
+    assert WeightFollower(store).advance(exactly=6) == Advance(6)
+    assert store.retain(keep=1) == []  # 6 needs 5
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        store.retain(keep=0)
