@@ -136,6 +136,12 @@ class Assembled:
             for name, entry in self.entries.items()
         }
 
+    def holds(self, manifest: WeightManifest) -> bool:
+        """Whether `manifest` has the same tensors (names, dtypes, shapes) as held here."""
+        return {n: (e.dtype, e.shape) for n, e in manifest.tensors.items()} == {
+            n: (e.dtype, e.shape) for n, e in self.entries.items()
+        }
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """name → the tensor in its shape (views of the held data, not copies)."""
         return {name: self.flat[name].view(entry.shape) for name, entry in self.entries.items()}
@@ -156,9 +162,7 @@ class Assembled:
                 f"version {manifest.version} is a delta against {manifest.base}, but the held "
                 f"weights are version {self.version}"
             )
-        if {n: (e.dtype, e.shape) for n, e in manifest.tensors.items()} != {
-            n: (e.dtype, e.shape) for n, e in self.entries.items()
-        }:
+        if not self.holds(manifest):
             raise PieceMismatchError(
                 f"version {manifest.version} holds other tensors (names, dtypes or shapes) than "
                 f"the held version {self.version}"

@@ -488,7 +488,9 @@ class WeightStore:
     def build(self, version: int, onto: Assembled | None = None) -> Assembled:
         """`version` assembled: from `onto` (a held earlier version) when it lies on the
         version's chain, applying the deltas after it in place; otherwise (or if that fails)
-        from the nearest full version. Every file and rebuilt piece is verified."""
+        from the nearest full version, into `onto`'s memory when the tensors match (one copy
+        of the model, never two). Every file and rebuilt piece is verified; a failure leaves
+        `onto` at a verified version (possibly one further along the chain)."""
         chain = self.chain(version)
         held = [m.version for m in chain]
         if onto is not None and onto.version in held:
@@ -497,8 +499,8 @@ class WeightStore:
                     self._apply(onto, manifest)
                 return onto
             except WeightIntegrityError:
-                pass  # onto is left at a verified version: start over from the full version
-        assembled = Assembled(chain[0])
+                pass  # onto is at a verified version: start over from the full version
+        assembled = onto if onto is not None and onto.holds(chain[0]) else Assembled(chain[0])
         for manifest in chain:
             self._apply(assembled, manifest)
         return assembled
@@ -576,7 +578,9 @@ def _first_key(name: str, piece: PieceEntry) -> str:
 @dataclass(frozen=True)
 class Advance:
     """What `WeightFollower.advance` did: the version now held (None: none intact, nothing
-    changed), the versions found corrupt on the way (→ why) and those that vanished."""
+    changed), the versions found corrupt on the way (→ why) and those that vanished. A version
+    whose chain passes through a corrupt link is corrupt itself: it can never be built (versions
+    are immutable), so a reader skips it for good."""
 
     version: int | None
     corrupt: dict[int, str] = field(default_factory=dict)

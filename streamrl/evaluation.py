@@ -37,7 +37,7 @@ from storage.control import stop_requested
 from storage.fs import Location
 from storage.weights import WeightStore, WeightVersionNotFoundError
 from streamrl.config import ConfigError, DataConfig, GeneratorConfig, RunConfig
-from streamrl.generator.engine import Engine, FinishedGroup
+from streamrl.generator.engine import Engine, FinishedGroup, WeightSource
 
 __all__ = [
     "EvaluationLoop",
@@ -119,6 +119,7 @@ class Evaluator:
             raise ValueError("the engine must sample with evaluation_sampling(config, k, T)")
         self.engine = engine
         self.weights = WeightStore(run)
+        self.weight_source = WeightSource.of(run, config.weights)
         self._scorer = RewardScorer.from_config(config.generator.reward)
 
     def __enter__(self) -> Evaluator:
@@ -136,7 +137,7 @@ class Evaluator:
 
     def evaluate(self, version: int, stop: threading.Event | None = None) -> dict[str, Any] | None:
         """Load `version` and measure it (module docstring); None when `stop` was set first."""
-        self.engine.load_weights(self.weights.iter_tensors(version), version)
+        self.engine.advance_weights(self.weight_source, exactly=version)
         greedy_ids = [self.engine.submit(p.token_ids, greedy=True) for p in self.prompts]
         sampled_ids = [self.engine.submit(p.token_ids) for p in self.prompts]
         finished = self._finish(len(greedy_ids) + len(sampled_ids), stop)

@@ -32,12 +32,13 @@ def build_generator(
     Fails fast — before vLLM starts — on a bad dataset field, reward name or model path. Each
     call is one more start of generator `index` in the run: it continues the data shard after
     what earlier starts committed and draws a seed of its own (`streamrl.generator.progress`).
-    The weights are read and verified before vLLM starts: the newest intact version (corrupt
-    ones are skipped and counted), or exactly `policy_version` when given.
+    Once the engine is up its workers load the weights from the run's store: the newest intact
+    version (corrupt ones are skipped and counted), exactly `policy_version` when given (its
+    manifest is checked before vLLM starts), or none with `policy_version=0` (the model's own).
     """
-    from storage.weights import IntactVersion, WeightStore
+    from storage.weights import Advance, WeightStore
     from streamrl.data import PromptPosition, PromptSource
-    from streamrl.generator.engine import Engine, generator_seed
+    from streamrl.generator.engine import Engine, WeightSource, generator_seed
     from streamrl.generator.progress import PromptLedger, resume_prompts
     from streamrl.models import resolve_model_path
     from streamrl.rewards import RewardScorer, resolve_reward
@@ -59,22 +60,19 @@ def build_generator(
         num_shards=cfg.count,
         first_start=PromptPosition(epoch=index // cfg.count),
     )
-    store = WeightStore(run)
-    if policy_version is None:
-        weights = store.load_newest_intact()
-    elif policy_version == 0:  # the model's own weights
-        weights = IntactVersion(None, {}, {}, [])
-    else:
-        weights = IntactVersion(policy_version, store.load(policy_version)[0], {}, [])
+    if policy_version:  # a version that does not exist fails before vLLM starts
+        WeightStore(run).read_manifest(policy_version)
     seed = generator_seed(cfg.seed, index, progress.starts)
     engine = Engine(model_path, config.model, cfg, seed=seed)
-    if weights.version is not None:
-        engine.load_weights(weights.tensors.items(), weights.version)
-    weights.tensors.clear()  # loaded: not to be held for the generator's whole life
+    weights, seconds = Advance(None), 0.0
+    if policy_version != 0:
+        weight_source = WeightSource.of(run, config.weights)
+        weights, seconds = engine.advance_weights(weight_source, exactly=policy_version)
     log.info(
-        "generator %s: start %d, seed %d, prompts from %s (%d committed after it), weights v%d",
+        "generator %s: start %d, seed %d, prompts from %s (%d committed after it), weights v%d "
+        "(loaded in %.2fs)",
         generator_id, progress.starts, seed, prompts.position, len(progress.committed_after),
-        engine.policy_version,
+        engine.policy_version, seconds,
     )  # fmt: skip
     writer = StreamWriter(
         run,

@@ -9,16 +9,19 @@ the logits after temperature — i.e. exactly the distribution the token was dra
 in fp32. (Top-k / top-p would renormalise them over a truncated set the learner does not score;
 the configuration refuses them.)
 
-Live weight update (`load_weights`) is one sequence whether vLLM's engine core runs in this
+Live weight update (`advance_weights`) is one sequence whether vLLM's engine core runs in this
 process (the CPU default) or in a process of its own (the CUDA default, where it steps on its
-own between our calls): pause scheduling with the requests kept (`sleep(level=0,
-mode="keep")`: no step runs until resumed), load the new tensors in place in every worker
-(`model_runner.reload_weights`; a tied lm_head is re-packed, vLLM's CPU backend keeps a packed
-copy of it for its GEMM), reset the prefix cache *including running requests*, resume. No step
-ever runs new weights over KV entries of the old ones: requests in flight are recomputed with
-the new weights. A request records the oldest version that produced any of its tokens. The
-tensors reach the workers as safetensors bytes through a named worker method
-(`WeightReloadExtension`): vLLM's RPC to another process carries neither callables nor tensors.
+own between our calls), with one worker or tensor-parallel ones. Every worker first builds the
+version from the run's weight store itself (`streamrl.generator.weight_worker`: reads, verifies,
+applies deltas to the version it holds); only small values cross vLLM's RPC, never a state
+dict. (vLLM runs such a call between engine steps, so no step runs while the workers read.)
+Then: pause scheduling with the requests kept
+(`sleep(level=0, mode="keep")`: no step runs until resumed), load the built tensors in place in
+every worker (`model_runner.reload_weights`; a tied lm_head is re-packed, vLLM's CPU backend
+keeps a packed copy of it for its GEMM), reset the prefix cache *including running requests*,
+resume. No step ever runs new weights over KV entries of the old ones: requests in flight are
+recomputed with the new weights. A request records the oldest version that produced any of its
+tokens.
 
 Seeds: generator `index` of a run, on its `start`-th start, is seeded `generator_seed(...)`, a
 63-bit hash, so restarts never replay a random stream. The engine (`LLM(seed=...)`, all that
@@ -32,21 +35,23 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
 
+from storage.weights import Advance, WeightIntegrityError, WeightVersionNotFoundError
 from streamrl.config import GeneratorConfig, ModelConfig
+from streamrl.generator.weight_worker import WeightReloadExtension, WeightSource
 
 __all__ = [
     "Completion",
     "Engine",
     "FinishedGroup",
     "WeightReloadExtension",
+    "WeightSource",
     "configure_cpu_environment",
     "generator_seed",
     "request_seed",
@@ -55,7 +60,7 @@ __all__ = [
 
 SEED_MODULUS = 2**63  # request seeds stay below it; sample seeds (+ i < G) below 2^64
 _ENGINE_SEED_MODULUS = 2**32  # LLM(seed=...) seeds numpy, which takes 32 bits
-_RELOAD_CHUNK_BYTES = 512 * 1024**2  # safetensors bytes per blob sent to the workers
+_WORKER_EXTENSION = f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__name__}"
 
 
 def use_cuda(device: str) -> bool:
@@ -154,7 +159,7 @@ class Engine:
             "trust_remote_code": model.trust_remote_code,
             "logprobs_mode": "processed_logprobs",
             "enforce_eager": generator.enforce_eager or not self.cuda,
-            "worker_extension_cls": f"{__name__}.{WeightReloadExtension.__name__}",
+            "worker_extension_cls": _WORKER_EXTENSION,
         }
         if self.cuda:
             engine_args["gpu_memory_utilization"] = generator.gpu_memory_utilization
@@ -254,23 +259,80 @@ class Engine:
 
     # -- weights -----------------------------------------------------------------------------
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Load new weights in place, atomically for the requests in flight, and record
-        `version`; the seconds taken, reading `tensors` included.
+    def advance_weights(
+        self,
+        source: WeightSource,
+        *,
+        newer_than: int | None = None,
+        skip: Collection[int] = (),
+        exactly: int | None = None,
+    ) -> tuple[Advance, float]:
+        """Move to the newest intact version of `source` above `newer_than` (default: the
+        engine's version) and not in `skip` — or to `exactly` that version — loading it in
+        place, atomically for the requests in flight; what happened and the seconds taken,
+        reading included.
 
-        Reads and serialises every tensor before pausing, so a failing read (e.g. a corrupt
-        shard) leaves the engine untouched. Requests in flight keep their version (the oldest
-        that produced any of their tokens) and are recomputed with the new weights."""
+        Every worker reads and verifies the version before the engine pauses, so a corrupt,
+        vanished or missing version leaves the engine untouched: versions found corrupt or
+        vanished on the way are reported in the `Advance` (whose `version` is None when nothing
+        was loaded). `exactly` a version that cannot be built raises `WeightIntegrityError` or
+        `WeightVersionNotFoundError`. Requests in flight keep their version (the oldest that
+        produced any of their tokens) and are recomputed with the new weights."""
         start = time.perf_counter()
-        blobs = _safetensors_blobs(tensors)
-        self._engine.sleep(level=0, mode="keep")  # pause: requests stay, no step runs
-        try:
-            self.llm.collective_rpc("reload_streamrl_weights", args=(blobs,))
-            self._engine.reset_prefix_cache(reset_running_requests=True)
-        finally:
-            self._engine.wake_up(tags=["scheduling"])  # resume
-        self.policy_version = version
-        return time.perf_counter() - start
+        found = self._prepare(
+            source,
+            self.policy_version if newer_than is None else newer_than,
+            sorted(skip),
+            exactly,
+        )
+        if exactly is not None and found.version is None:
+            if exactly in found.corrupt:
+                raise WeightIntegrityError(found.corrupt[exactly])
+            raise WeightVersionNotFoundError(
+                f"weight version {exactly} of {source.run_uri} has no manifest or vanished "
+                "while it was read (removed by weight retention)"
+            )
+        if found.version is not None:
+            self._engine.sleep(level=0, mode="keep")  # pause: requests stay, no step runs
+            try:
+                self.llm.collective_rpc("apply_streamrl_weights")
+                self._engine.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                self._engine.wake_up(tags=["scheduling"])  # resume
+            self.policy_version = found.version
+        return found, time.perf_counter() - start
+
+    def _prepare(
+        self, source: WeightSource, newer_than: int, skip: list[int], exactly: int | None
+    ) -> Advance:
+        """Have every worker build the version; they must agree on which one."""
+        found = reports = self._prepare_workers(source, newer_than, skip, exactly)
+        if len({f.version for f in found}) > 1 and exactly is None:
+            # Workers list the versions one after another: one committed in between is seen by
+            # some of them only. All move to the newest one a worker could build.
+            newest = max(f.version for f in found if f.version is not None)
+            found = self._prepare_workers(source, newer_than, skip, newest)
+            reports = reports + found
+        built = {f.version for f in found}
+        if len(built) > 1:
+            raise RuntimeError(
+                f"the engine's workers built different weight versions ({sorted(built, key=str)})"
+                f" from {source.run_uri}: a version was deleted while they read it (keep "
+                "weights.keep_versions at 2 or more) or the workers see different storage (give "
+                f"them the same credentials). The engine keeps version {self.policy_version}"
+            )
+        corrupt = {v: why for f in reports for v, why in f.corrupt.items()}
+        vanished = sorted({v for f in reports for v in f.vanished})
+        return Advance(built.pop(), corrupt, vanished)
+
+    def _prepare_workers(
+        self, source: WeightSource, newer_than: int, skip: list[int], exactly: int | None
+    ) -> list[Advance]:
+        """What each worker's `prepare_streamrl_weights` did."""
+        results = self.llm.collective_rpc(
+            "prepare_streamrl_weights", args=(asdict(source), newer_than, skip, exactly)
+        )
+        return [Advance(**result) for result in results]
 
 
 def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
@@ -282,47 +344,3 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
         dtype=np.float32,
         count=len(token_ids),
     )
-
-
-def _safetensors_blobs(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[bytes]:
-    """`tensors` as safetensors files of about `_RELOAD_CHUNK_BYTES` each (picklable, so they
-    cross to an engine core in another process)."""
-    blobs: list[bytes] = []
-    chunk: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    size = 0
-    for name, tensor in tensors:
-        tensor = tensor.detach().to("cpu").contiguous()
-        if tensor.untyped_storage().data_ptr() in storages:  # tied: safetensors refuses sharing
-            tensor = tensor.clone()
-        storages.add(tensor.untyped_storage().data_ptr())
-        chunk[name] = tensor
-        size += tensor.numel() * tensor.element_size()
-        if size >= _RELOAD_CHUNK_BYTES:
-            blobs.append(safetensors.torch.save(chunk))
-            chunk, storages, size = {}, set(), 0
-    if chunk:
-        blobs.append(safetensors.torch.save(chunk))
-    return blobs
-
-
-class WeightReloadExtension:
-    """Mixed into every vLLM worker (`worker_extension_cls`): in-place weight reload by name."""
-
-    def reload_streamrl_weights(self, blobs: list[bytes]) -> None:
-        """Load the tensors of `blobs` (safetensors bytes) in place, then re-pack a tied
-        lm_head."""
-        runner = self.model_runner  # type: ignore[attr-defined]
-        tensors = (item for blob in blobs for item in safetensors.torch.load(blob).items())
-        runner.reload_weights(weights_iterator=tensors)
-        model = runner.get_model()
-        lm_head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        tied = (
-            lm_head is not None
-            and embed is not None
-            and lm_head.weight.data_ptr() == embed.weight.data_ptr()
-        )
-        method = getattr(lm_head, "quant_method", None)
-        if tied and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(lm_head)

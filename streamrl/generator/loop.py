@@ -10,9 +10,10 @@ prompt is admitted only while the learner can still train on it within `max_stal
 (`streamrl.generator.flow_control`); paused with nothing in flight, the loop sleeps and keeps
 polling weights and the stop marker. It keeps up to `prompts_in_flight` prompts in the engine,
 scores finished groups in a process pool while the engine goes on, and between engine steps
-polls `LATEST` every `weight_poll_s` seconds and loads a newer version in place.
-A corrupt version is skipped for good (counted, logged) and the newest intact one above the
-current is loaded instead.
+polls `LATEST` every `weight_poll_s` seconds; when it moved, the engine's workers read the
+newest intact version straight from the weight store and load it in place
+(`Engine.advance_weights`). A corrupt version is skipped for good (counted, logged) and the
+newest intact one above the current is loaded instead.
 Stops when: the run's stop marker or its own (scaling in) appears, or `stop` is set (e.g. by
 SIGTERM); it then scores what has finished, flushes its open segment and returns. A SIGKILL
 loses at most that segment. After every commit the `PromptLedger` records how far the prompts
@@ -35,11 +36,11 @@ from storage.control import stop_requested
 from storage.fs import Location
 from storage.records import ScoredGroup
 from storage.stream import StreamWriter
-from storage.weights import IntactVersion, WeightStore
+from storage.weights import Advance, WeightStore
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
 from streamrl.data import Prompt, PromptIterator
-from streamrl.generator.engine import Engine, FinishedGroup
+from streamrl.generator.engine import Engine, FinishedGroup, WeightSource
 from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.progress import PromptLedger
 from streamrl.rewards import RewardScorer, Scores
@@ -106,6 +107,7 @@ class GeneratorLoop:
         self.scorer = scorer
         self.writer = writer
         self.weights = WeightStore(run)
+        self.weight_source = WeightSource.of(run, config.weights)
         self.generator_id = generator_id
         self.stats = GeneratorStats()
         self.ledger = ledger or PromptLedger(prompts)
@@ -287,17 +289,18 @@ class GeneratorLoop:
         latest = self.weights.latest_version()
         if latest is None or latest <= current or latest in self._corrupt_versions:
             return False
-        found = self.weights.load_newest_intact(newer_than=current, skip=self._corrupt_versions)
+        found, seconds = self.engine.advance_weights(
+            self.weight_source, newer_than=current, skip=self._corrupt_versions
+        )
         self.skip_unusable_weights(found)
         if found.version is not None:
-            seconds = self.engine.load_weights(found.tensors.items(), found.version)
             self.stats.weight_updates += 1
             self.stats.weight_update_s += seconds
             log.info("generator %s: loaded weights v%d in %.2fs",
                      self.generator_id, found.version, seconds)  # fmt: skip
         return False
 
-    def skip_unusable_weights(self, found: IntactVersion) -> None:
+    def skip_unusable_weights(self, found: Advance) -> None:
         """Count and log the versions `found` could not use: corrupt ones are never read again
         (versions are immutable), vanished ones were removed by retention."""
         for version, why in found.corrupt.items():

@@ -1,6 +1,7 @@
-"""An `Engine` takes a weight update (version 1 of RUN_DIR's weight store) while greedy
-requests are in flight; their completions go to OUT_JSON. ENGINE_PROCESS=1 runs vLLM's engine
-core in a process of its own (`generator.cpu_engine_process`), 0 in this one.
+"""A fresh `Engine` takes a weight update (the newest version of RUN_DIR's weight store, its
+workers reading it) while greedy requests are in flight; their completions and what the update
+reported go to OUT_JSON. ENGINE_PROCESS=1 runs vLLM's engine core in a process of its own
+(`generator.cpu_engine_process`), 0 in this one.
 
 Run by tests/integration/test_engine_update.py in a fresh interpreter: vLLM caches its
 environment once an engine has started, so an engine started earlier in the test process would
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 
 from storage.fs import open_location
-from storage.weights import WeightStore
 from streamrl.config import load_config
-from streamrl.generator.engine import Engine
+from streamrl.generator.engine import Engine, WeightSource
 from streamrl.models import resolve_model_path
 
 
@@ -36,10 +37,11 @@ def main(run_dir: str, out: str, prompts_json: str, engine_process: str) -> None
     done = {}
     for _ in range(10):  # some tokens exist (the engine core also decodes on its own)
         done.update((g.request_id, g) for g in engine.step())
-    engine.load_weights(WeightStore(open_location(run_dir)).iter_tensors(1), version=1)
+    source = WeightSource.of(open_location(run_dir), config.weights)
+    found, _ = engine.advance_weights(source)
     while len(done) < len(ids):
         done.update((g.request_id, g) for g in engine.step())
-    result = [
+    completions = [
         {
             "tokens": done[i].completions[0].token_ids.tolist(),
             "logprobs": done[i].completions[0].logprobs.tolist(),
@@ -47,6 +49,11 @@ def main(run_dir: str, out: str, prompts_json: str, engine_process: str) -> None
         }
         for i in ids
     ]
+    result = {
+        "completions": completions,
+        "advance": asdict(found),
+        "version": engine.policy_version,
+    }
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -6,6 +6,9 @@ A greedy request in flight across the update must read, token by token, as the o
 some point and the new model from there on — checked against transformers' teacher-forced
 log-probs under both weights. A decode step that ran new weights over the old weights' KV
 entries (the update not paused) produces a token matching neither.
+
+The newest version is a delta: the fresh engine's workers build it from the full version before
+it and the delta, reading the store themselves (only version numbers cross vLLM's RPC).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
 
 
+def _nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a few elements of the final norm changed, enough to move every logit."""
+    nudged = {name: tensor.clone() for name, tensor in state.items()}
+    nudged["model.norm.weight"][:3] += 1.0
+    return nudged
+
+
 @pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
 def test_requests_in_flight_switch_cleanly_from_old_to_new_weights(tmp_path, engine_process):
     from transformers import AutoModelForCausalLM
@@ -46,9 +56,12 @@ def test_requests_in_flight_switch_cleanly_from_old_to_new_weights(tmp_path, eng
         name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=generator)
         for name, p in old.named_parameters()
     }
-    new.load_state_dict(state, strict=False)
+    newest = _nudged(state)
+    new.load_state_dict(newest, strict=False)
     new.tie_weights()
-    WeightStore(open_location(str(tmp_path / "run"))).publish(1, state)
+    store = WeightStore(open_location(str(tmp_path / "run")))
+    store.publish(1, state)  # tiny-cpu publishes float32, the dtype of these tensors
+    assert store.publish(2, newest, base=(1, state)).base == 1  # stored as a delta
 
     out = tmp_path / "completions.json"
     worker = [sys.executable, "-m", "tests.integration.engine_update_worker"]
@@ -61,7 +74,10 @@ def test_requests_in_flight_switch_cleanly_from_old_to_new_weights(tmp_path, eng
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    for prompt, completion in zip(PROMPTS, json.loads(out.read_text()), strict=True):
+    result = json.loads(out.read_text())
+    assert result["advance"] == {"version": 2, "corrupt": {}, "vanished": []}
+    assert result["version"] == 2
+    for prompt, completion in zip(PROMPTS, result["completions"], strict=True):
         tokens, logprobs = completion["tokens"], np.array(completion["logprobs"])
         assert completion["policy_version"] == 0  # the oldest weights that produced a token
         as_old = np.abs(logprobs - _teacher_forced(old, prompt, tokens)) < 1e-4

@@ -21,12 +21,12 @@ import torch
 from storage.fs import Location, open_location
 from storage.manifest import create_run
 from storage.stream import StreamReader, StreamWriter, read_log
-from storage.weights import WeightStore
+from storage.weights import Advance, WeightStore
 from streamrl.config import RunConfig, load_config
 from streamrl.data import PromptSource
 from streamrl.data.rows import DatasetError
 from streamrl.generator import build_generator
-from streamrl.generator.engine import Engine
+from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.models import ModelPathError, resolve_model_path
 from streamrl.rewards import RewardResolutionError, RewardScorer
@@ -81,7 +81,7 @@ def test_behaviour_logprobs_equal_transformers_teacher_forced(engine: Engine, hf
 
 
 def test_live_weight_update_matches_transformers_with_the_new_weights(
-    engine: Engine, hf_model, tmp_path
+    config: RunConfig, engine: Engine, hf_model, tmp_path
 ):
     # A prompt longer than one KV-cache block, and a short one.
     prompts = [list(range(3, 200)), [11, 12, 13]]
@@ -93,9 +93,10 @@ def test_live_weight_update_matches_transformers_with_the_new_weights(
         name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=generator)
         for name, p in hf_model.named_parameters()
     }
-    store = WeightStore(open_location(str(tmp_path / "run")))
-    store.publish(1, new_state)
-    seconds = engine.load_weights(store.iter_tensors(1), version=1)
+    run = open_location(str(tmp_path / "run"))
+    WeightStore(run).publish(1, new_state)
+    found, seconds = engine.advance_weights(WeightSource.of(run, config.weights), newer_than=0)
+    assert found == Advance(1)
     assert seconds > 0
     assert engine.policy_version == 1
     after = engine.generate(prompts, greedy=True)
@@ -113,6 +114,51 @@ def test_live_weight_update_matches_transformers_with_the_new_weights(
         np.testing.assert_allclose(new.completions[0].logprobs, expected, atol=1e-4, rtol=0)
         # The old weights scored their own greedy tokens differently: the update took effect.
         assert not np.allclose(old.completions[0].logprobs, new.completions[0].logprobs, atol=1e-3)
+
+
+def _nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a few elements of the final norm changed, enough to move every logit."""
+    nudged = {name: tensor.clone() for name, tensor in state.items()}
+    nudged["model.norm.weight"][:3] += 1.0
+    return nudged
+
+
+def _same_completions(a: list, b: list) -> bool:
+    return all(
+        x.completions[0].token_ids.tolist() == y.completions[0].token_ids.tolist()
+        and np.array_equal(x.completions[0].logprobs, y.completions[0].logprobs)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_delta_applied_to_the_held_base_equals_the_same_weights_loaded_full(
+    config: RunConfig, engine: Engine, hf_model, tmp_path
+):
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    store = WeightStore(run)
+    dtype = getattr(torch, config.weights.resolved_dtype(config.model))
+    base = {name: t.to(dtype) for name, t in _perturbed(hf_model, 5).items()}
+    changed = _nudged(base)
+    store.publish(1, base)
+    assert store.publish(2, changed, base=(1, base)).base == 1  # a delta: 3 elements
+    assert store.publish(3, changed).is_full  # the same weights, whole
+    source = WeightSource.of(run, config.weights)
+    assert source.hold  # deltas are published (weights.full_every > 1)
+    prompts = [list(range(3, 60)), [11, 12, 13]]
+
+    engine.advance_weights(source, exactly=1)
+    before = engine.generate(prompts, greedy=True)
+    # Without the base's files version 2 can only be built onto the tensors the workers hold.
+    for shard in (run_dir / "weights" / "v00000001").glob("*.safetensors"):
+        shard.unlink()
+    assert engine.advance_weights(source, exactly=2)[0] == Advance(2)
+    from_delta = engine.generate(prompts, greedy=True)
+    assert engine.advance_weights(source, exactly=3)[0] == Advance(3)
+    from_full = engine.generate(prompts, greedy=True)
+
+    assert _same_completions(from_delta, from_full)
+    assert not _same_completions(before, from_delta)  # the delta took effect
 
 
 def _loop(config: RunConfig, run: Location, engine: Engine, fn: str = "math", timeout_s=10.0):
@@ -230,7 +276,7 @@ def _perturbed(hf_model, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _corrupt(run_dir: Path, version: int) -> None:
-    """Flip one byte of a stored shard: its sha256 no longer matches the manifest."""
+    """Flip one byte of a stored file: its checksum no longer matches the manifest."""
     shard = next((run_dir / "weights" / f"v{version:08d}").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
@@ -243,27 +289,35 @@ def test_corrupt_weight_versions_are_skipped_at_start_and_when_polled(
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
     store = WeightStore(run)
-    for version in (1, 2):
-        store.publish(version, _perturbed(hf_model, version))
-    _corrupt(run_dir, 2)  # the latest version
+    states = {1: _perturbed(hf_model, 1)}
+    store.publish(1, states[1])
+    for version in (2, 3):  # deltas, each against the version before
+        states[version] = _nudged(states[version - 1])
+        store.publish(version, states[version], base=(version - 1, states[version - 1]))
+    _corrupt(run_dir, 2)  # a link of the latest version's chain
 
     with build_generator(config, run, 0) as loop:
-        assert loop.engine.policy_version == 1  # the newest intact one
-        assert loop.stats.corrupt_weight_versions == 1
-
-        store.publish(3, _perturbed(hf_model, 3))
-        _corrupt(run_dir, 3)
-        for _ in range(3):  # found corrupt once, then never read again
-            loop._poll()
+        # A fresh engine falls back to the nearest full version: 3 is built through 2.
         assert loop.engine.policy_version == 1
         assert loop.stats.corrupt_weight_versions == 2
+
+        states[4] = _nudged(states[3])
+        store.publish(4, states[4], base=(3, states[3]))  # through the corrupt link as well
+        for _ in range(3):  # found corrupt once, then never read again
+            loop._poll()
+        assert loop.engine.policy_version == 1  # the engine keeps what it has
+        assert loop.stats.corrupt_weight_versions == 3
         assert loop.stats.weight_updates == 0
 
-        store.publish(4, _perturbed(hf_model, 4))
+        states[5] = _perturbed(hf_model, 5)
+        store.publish(5, states[5])  # full
         loop._poll()
-        assert loop.engine.policy_version == 4
-        assert loop.stats.weight_updates == 1
-        assert loop.stats.corrupt_weight_versions == 2
+        assert loop.engine.policy_version == 5
+        store.publish(6, _nudged(states[5]), base=(5, states[5]))
+        loop._poll()  # the delta onto the version the workers hold
+        assert loop.engine.policy_version == 6
+        assert loop.stats.weight_updates == 2
+        assert loop.stats.corrupt_weight_versions == 3
 
 
 def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_path):

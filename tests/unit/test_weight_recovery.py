@@ -214,3 +214,16 @@ def test_retain_keeps_latest_and_what_kept_deltas_need(run_location):
     assert store.retain(keep=1) == []  # 6 needs 5
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         store.retain(keep=0)
+
+
+def test_a_new_full_version_is_built_into_the_memory_already_held(run_location: Location):
+    store, states = WeightStore(run_location), {}
+    _publish(store, states, 1)
+    follower = WeightFollower(store)
+    assert follower.advance() == Advance(1)
+    held = {name: tensor.data_ptr() for name, tensor in follower.tensors().items()}
+    _publish(store, states, 2, full=True)  # not built from 1: the full version is read whole
+    assert follower.advance() == Advance(2)
+    assert {name: t.data_ptr() for name, t in follower.tensors().items()} == held
+    for name, tensor in states[2].items():
+        assert torch.equal(follower.tensors()[name], tensor)
