@@ -18,12 +18,14 @@ import tempfile
 import threading
 import time
 
+import torch
+
 from storage.fs import open_location
 from storage.stream import StreamReader, StreamWriter
 from storage.weights import WeightStore
 from streamrl.config import load_config
 from streamrl.data import PromptSource
-from streamrl.generator.engine import Engine
+from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.models import resolve_model_path
 from streamrl.rewards import RewardScorer
@@ -88,15 +90,20 @@ def main() -> None:
         steady_tokens = sum(g.num_tokens for g in finished[1:])
         steady_s = finished[-1].finished_at - finished[0].finished_at
 
-        # Live weight update: publish the engine's model as version 1, then load it in place.
+        # Live weight update: publish the engine's model as version 1 and load it in place,
+        # then version 2 as a delta (1% of the elements changed) onto the version held.
         from transformers import AutoModelForCausalLM
 
-        state = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
-        store = WeightStore(run)
+        dtype = getattr(torch, config.weights.resolved_dtype(config.model))
+        state = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).state_dict()
+        store, weights = WeightStore(run), WeightSource.of(run, config.weights)
         publish_start = time.perf_counter()
         store.publish(1, state)
         publish_s = time.perf_counter() - publish_start
-        update_s = engine.load_weights(store.iter_tensors(1), version=1)
+        update_s = engine.advance_weights(weights, exactly=1)[1]
+        changed = {name: _changed(tensor, 0.01) for name, tensor in state.items()}
+        store.publish(2, changed, base=(1, state))
+        delta_update_s = engine.advance_weights(weights, exactly=2)[1]
 
     raw_rate, loop_rate = raw_tokens / raw_s, stats.tokens / loop_s
     print("\n| measurement | groups | tokens | seconds | tokens/s | groups/s |")
@@ -119,14 +126,23 @@ def main() -> None:
     )
     print(
         f"weight update ({sum(t.numel() for t in state.values()) / 1e6:.0f}M parameters): "
-        f"publish {publish_s:.2f}s; generator update {update_s:.2f}s "
-        "(fetch + sha256 check + in-place reload + lm_head re-pack + prefix-cache reset)"
+        f"publish {publish_s:.2f}s; generator update {update_s:.2f}s, from a 1% delta "
+        f"{delta_update_s:.2f}s (workers read + verify + in-place reload + lm_head re-pack + "
+        "prefix-cache reset)"
     )
     print(
         f"loop: {stats.segments} segments, "
         f"reward mean {stats.reward_sum / max(stats.responses, 1):.3f}, "
         f"accuracy {stats.correct / max(stats.responses, 1):.3f}"
     )
+
+
+def _changed(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
+    """A copy of `tensor` with every (1/fraction)-th element nudged: the same elements of tied
+    tensors, so they stay equal."""
+    out = tensor.clone()
+    out.view(-1)[:: round(1 / fraction)] += 1e-3
+    return out
 
 
 if __name__ == "__main__":
