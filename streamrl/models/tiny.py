@@ -89,13 +89,10 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> transformers PreTrained
 
 def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny model and its tokenizer to `out_dir` (safetensors, float32)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    return _build_random_qwen2(
+        out_dir,
+        seed,
+        "float32",
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -103,16 +100,7 @@ def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
         num_key_value_heads=1,
         max_position_embeddings=2048,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return save_model_dir(model, tokenizer, out_dir)
 
 
 def build_qwen2_5_0_5b_shape(out_dir: str | Path, seed: int = 0) -> Path:
@@ -121,12 +109,10 @@ def build_qwen2_5_0_5b_shape(out_dir: str | Path, seed: int = 0) -> Path:
     bfloat16, with the tiny model's tokenizer (ids below its 1024 tokens; the rest of the
     vocabulary is never produced by it): the shapes and bytes of a real model for weight-path
     and GPU benchmarks, without a model hub."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2Config(
+    return _build_random_qwen2(
+        out_dir,
+        seed,
+        "bfloat16",
         vocab_size=151936,
         hidden_size=896,
         intermediate_size=4864,
@@ -136,16 +122,28 @@ def build_qwen2_5_0_5b_shape(out_dir: str | Path, seed: int = 0) -> Path:
         max_position_embeddings=32768,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
+    )
+
+
+def _build_random_qwen2(out_dir: str | Path, seed: int, dtype: str, **shape: object) -> Path:
+    """A seeded random-init Qwen2 of `shape` (vocabulary: the tokenizer's unless given), tied
+    embeddings and ChatML ids, saved in `dtype` with the tiny tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        **{"vocab_size": len(tokenizer), **shape},
         tie_word_embeddings=True,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        dtype="bfloat16",
+        dtype=dtype,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    return save_model_dir(model, tokenizer, out_dir)
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    return save_model_dir(model, tokenizer, Path(out_dir))
 
 
 def save_model_dir(model, tokenizer, out_dir: str | Path) -> Path:  # transformers objects
