@@ -113,7 +113,7 @@ class WeightPublisher:
     def publish(self, model: nn.Module, version: int) -> dict[str, float]:
         """Publish `model` as `version` (every rank calls it). Returns metrics: the seconds
         the training path lost (`perf/weight_sync_s`) and, once the previous background
-        publish finished, what it did (`weights/*`)."""
+        publish finished, what it did (`weights/*`, `perf/weight_upload_s`)."""
         started = time.perf_counter()
         self._wait()
         plan = self.topology.decide_on_main(lambda: self._plan(version))
@@ -257,7 +257,7 @@ class WeightPublisher:
         if report is None:
             return {}
         return {
-            "weights/upload_s": report.upload_s,
+            "perf/weight_upload_s": report.upload_s,
             "weights/stored_bytes": float(report.stored_bytes),
             "weights/full": float(report.full),
             "weights/publish_failures_total": float(self.failures),
