@@ -17,7 +17,8 @@ mix (`--phases`; every phase process lives for the whole run, so mind the machin
 - *learner*: `Learner(config, run, topology).train_step()`, which reads a batch from the stream,
   builds micro-batches, trains (DAPO loss, entropy metric, gradient clipping, metrics
   all-reduce) and publishes the full weights. Its time is the learner's own `perf/step_s`
-  (everything but the publish); the publish is its `perf/weight_sync_s`.
+  (everything but the publish); the publish's time on the training path (the snapshot of the
+  shard; the upload runs in the background) is its `perf/weight_sync_s`.
 - *bare*: the same FSDP2-wrapped model and AdamW settings on the micro-batches rebuilt from the
   same groups in the same order (`TrainBatch.from_groups` + `make_mini_batches`, outside the
   timed region, a padded row per response): forward, a log-softmax-gather loss on the
@@ -238,7 +239,7 @@ class LearnerPhase:
         self.sampler.stop()
         self.topology.destroy()
         return {
-            "weights_MB": sum(s.size for s in manifest.shards) / MB,
+            "weights_MB": manifest.stored_bytes / MB,
             "rss_setup_MB": self.rss_setup / MB,
             "rss_train_MB": self.sampler.peak(self.train_windows[warmup:]) / MB,
             "rss_publish_MB": self.sampler.peak(self.publish_windows[warmup:]) / MB,
@@ -306,14 +307,14 @@ class BarePhase:
         return {}
 
     def finish(self, warmup: int) -> dict[str, Any]:
-        # What the learner's publish does, in its two parts: gather the full weights, then
-        # write a version (serialise + sha256 + write + manifest + LATEST).
+        # The one-process publish path, in its two parts: gather the full weights, then write
+        # a version (serialise + xxh3 checksums + write + manifest + LATEST).
         started = time.perf_counter()
         state = full_state_dict(self.model, self.topology)
         gather_s = time.perf_counter() - started
         started = time.perf_counter()
         store = WeightStore(self.run.child("bare"))
-        store.publish(1, state, shard_bytes=self.config.storage.weight_shard_bytes)
+        store.publish(1, state, shard_bytes=self.config.weights.shard_bytes)
         write_s = time.perf_counter() - started
         self.groups.close()
         self.sampler.stop()

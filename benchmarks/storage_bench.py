@@ -126,7 +126,8 @@ def bench_stream(name: str, run: Location, groups: list, segment_groups: int) ->
 
 
 def bench_weights(name: str, run: Location, size_mib: int) -> dict:
-    """publish (shard + sha256 + upload + manifest + LATEST) and verified load vs raw put/get."""
+    """publish (shard + xxh3 checksums + upload + part + manifest + LATEST) and verified load
+    vs raw put/get."""
     generator = torch.Generator().manual_seed(0)
     # A transformer-like state dict: bf16 matrices of 8 MiB each.
     count = max(1, size_mib // 8)
@@ -141,7 +142,7 @@ def bench_weights(name: str, run: Location, size_mib: int) -> dict:
     latest = store.latest_version()
     t_load = _best_of(3, lambda: store.load(latest))
     manifest = store.read_manifest(latest)
-    shard_paths = [store.root.join(f"v{latest:08d}", s.file) for s in manifest.shards]
+    shard_paths = [store.root.join(f"v{latest:08d}", s.file) for s in manifest.files]
     payload = {p: run.fs.cat_file(p) for p in shard_paths}
     stored = sum(len(b) for b in payload.values())
     raw_root = run.child(f"raw-weights-{uuid.uuid4().hex[:8]}")
