@@ -56,15 +56,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
+from storage.weight_follower import WeightFollower
 from storage.weight_manifest import checksum
 from storage.weight_pieces import encode_share
-from storage.weights import (
-    TensorShare,
-    WeightFollower,
-    WeightStore,
-    check_finite,
-    new_publish_id,
-)
+from storage.weight_shares import TensorShare, check_finite, new_publish_id
+from storage.weights import WeightStore
 from streamrl.config import ModelConfig, WeightsConfig
 from streamrl.learner.model import load_policy, shard_model
 from streamrl.learner.optim import build_optimizer

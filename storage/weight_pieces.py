@@ -123,9 +123,9 @@ def _encode(
 class Assembled:
     """Every tensor of one version, flattened, in the published dtypes (CPU).
 
-    `apply` moves it to the next version: full pieces are copied in, delta pieces applied in
-    place; each rebuilt piece must match its recorded checksum, or everything this call
-    changed is restored and `PieceMismatchError` is raised (the held version stays intact).
+    `apply` moves it to the next version: full pieces are verified then copied in, delta
+    pieces applied in place and verified. If anything fails, a delta version is undone (the
+    held version stays intact); a full version leaves `version` None (nothing usable held).
     """
 
     def __init__(self, manifest: WeightManifest) -> None:
@@ -171,13 +171,16 @@ class Assembled:
         for name, entry in manifest.tensors.items():
             for piece in entry.pieces:
                 pieces_in[piece.file].append((name, piece))
+        # A full version replaces every piece: a failure leaves no version held, and nothing
+        # old is copied to undo it. A delta is undone piece by piece (its few old values).
+        replacing = manifest.base is None
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         try:
             for batch in batches:
                 for file, entries in batch.items():
                     for name, piece in pieces_in.pop(file, ()):
                         try:
-                            undo.append(self._apply_piece(name, piece, entries))
+                            undo.append(self._apply_piece(name, piece, entries, not replacing))
                         except (RuntimeError, IndexError) as exc:  # bad positions or shapes
                             if isinstance(exc, PieceMismatchError):
                                 raise
@@ -187,7 +190,9 @@ class Assembled:
                     f"version {manifest.version}: files never read: {sorted(pieces_in)}"
                 )
         except BaseException:  # also a failed read of the next batch: leave nothing half-done
-            for target, old, index in reversed(undo):
+            if replacing:
+                self.version = None
+            for target, old, index in reversed(undo if not replacing else []):
                 if index is None:
                     target.copy_(old)
                 else:
@@ -196,9 +201,10 @@ class Assembled:
         self.version = manifest.version
 
     def _apply_piece(
-        self, name: str, piece: PieceEntry, entries: Mapping[str, torch.Tensor]
+        self, name: str, piece: PieceEntry, entries: Mapping[str, torch.Tensor], keep_old: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Apply one piece in place; returns what restores it (target, old data, positions)."""
+        """Apply one piece in place; returns what restores it (target, old data, positions;
+        for a full piece the old data only when `keep_old`)."""
         target = self.flat[name][piece.start : piece.stop]
         key = piece_key(name, piece.start)
         where = f"{name!r} elements {piece.start}:{piece.stop} in {piece.file}"
@@ -206,24 +212,18 @@ class Assembled:
             data = entries.get(key)
             if data is None or data.shape != target.shape or data.dtype != target.dtype:
                 raise PieceMismatchError(f"{where}: missing or of the wrong shape or dtype")
-            restore: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = (
-                target,
-                target.clone(),
-                None,
-            )
+            if checksum(data) != piece.checksum:  # verified before it replaces anything
+                raise PieceMismatchError(f"{where}: the piece does not match its checksum")
+            old = target.clone() if keep_old else target[:0]
             target.copy_(data)
-        else:
-            index, values = entries.get(f"{key}.index"), entries.get(f"{key}.values")
-            if index is None or values is None or values.dtype != target.dtype:
-                raise PieceMismatchError(f"{where}: the delta is missing or of the wrong dtype")
-            index = index.long()
-            restore = (target, target[index], index)
-            target[index] = values
+            return target, old, None
+        index, values = entries.get(f"{key}.index"), entries.get(f"{key}.values")
+        if index is None or values is None or values.dtype != target.dtype:
+            raise PieceMismatchError(f"{where}: the delta is missing or of the wrong dtype")
+        index = index.long()
+        old = target[index]
+        target[index] = values
         if checksum(target) != piece.checksum:
-            target_restore, old, positions = restore
-            if positions is None:
-                target_restore.copy_(old)
-            else:
-                target_restore[positions] = old
+            target[index] = old
             raise PieceMismatchError(f"{where}: the rebuilt piece does not match its checksum")
-        return restore
+        return target, old, index

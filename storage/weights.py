@@ -29,9 +29,8 @@ import json
 import posixpath
 import re
 import time
-import uuid
-from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,26 +48,21 @@ from storage.weight_manifest import (
     piece_key,
 )
 from storage.weight_pieces import Assembled, PieceMismatchError, TensorShare, encode_share
+from storage.weight_shares import check_finite, new_publish_id, whole_shares
 
 __all__ = [
-    "Advance",
-    "NonFiniteWeightsError",
     "PublishAbandonedError",
-    "TensorShare",
-    "WeightFollower",
     "WeightIntegrityError",
     "WeightManifest",
     "WeightStore",
     "WeightVersionExistsError",
     "WeightVersionNotFoundError",
-    "new_publish_id",
-    "whole_shares",
 ]
 
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "LATEST"
 DEFAULT_SHARD_BYTES = 512 * 1024**2
-_IO_BATCH_BYTES = 1024**3  # serialised bytes in memory per batch of concurrent PUTs / GETs
+_IO_BATCH_BYTES = 512 * 1024**2  # serialised bytes per batch of concurrent PUTs / GETs
 _VERSION_DIR = re.compile(r"v(\d{8,})")
 
 
@@ -87,51 +81,6 @@ class WeightVersionNotFoundError(StorageError):
 class PublishAbandonedError(StorageError):
     """A rank could not write its share of a version (its part names the error), or not in
     time: the version was not committed and LATEST did not move."""
-
-
-class NonFiniteWeightsError(ValueError):
-    """Weights to publish hold NaN or ±inf; nothing of that version was written."""
-
-
-def new_publish_id() -> str:
-    """A fresh id for one publishing learner life (file names of its versions start with it)."""
-    return uuid.uuid4().hex[:12]
-
-
-def check_finite(version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Refuse NaN/inf weights before anything is uploaded: generators would sample garbage."""
-    bad = [
-        name
-        for name, value in tensors.items()
-        if value.is_floating_point() and not bool(torch.isfinite(value).all())
-    ]
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteWeightsError(
-            f"refusing to publish weights v{version}: {len(bad)} tensor(s) hold NaN or inf "
-            f"({shown}). Nothing was written and LATEST is unchanged; the training that "
-            "produced them diverged (lower learner.lr, keep learner.grad_clip on) — resume "
-            "from the last committed checkpoint"
-        )
-
-
-def whole_shares(
-    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> dict[str, TensorShare]:
-    """Each tensor of `state_dict` as one piece (what a single process publishes), on CPU,
-    cast to `dtype` if given; tied tensors get their own copies."""
-    shares: dict[str, TensorShare] = {}
-    for name, value in state_dict.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"state_dict keys must be non-empty strings, got {name!r}")
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a Tensor")
-        data = value.detach()
-        if dtype is not None and data.is_floating_point():
-            data = data.to(dtype)
-        data = data.to("cpu").reshape(-1).clone()
-        shares[name] = TensorShare(data, 0, tuple(value.shape))
-    return shares
 
 
 def _check_int(value: object, minimum: int, what: str) -> None:
@@ -244,18 +193,25 @@ class WeightStore:
         file_of: dict[str, str] = {}
         files: list[FileEntry] = []
         pending: dict[str, bytes] = {}
-        for index, pieces in enumerate(_batches(sizes, shard_bytes), start=1):
-            file = f"{publish_id}-r{rank:05d}-{index:05d}.safetensors"
-            keys = [key for piece in pieces for key in keys_of[piece]]
-            data = safetensors.torch.save({key: encoded.entries[key] for key in keys})
-            files.append(FileEntry(file, len(data), checksum(data)))
-            file_of.update((key, file) for key in keys)
-            pending[self._path(version, file)] = data
-            if sum(map(len, pending.values())) >= _IO_BATCH_BYTES:
-                self.fs.pipe(pending)  # concurrent PUTs on S3
-                pending = {}
-        if pending:
-            self.fs.pipe(pending)
+        # One batch uploads while the next is serialised: at most two batches in memory.
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-upload") as uploader:
+            uploading: Future[None] | None = None
+            for index, pieces in enumerate(_batches(sizes, shard_bytes), start=1):
+                file = f"{publish_id}-r{rank:05d}-{index:05d}.safetensors"
+                keys = [key for piece in pieces for key in keys_of[piece]]
+                data = safetensors.torch.save({key: encoded.entries[key] for key in keys})
+                files.append(FileEntry(file, len(data), checksum(data)))
+                file_of.update((key, file) for key in keys)
+                pending[self._path(version, file)] = data
+                if sum(map(len, pending.values())) >= _IO_BATCH_BYTES:
+                    if uploading is not None:
+                        uploading.result()
+                    uploading = uploader.submit(self.fs.pipe, pending)  # concurrent PUTs on S3
+                    pending = {}
+            if uploading is not None:
+                uploading.result()
+            if pending:
+                self.fs.pipe(pending)
         tensors = {
             name: TensorEntry(
                 entry.dtype,
@@ -573,80 +529,6 @@ def _first_key(name: str, piece: PieceEntry) -> str:
     """The safetensors key that locates `piece` in the files written."""
     key = piece_key(name, piece.start)
     return key if piece.encoding == "full" else f"{key}.index"
-
-
-@dataclass(frozen=True)
-class Advance:
-    """What `WeightFollower.advance` did: the version now held (None: none intact, nothing
-    changed), the versions found corrupt on the way (→ why) and those that vanished. A version
-    whose chain passes through a corrupt link is corrupt itself: it can never be built (versions
-    are immutable), so a reader skips it for good."""
-
-    version: int | None
-    corrupt: dict[int, str] = field(default_factory=dict)
-    vanished: list[int] = field(default_factory=list)
-
-
-class WeightFollower:
-    """Follows a run's weight versions for one consumer (a generator's engine worker, the
-    evaluator): `advance` moves to the newest intact version, applying deltas to the version
-    held when it can, and `tensors()` gives that version's tensors.
-
-    With `hold=False` nothing is kept between versions (every version is built from its full
-    version): use it when the run publishes only full versions (`weights.full_every` = 1).
-    Held memory: one copy of the model in the published dtype, on CPU."""
-
-    def __init__(self, store: WeightStore, *, hold: bool = True) -> None:
-        self.store, self.hold = store, hold
-        self._assembled: Assembled | None = None
-        self.version: int | None = None
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The held version's tensors (views: valid until the next `advance` or `release`)."""
-        if self._assembled is None:
-            raise RuntimeError("no weights held: call advance() first")
-        return self._assembled.tensors()
-
-    def release(self) -> None:
-        """Drop the held tensors unless holding them between versions (`hold`)."""
-        if not self.hold:
-            self._assembled = None
-
-    def advance(
-        self, newer_than: int | None = None, skip: Collection[int] = (), exactly: int | None = None
-    ) -> Advance:
-        """Build the newest committed version above `newer_than` (default: the held one) and
-        not in `skip` whose chain verifies — or `exactly` that version, raising if it cannot be
-        built. Versions found corrupt or vanished on the way are reported, not raised: one bad
-        publication must not stop the readers of the ones around it."""
-        if exactly is not None:
-            self._build(exactly)
-            return Advance(exactly)
-        floor = (self.version or 0) if newer_than is None else newer_than
-        corrupt: dict[int, str] = {}
-        vanished: list[int] = []
-        for version in sorted(self.store.versions(), reverse=True):
-            if version <= floor:
-                break
-            if version in skip:
-                continue
-            try:
-                self._build(version)
-            except WeightIntegrityError as exc:
-                corrupt[version] = str(exc)
-            except WeightVersionNotFoundError:
-                vanished.append(version)
-            else:
-                return Advance(version, corrupt, vanished)
-        return Advance(None, corrupt, vanished)
-
-    def _build(self, version: int) -> None:
-        onto = self._assembled if self.hold else None
-        try:
-            self._assembled = self.store.build(version, onto=onto)
-        finally:  # a failed build may have moved the held weights to a verified later version
-            if self._assembled is not None:
-                self.version = self._assembled.version
 
 
 def _json_object(config: dict[str, Any] | None) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def build_generator(
     version (corrupt ones are skipped and counted), exactly `policy_version` when given (its
     manifest is checked before vLLM starts), or none with `policy_version=0` (the model's own).
     """
-    from storage.weights import Advance, WeightStore
+    from storage.weight_follower import Advance
+    from storage.weights import WeightStore
     from streamrl.data import PromptPosition, PromptSource
     from streamrl.generator.engine import Engine, WeightSource, generator_seed
     from streamrl.generator.progress import PromptLedger, resume_prompts

@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from storage.weights import Advance, WeightIntegrityError, WeightVersionNotFoundError
+from storage.weight_follower import Advance
+from storage.weights import WeightIntegrityError, WeightVersionNotFoundError
 from streamrl.config import GeneratorConfig, ModelConfig
 from streamrl.generator.weight_worker import WeightReloadExtension, WeightSource
 

@@ -36,7 +36,8 @@ from storage.control import stop_requested
 from storage.fs import Location
 from storage.records import ScoredGroup
 from storage.stream import StreamWriter
-from storage.weights import Advance, WeightStore
+from storage.weight_follower import Advance
+from storage.weights import WeightStore
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
 from streamrl.data import Prompt, PromptIterator

@@ -23,13 +23,8 @@ from typing import Any
 import torch
 
 from storage.fs import Location, open_location
-from storage.weights import (
-    Advance,
-    WeightFollower,
-    WeightIntegrityError,
-    WeightStore,
-    WeightVersionNotFoundError,
-)
+from storage.weight_follower import Advance, WeightFollower
+from storage.weights import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
 from streamrl.config import WeightsConfig
 
 __all__ = ["WeightReloadExtension", "WeightSource"]

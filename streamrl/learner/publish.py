@@ -25,7 +25,9 @@ With `weights.background` false, `publish` waits for its own upload (the step pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -40,18 +42,22 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from storage.fs import StorageError
-from storage.weights import (
+from storage.weight_shares import (
     NonFiniteWeightsError,
     TensorShare,
-    WeightStore,
     new_publish_id,
+    non_finite,
+    non_finite_message,
 )
+from storage.weights import WeightStore
 from streamrl.config import WeightsConfig
 from streamrl.learner.topology import Topology
 
 __all__ = ["PublishReport", "WeightPublisher", "local_shares"]
 
 log = logging.getLogger(__name__)
+
+_UPLOAD_NICE = 10  # CPU share of the upload thread when it competes with training: ~1/10
 
 
 @dataclass(frozen=True)
@@ -165,19 +171,10 @@ class WeightPublisher:
         """Copy this rank's shard into the snapshot buffers (allocated once, pinned on CUDA),
         after every rank checked that it holds no NaN/inf."""
         shares = local_shares(model)
-        floats = {n: t for n, (t, _, _) in shares.items() if t.is_floating_point() and t.numel()}
-        finite = [torch.isfinite(t).all() for t in floats.values()]  # one sync below, not many
-        flags = torch.stack(finite).tolist() if finite else []
-        bad = [name for name, ok in zip(floats, flags, strict=True) if not ok]
+        bad = non_finite({name: local for name, (local, _, _) in shares.items()})
         total = int(self.topology.all_reduce_sum(torch.tensor([len(bad)])).item())
         if total:
-            raise NonFiniteWeightsError(
-                f"refusing to publish weights v{version}: {total} tensor shard(s) hold NaN or "
-                f"inf ({', '.join(bad[:5]) or 'on other ranks'}). Nothing was written and "
-                "LATEST is unchanged; the training that produced them diverged (lower "
-                "learner.lr, keep learner.grad_clip on) — resume from the last committed "
-                "checkpoint"
-            )
+            raise NonFiniteWeightsError(non_finite_message(version, bad, total))
         pinned = self.topology.device.type == "cuda"
         self._layout = {}
         for name, (local, start, shape) in shares.items():
@@ -197,6 +194,7 @@ class WeightPublisher:
         future: Future[PublishReport] = Future()
 
         def run() -> None:
+            _yield_cpu_to_training()
             future.set_result(self._upload(version, base_version))
 
         thread = threading.Thread(target=run, name=f"publish-v{version}", daemon=True)
@@ -262,3 +260,11 @@ class WeightPublisher:
             "weights/full": float(report.full),
             "weights/publish_failures_total": float(self.failures),
         }
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower this thread's CPU priority (Linux: threads have their own nice value), so the
+    upload's serialising and hashing take the cores the training step leaves idle rather than
+    slowing the step down."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _UPLOAD_NICE)

@@ -21,7 +21,8 @@ import torch
 from storage.fs import Location, open_location
 from storage.manifest import create_run
 from storage.stream import StreamReader, StreamWriter, read_log
-from storage.weights import Advance, WeightStore
+from storage.weight_follower import Advance
+from storage.weights import WeightStore
 from streamrl.config import RunConfig, load_config
 from streamrl.data import PromptSource
 from streamrl.data.rows import DatasetError

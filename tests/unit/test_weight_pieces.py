@@ -19,6 +19,7 @@ from storage.weight_manifest import (
     index_dtype,
 )
 from storage.weight_pieces import Assembled, PieceMismatchError, TensorShare, encode_share
+from storage.weight_shares import non_finite
 
 FILE = "pieces.safetensors"
 
@@ -281,3 +282,30 @@ def test_a_delta_applies_only_to_its_base_and_tensors_must_match():
     with pytest.raises(PieceMismatchError, match="holds other tensors"):
         held.apply(other, [{FILE: {"a@0": torch.zeros(10)}}])
     assert held.version == 1
+
+
+def test_a_failing_full_version_leaves_no_version_held_and_the_next_full_one_applies():
+    (m1, blobs1), _, _ = _two_tensor_versions()
+    held = Assembled(m1)
+    held.apply(m1, [blobs1])
+    bad_b = TensorEntry("bfloat16", (4,), (PieceEntry(0, 4, FILE, "full", "f" * 32),))
+    broken = _manifest(3, None, {"a": m1.tensors["a"], "b": bad_b})
+    with pytest.raises(PieceMismatchError, match=r"'b' elements 0:4 .* does not match"):
+        held.apply(broken, [blobs1])
+    assert held.version is None  # partly replaced: nothing usable is held
+    held.apply(m1, [blobs1])
+    assert held.version == 1
+
+
+def test_non_finite_names_every_tensor_with_nan_or_inf_in_any_dtype():
+    clean = torch.randn(64)
+    tensors = {"clean": clean, "ints": torch.arange(5), "empty": torch.zeros(0)}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            poisoned = clean.clone().to(dtype)
+            poisoned[37] = bad
+            tensors[f"{dtype}-{bad}"] = poisoned
+    found = non_finite(tensors)
+    assert found == [name for name in tensors if "-" in name]
+    assert len(found) == 9
+    assert non_finite({"clean": clean}) == []

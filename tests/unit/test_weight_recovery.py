@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from storage.fs import Location
-from storage.weights import (
-    Advance,
-    WeightFollower,
-    WeightIntegrityError,
-    WeightStore,
-    WeightVersionNotFoundError,
-)
+from storage.weight_follower import Advance, WeightFollower
+from storage.weights import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

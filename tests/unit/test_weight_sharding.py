@@ -16,12 +16,8 @@ import safetensors.torch
 import torch
 
 from storage.fs import open_location
-from storage.weights import (
-    PublishAbandonedError,
-    TensorShare,
-    WeightStore,
-    WeightVersionNotFoundError,
-)
+from storage.weight_shares import TensorShare
+from storage.weights import PublishAbandonedError, WeightStore, WeightVersionNotFoundError
 from tests.unit.test_weights import REPO_ROOT, _assert_exact, _path, _state_dict, _xxh3
 
 
@@ -41,7 +37,8 @@ _RANK_1 = """
 import json, sys
 import safetensors.torch
 from storage.fs import open_location
-from storage.weights import TensorShare, WeightStore
+from storage.weight_shares import TensorShare
+from storage.weights import WeightStore
 uri, options = json.loads(sys.stdin.readline())
 store = WeightStore(open_location(uri, storage_options=options))
 print("ready", flush=True)

@@ -17,14 +17,13 @@ import torch
 import xxhash
 
 from storage.fs import Location, open_location
+from storage.weight_shares import NonFiniteWeightsError, whole_shares
 from storage.weights import (
-    NonFiniteWeightsError,
     WeightIntegrityError,
     WeightManifest,
     WeightStore,
     WeightVersionExistsError,
     WeightVersionNotFoundError,
-    whole_shares,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +150,8 @@ def test_latest_follows_publishes_and_versions_need_a_manifest(run_location):
 _KILLED_PUBLISHER = """
 import json, sys, time, torch
 from storage.fs import open_location
-from storage.weights import WeightStore, whole_shares
+from storage.weight_shares import whole_shares
+from storage.weights import WeightStore
 uri, options = json.loads(sys.stdin.readline())
 store = WeightStore(open_location(uri, storage_options=options))
 state = {f"layers.{i}.weight": torch.randn(256, 1024) for i in range(4)}
