@@ -215,7 +215,8 @@ def bench_commits(server: SeaweedFS, writers: int, seconds: float) -> dict:
     }
 
 
-def _table(rows: list[dict]) -> str:
+def markdown_table(rows: list[dict]) -> str:
+    """`rows` (dicts with the same keys) as a markdown table, floats to 3 significant digits."""
     keys = list(rows[0])
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -243,10 +244,10 @@ def main() -> None:
             for name, run in (("local", local), ("seaweedfs", s3))
         ]
         print("\n## Replay stream vs raw fsspec put/get of the same bytes\n")
-        print(_table(rows))
+        print(markdown_table(rows))
         print("\n## Weight store publish/load vs raw copy of the same bytes\n")
         print(
-            _table(
+            markdown_table(
                 [
                     bench_weights(n, r, args.weights_mib)
                     for n, r in (("local", local), ("seaweedfs", s3))
@@ -254,7 +255,7 @@ def main() -> None:
             )
         )
         print("\n## Commit log on SeaweedFS: concurrent writers\n")
-        print(_table([bench_commits(server, n, args.seconds) for n in args.writers]))
+        print(markdown_table([bench_commits(server, n, args.seconds) for n in args.writers]))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from benchmarks.storage_bench import markdown_table
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
 from storage.weight_follower import WeightFollower
@@ -81,14 +82,6 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, An
 
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
-
-
-def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _file(store: WeightStore, version: int, name: str) -> str:
@@ -513,7 +506,7 @@ def _in_process(target: Callable, *args: Any) -> Any:
 
 def report_publish(rows: list[dict]) -> None:
     print("\n## Publish (WeightPublisher, full versions) and verified load vs raw fsspec\n")
-    print(_table([{k: v for k, v in r.items() if k != "profile"} for r in rows]))
+    print(markdown_table([{k: v for k, v in r.items() if k != "profile"} for r in rows]))
     for r in rows:
         print(
             f"goal ≥ {GOAL_RAW}× raw, {r['ranks']} rank(s) {r['backend']} {r['dtype']}: "
@@ -543,7 +536,7 @@ def report_step(result: dict, args: argparse.Namespace) -> None:
         f"{args.batch}×{args.seq}, lr {args.lrs[0]:g}, bf16 published every step)\n"
     )
     print(
-        _table(
+        markdown_table(
             [
                 {
                     "steps": len(result["bare"]),
@@ -573,7 +566,7 @@ def report_step(result: dict, args: argparse.Namespace) -> None:
 
 def report_delta(rows: list[dict]) -> None:
     print("\n## Delta vs full versions after AdamW steps (fp32 master, bf16 published)\n")
-    print(_table(rows))
+    print(markdown_table(rows))
     small = [r["delta_vs_full"] for r in rows if r["lr"] == 1e-6]
     if small:
         print(
@@ -584,7 +577,7 @@ def report_delta(rows: list[dict]) -> None:
 
 def report_load(rows: list[dict]) -> None:
     print("\n## Engine.advance_weights (read + verify + build + reload into vLLM) vs raw read\n")
-    print(_table(rows))
+    print(markdown_table(rows))
     for r in rows:
         print(
             f"goal ≥ {GOAL_RAW}× raw, {r['backend']}: full load {r['full_vs_raw']:.2f}× "
@@ -631,7 +624,7 @@ def main() -> None:
     print(f"model {args.model}, {os.cpu_count()} CPU cores, phases {phases}, backends {backends}")
     if "hash" in phases:
         print("\n## Checksum over the same bytes\n")
-        print(_table([bench_hash(args.hash_mib)]))
+        print(markdown_table([bench_hash(args.hash_mib)]))
     with tempfile.TemporaryDirectory() as tmp:
         server = SeaweedFS().start() if "seaweedfs" in backends else None
         try:
