@@ -235,7 +235,7 @@ def _profile_write(store: WeightStore, policy: torch.nn.Module, dtype: torch.dty
     """Where one rank's full version spends its time, step by step: the publisher's snapshot
     (state dict, finiteness, copy + cast), then the steps `WeightStore.write_share` runs."""
     out: dict[str, float] = {}
-    out["state dict (local_shares)"], local = _timed(lambda: local_shares(policy))
+    out["state dict (local_shares)"], local = _timed(lambda: local_shares(policy, True))
     floats = [t for t, _, _ in local.values() if t.is_floating_point() and t.numel()]
     out["isfinite (publisher)"] = _timed(
         lambda: torch.stack([torch.isfinite(t).all() for t in floats]).tolist()

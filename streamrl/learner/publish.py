@@ -71,12 +71,13 @@ class PublishReport:
     upload_s: float
 
 
-def local_shares(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
+def local_shares(
+    model: nn.Module, is_main: bool
+) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
     """This rank's piece of every tensor of `model`'s state dict: (local data, flat start,
     global shape). An FSDP2 parameter sharded on dim 0 is a range of rows, hence of flattened
-    elements; anything not sharded is taken whole by rank 0 only (others: empty)."""
+    elements; anything not sharded is taken whole by the main rank only (others: empty)."""
     shares: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]] = {}
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for name, value in get_model_state_dict(model).items():
         if isinstance(value, DTensor):
             shape = tuple(value.shape)
@@ -87,7 +88,7 @@ def local_shares(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, tuple[i
             start = offset[0] * prod(shape[1:]) if shape else 0
             shares[name] = (local, start if local.numel() else 0, shape)
         else:
-            whole = value if rank == 0 else value.new_empty(0)
+            whole = value if is_main else value.new_empty(0)
             shares[name] = (whole, 0, tuple(value.shape))
     return shares
 
@@ -170,7 +171,7 @@ class WeightPublisher:
     def _take_snapshot(self, model: nn.Module, version: int) -> None:
         """Copy this rank's shard into the snapshot buffers (allocated once, pinned on CUDA),
         after every rank checked that it holds no NaN/inf."""
-        shares = local_shares(model)
+        shares = local_shares(model, self.topology.is_main)
         bad = non_finite({name: local for name, (local, _, _) in shares.items()})
         total = int(self.topology.all_reduce_sum(torch.tensor([len(bad)])).item())
         if total:
