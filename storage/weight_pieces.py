@@ -81,16 +81,19 @@ def encode_share(
     more than `max_delta_ratio` of its full bytes, every piece is stored full (a full version
     costs no more and needs no base).
     """
+    sums: dict[str, str] = {}  # each piece's checksum, computed once even if encoded twice
     if base is not None:
-        delta = _encode(shares, base)
+        delta = _encode(shares, base, sums)
         full_bytes = sum(s.data.numel() * s.data.element_size() for s in shares.values())
         if delta.nbytes <= max_delta_ratio * full_bytes:
             return delta
-    return _encode(shares, None)
+    return _encode(shares, None, sums)
 
 
 def _encode(
-    shares: Mapping[str, TensorShare], base: Mapping[str, torch.Tensor] | None
+    shares: Mapping[str, TensorShare],
+    base: Mapping[str, torch.Tensor] | None,
+    sums: dict[str, str],
 ) -> EncodedShare:
     entries: dict[str, torch.Tensor] = {}
     tensors: dict[str, TensorEntry] = {}
@@ -115,7 +118,9 @@ def _encode(
                 encoding, has_delta = "delta", True
         if encoding == "full":
             entries[key] = data
-        piece = PieceEntry(start, start + data.numel(), "", encoding, checksum(data))
+        if name not in sums:
+            sums[name] = checksum(data)
+        piece = PieceEntry(start, start + data.numel(), "", encoding, sums[name])
         tensors[name] = TensorEntry(dtype, share.shape, (piece,))
     return EncodedShare(entries, tensors, has_delta)
 
