@@ -189,8 +189,11 @@ learner.total_steps, then writes the run's stop marker.
 
 def _cmd_learner(args: argparse.Namespace) -> int:
     from streamrl.learner import run_learner
+    from streamrl.learner.topology import exit_process
 
     print(f"learner: trained to step {run_learner(args.run)}")
+    if args.program:  # this process ends here, without an interpreter teardown to race
+        exit_process(0)
     return 0
 
 
@@ -438,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for hints
+    args.program = argv is None  # this process is `streamrl ...`, not a library call
     logging.basicConfig(
         level=os.environ.get("STREAMRL_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

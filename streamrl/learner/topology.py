@@ -12,20 +12,25 @@ Backend: gloo on CPU, NCCL on CUDA (device `cuda:<LOCAL_RANK>`). The device mesh
 
 Rank-0-only work (logging, progress bars, writing files) is gated by `main_only`;
 `decide_on_main` runs work on rank 0 and hands its result, or its error, to every rank.
+
+A learner process ends with `exit_process`, not by returning to the interpreter (see there).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Topology", "TopologyError"]
+__all__ = ["Topology", "TopologyError", "exit_process"]
 
 T = TypeVar("T")
 MESH_DIM = "fsdp"
@@ -182,3 +187,23 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code` after its exit handlers, without finalizing the interpreter.
+
+    For a program that used torch.distributed (the learner's ranks). gloo's worker threads
+    outlive `destroy_process_group` (device meshes keep the group alive) and free a
+    collective's tensors just after the caller saw it complete. Freeing a tensor Python created
+    takes the GIL, and a thread that gets the GIL while the interpreter finalizes is ended by
+    Python (`pthread_exit`) from inside a C++ destructor that must not unwind: `std::terminate`,
+    SIGABRT, after a run that succeeded (pytorch/pytorch#190489). So the exit handlers
+    (logging, wandb, temporary files) run while the interpreter is whole, output is flushed,
+    and the process leaves with `os._exit`. Threads still running are not waited for."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # closed, or its reader gone
+                stream.flush()
+        os._exit(code)
