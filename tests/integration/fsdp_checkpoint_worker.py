@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 from storage.checkpoints import CheckpointStore, LearnerState, ModelState
 from storage.fs import StorageError, open_location
+from streamrl.learner.topology import exit_process
 
 FEATURES, HIDDEN, BATCH = 16, 32, 8
 
@@ -116,3 +117,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race

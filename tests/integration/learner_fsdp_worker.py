@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from streamrl.config import CriticConfig, ModelConfig
 from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
 from streamrl.learner.optim import build_optimizer, build_scheduler, clip_grad_norm
-from streamrl.learner.topology import Topology
+from streamrl.learner.topology import Topology, exit_process
 
 MODEL = "tiny-qwen2"
 MODEL_CFG = ModelConfig(path=MODEL, dtype="float32", critic=CriticConfig(init_from="policy"))
@@ -98,3 +98,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from streamrl.learner.loop import Learner
-from streamrl.learner.topology import Topology
+from streamrl.learner.topology import Topology, exit_process
 from streamrl.runs import open_existing_run
 
 
@@ -71,3 +71,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race

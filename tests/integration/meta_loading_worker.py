@@ -30,7 +30,7 @@ from streamrl.learner.loading import (
     meta_value_model,
 )
 from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
-from streamrl.learner.topology import Topology
+from streamrl.learner.topology import Topology, exit_process
 
 SEED = 3  # the critic's fresh head
 
@@ -132,3 +132,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race

@@ -22,7 +22,7 @@ from storage.weights import WeightStore
 from streamrl.config import ModelConfig, WeightsConfig
 from streamrl.learner.model import load_policy, shard_model
 from streamrl.learner.publish import WeightPublisher
-from streamrl.learner.topology import Topology
+from streamrl.learner.topology import Topology, exit_process
 
 MODEL = "tiny-qwen2"
 MODEL_CFG = ModelConfig(path=MODEL, dtype="bfloat16")
@@ -67,3 +67,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race

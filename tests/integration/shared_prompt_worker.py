@@ -30,7 +30,7 @@ from streamrl.learner.step import (
     Trainable,
     train_on_batch,
 )
-from streamrl.learner.topology import Topology
+from streamrl.learner.topology import Topology, exit_process
 from tests.stream_data import random_group
 
 PRESETS = ("grpo", "dr_grpo", "dapo", "rloo", "gpg", "reinforce_pp", "vapo")
@@ -162,3 +162,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race
