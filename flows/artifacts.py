@@ -1,14 +1,26 @@
-"""The flow run's artifacts: learner progress, a table of the latest metrics, the wandb link.
+"""The flow run's artifacts — learner progress, a table of the latest metrics, the learning
+curves, the wandb link — and the run's health events.
 
-`RunArtifacts.refresh()` reads the run's metrics straight from storage and updates the
-progress artifact (learner steps / total) and, when a new step arrived, re-publishes the
-markdown table under the run's key (Prefect keeps every version of a keyed artifact). The table
-also shows the generators' failed reward calls, tallied from the stream's commit records.
+`RunArtifacts.refresh()` reads the learner records logged since its last call straight from
+storage and updates what changed: the progress artifact (learner steps / total); when a new
+step arrived, the markdown table (Prefect keeps every version of a keyed artifact; the table
+also shows the generators' failed reward calls, tallied from the stream's commit records) and,
+at most every `CURVES_EVERY_S`, the curves (`streamrl.curves`: one chart grid, as an image in a
+markdown artifact). Keys come from the run's name (`streamrl-<name>-metrics`, `-curves`,
+`-progress`, `-wandb`), so they read well and stay the same when the run moves to S3.
+
+Each health condition a new learner record reports (`streamrl.health`) becomes a Prefect event
+`streamrl.health.<condition>` (resource `streamrl.run.<name>`, related to the flow run; payload:
+the step, the value, the threshold and the message), for automations to notify, pause or cancel.
 """
 
 from __future__ import annotations
 
+import base64
+import math
+import posixpath
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -19,14 +31,19 @@ from prefect.artifacts import (
     create_progress_artifact,
     update_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.events import emit_event
 
 from storage.fs import Location
 from streamrl.config import RunConfig
+from streamrl.curves import Curves, RunCurves, render_png
 from streamrl.evaluation import read_eval_records
-from streamrl.learner.reporting import latest_metrics, read_wandb_link
+from streamrl.learner.reporting import read_wandb_link
 from streamrl.status import StreamStatus, read_stream
 
-__all__ = ["RunArtifacts", "metrics_table"]
+__all__ = ["RunArtifacts", "artifact_key", "curves_markdown", "metrics_table", "run_name"]
+
+CURVES_EVERY_S = 60.0  # the curves image is redrawn at most this often while steps arrive
 
 # (label, metric, format) rows of the table, in order.
 ROWS = (
@@ -57,10 +74,20 @@ ROWS = (
 )
 
 
-def _key(run_uri: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes."""
-    slug = re.sub(r"[^a-z0-9]+", "-", run_uri.lower()).strip("-")[-40:].strip("-")
-    return f"streamrl-{slug or 'run'}"
+def run_name(config: RunConfig, run: Location) -> str:
+    """What the run is called: `logging.run_name`, else the last part of its URI (the same on
+    local disk and on S3)."""
+    return config.logging.run_name or posixpath.basename(run.uri.rstrip("/")) or "run"
+
+
+def _slug(name: str) -> str:
+    """`name` in lowercase letters, digits and dashes (what Prefect artifact keys allow)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60].strip("-") or "run"
+
+
+def artifact_key(name: str, kind: str) -> str:
+    """The key of the `kind` artifact of the run called `name`."""
+    return f"streamrl-{_slug(name)}-{kind}"
 
 
 def metrics_table(
@@ -93,6 +120,19 @@ def metrics_table(
     return "\n".join(lines)
 
 
+def curves_markdown(curves: Curves, name: str, total_steps: int) -> str:
+    """The curves as one PNG chart grid embedded in markdown (a data URI: the Prefect UI shows
+    it without any other server), and the health conditions that fired."""
+    title = f"{name} — step {curves.last_step} / {total_steps}"
+    image = base64.b64encode(render_png(curves, title)).decode()
+    lines = [f"### Curves of {title}", "", f"![curves of {name}](data:image/png;base64,{image})"]
+    if curves.health:
+        lines += ["", "Health conditions fired (red dotted lines; Prefect events "
+                  "`streamrl.health.<condition>`):"]  # fmt: skip
+        lines += [f"- step {step}: {condition}" for step, condition in curves.health]
+    return "\n".join(lines)
+
+
 def _latest_eval(run: Location) -> dict[str, Any] | None:
     records = read_eval_records(run)
     return records[-1] if records else None
@@ -100,41 +140,106 @@ def _latest_eval(run: Location) -> dict[str, Any] | None:
 
 @dataclass
 class RunArtifacts:
-    """The artifacts of one flow run for one streamrl run."""
+    """The artifacts and health events of one flow run for one streamrl run."""
 
     config: RunConfig
     run: Location
     wandb_url: str | None = None
+    curves_every_s: float = CURVES_EVERY_S
+    name: str = field(init=False)
+    _history: RunCurves = field(init=False)
+    _latest: dict[str, Any] | None = field(default=None, init=False)
+    _read_once: bool = field(default=False, init=False)
     _progress_id: UUID | None = field(default=None, init=False)
+    _progress: float | None = field(default=None, init=False)
     _shown_step: int = field(default=-1, init=False)
+    _curves_step: int = field(default=-1, init=False)
+    _curves_at: float = field(default=-math.inf, init=False)
+    _curves_id: UUID | None = field(default=None, init=False)
     _stream: StreamStatus | None = field(default=None, init=False)
 
+    def __post_init__(self) -> None:
+        self.name = run_name(self.config, self.run)
+        self._history = RunCurves(self.run)
+
     def refresh(self, *, final: bool = False) -> dict[str, Any] | None:
-        """Update progress and, if a new step was logged (or `final`: the run is over, and
-        evaluation may have finished since), the metrics table; the latest learner metrics
-        (None before the first step)."""
+        """Read the records logged since the last call; update what changed: progress, the
+        metrics table (a new step, or `final`: the run is over and evaluation may have finished
+        since), the curves (a new step, at most every `curves_every_s`, and when `final`); emit
+        an event for each health condition the new records report. Returns the latest learner
+        record (None before the first step)."""
         total = self.config.learner.total_steps
         self.link_wandb(read_wandb_link(self.run))
-        latest = latest_metrics(self.run)
-        step = int(latest["step"]) if latest else 0
-        progress = 100.0 * min(step, total) / total
-        if self._progress_id is None:
-            self._progress_id = create_progress_artifact(
-                progress=progress,
-                key=f"{_key(self.run.uri)}-progress",
-                description=f"learner steps of {self.run.uri}",
-            )
-        else:
-            update_progress_artifact(self._progress_id, progress)
-        if latest is not None and (step != self._shown_step or final):
+        self._take(self._history.read())
+        step = int(self._latest["step"]) if self._latest else 0
+        self._update_progress(100.0 * min(step, total) / total)
+        if self._latest is not None and (step != self._shown_step or final):
             self._shown_step = step
             self._stream = read_stream(self.run, since=self._stream)  # new commits only
             create_markdown_artifact(
-                markdown=metrics_table(latest, total, _latest_eval(self.run), self._stream),
-                key=f"{_key(self.run.uri)}-metrics",
+                markdown=metrics_table(self._latest, total, _latest_eval(self.run), self._stream),
+                key=artifact_key(self.name, "metrics"),
                 description=f"latest metrics of {self.run.uri}",
             )
-        return latest
+        due = time.monotonic() - self._curves_at >= self.curves_every_s
+        if self._latest is not None and ((step != self._curves_step and due) or final):
+            self._publish_curves(step)
+        return self._latest
+
+    def _take(self, records: list[dict[str, Any]]) -> None:
+        """The newest learner record; health events of new records that were not there at the
+        first read (a resumed run's old ones were reported by their own flow run)."""
+        for record in records:
+            if "value_pretrain_step" in record or "step" not in record:
+                continue
+            step = int(record["step"])
+            if self._latest is None or step >= int(self._latest["step"]):
+                self._latest = record
+            if self._read_once:
+                for event in record.get("health") or ():
+                    self._emit_health(step, event)
+        self._read_once = True
+
+    def _emit_health(self, step: int, event: dict[str, Any]) -> None:
+        condition = str(event.get("condition", "unknown"))
+        emit_event(
+            event=f"streamrl.health.{condition}",
+            resource={
+                "prefect.resource.id": f"streamrl.run.{_slug(self.name)}",
+                "prefect.resource.name": self.name,
+                "streamrl.run-uri": self.run.uri,
+            },
+            payload={**event, "step": step, "run_uri": self.run.uri},
+        )
+
+    def _update_progress(self, progress: float) -> None:
+        """Create the progress artifact once, then update it only when it moved (each update is
+        an event that `prefect deployment run --watch` prints)."""
+        if self._progress_id is None:
+            self._progress_id = create_progress_artifact(
+                progress=progress,
+                key=artifact_key(self.name, "progress"),
+                description=f"learner steps of {self.run.uri}",
+            )
+        elif progress != self._progress:
+            update_progress_artifact(self._progress_id, progress)
+        self._progress = progress
+
+    def _publish_curves(self, step: int) -> None:
+        """A new version of the curves artifact; the one it replaces is deleted (each holds
+        the whole history: older versions would only fill the server's database)."""
+        markdown = curves_markdown(
+            self._history.curves(), self.name, self.config.learner.total_steps
+        )
+        artifact = create_markdown_artifact(
+            markdown=markdown,
+            key=artifact_key(self.name, "curves"),
+            description=f"learning curves of {self.run.uri}",
+        )
+        if self._curves_id is not None:
+            with get_client(sync_client=True) as client:
+                client.delete_artifact(self._curves_id)
+        self._curves_id, self._curves_step, self._curves_at = artifact, step, time.monotonic()
 
     def link_wandb(self, url: str | None) -> None:
         """Attach the wandb run's link (or where its offline files are) once known."""
@@ -143,6 +248,6 @@ class RunArtifacts:
             create_link_artifact(
                 link=url,
                 link_text="wandb run",
-                key=f"{_key(self.run.uri)}-wandb",
+                key=artifact_key(self.name, "wandb"),
                 description="the learner's wandb run",
             )

@@ -2,10 +2,12 @@
 
     python scripts/ui_check.py --flow-run FLOW_RUN_ID [--api http://127.0.0.1:4200/api] [--out DIR]
 
-Renders the flow run's page and its metrics-table and progress artifacts' pages in headless
-Chromium (`chromium` on PATH, e.g. `apt-get install chromium`), saves a screenshot of each into
-`--out`, and fails unless the rendered pages show the flow run's name, its state and the
-artifacts' content (the metrics table's rows). The API URL defaults to PREFECT_API_URL.
+Renders the flow run's page and its metrics-table, curves and progress artifacts' pages in
+headless Chromium (`chromium` on PATH, e.g. `apt-get install chromium`), saves a screenshot of
+each into `--out`, and fails unless the rendered pages show the flow run's name, its state and
+the artifacts' content: the metrics table's rows, and on the curves page an image (a PNG of at
+least 300×200 pixels in the rendered page). The API URL defaults to Prefect's own setting: the
+active profile's (the one `make up` made active), or PREFECT_API_URL.
 
 A run placed on work pools (`placement.mode=pools`) has child flow runs: its learner node(s),
 generators and evaluator, each a run of its own deployment. When the flow run has children
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import base64
+import io
+import re
 import shutil
 import subprocess
 import sys
@@ -39,10 +43,12 @@ from prefect.client.schemas.filters import (
     FlowRunFilterParentFlowRunId,
 )
 from prefect.client.schemas.sorting import FlowRunSort
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome")
 LIST_LIMIT = 10  # runs per page in the UI's flow run lists (its default)
 PAGE = 200  # flow runs per API request
+MIN_IMAGE = (300, 200)  # the smallest curves image (pixels) that counts as shown
 
 
 def _browser() -> str:
@@ -106,13 +112,32 @@ async def _flow_run(flow_run_id: str) -> tuple[Any, list[Any], list[Any], dict[A
     return run, artifacts, children, deployments
 
 
-def _check(browser: str, name: str, url: str, expected: list[str], out: Path) -> bool:
-    """Render `url`; print whether every text of `expected` appears. True when all do."""
+def _check(
+    browser: str, name: str, url: str, expected: list[str], out: Path, image: bool = False
+) -> bool:
+    """Render `url`; print whether every text of `expected` appears (and, with `image`, a
+    PNG image of at least `MIN_IMAGE` pixels). True when all do."""
     dom = _render(browser, url, out / f"{name}.png")
     missing = [text for text in expected if text not in dom]
+    if image and not _shows_image(dom):
+        missing.append(f"an image of at least {MIN_IMAGE[0]}x{MIN_IMAGE[1]} pixels")
     status = "ok" if not missing else f"MISSING {missing}"
     print(f"{name:14s} {url}\n{'':14s} screenshot {out / f'{name}.png'}: {status}")
     return not missing
+
+
+def _shows_image(dom: str) -> bool:
+    """Whether the rendered page holds an <img> whose PNG data decodes to a large enough image."""
+    from PIL import Image
+
+    for data in re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom):
+        try:
+            size = Image.open(io.BytesIO(base64.b64decode(data))).size
+        except (OSError, ValueError):
+            continue
+        if size[0] >= MIN_IMAGE[0] and size[1] >= MIN_IMAGE[1]:
+            return True
+    return False
 
 
 def _check_children(
@@ -135,39 +160,54 @@ def _check_children(
     return len(shown) >= wanted
 
 
+def _newest(artifacts: list[Any], kind: str, key_suffix: str) -> Any | None:
+    """The newest artifact of type `kind` whose key ends with `key_suffix`."""
+    found = [a for a in artifacts if a.type == kind and (a.key or "").endswith(key_suffix)]
+    return max(found, key=lambda a: a.created) if found else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flow-run", required=True, help="the flow run's id")
-    parser.add_argument("--api", default=os.environ.get("PREFECT_API_URL"), help="Prefect API URL")
+    parser.add_argument(
+        "--api",
+        default=get_current_settings().api.url,
+        help="Prefect API URL (default: the active Prefect profile's, or PREFECT_API_URL)",
+    )
     parser.add_argument("--out", default="ui-check", help="folder for the screenshots")
     args = parser.parse_args()
     if not args.api:
-        sys.exit("no Prefect API URL: pass --api or set PREFECT_API_URL (make up prints it)")
-    os.environ["PREFECT_API_URL"] = args.api
+        sys.exit(
+            "no Prefect API URL: start the stack (`make up` makes its profile active), or pass "
+            "--api, or set PREFECT_API_URL"
+        )
     ui = args.api.removesuffix("/").removesuffix("/api")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     browser = _browser()
 
-    run, artifacts, children, deployments = asyncio.run(_flow_run(args.flow_run))
+    with temporary_settings({PREFECT_API_URL: args.api}):
+        run, artifacts, children, deployments = asyncio.run(_flow_run(args.flow_run))
     pages = {"flow-run": (f"{ui}/runs/flow-run/{run.id}", [run.name, run.state.name, "learner"])}
-    tables = [a for a in artifacts if a.type == "markdown"]
-    progress = next((a for a in artifacts if a.type == "progress"), None)
-    if tables:
-        table = max(tables, key=lambda a: a.created)
+    table = _newest(artifacts, "markdown", "-metrics")
+    curves = _newest(artifacts, "markdown", "-curves")
+    progress = _newest(artifacts, "progress", "-progress")
+    if table is not None:
         pages["metrics-table"] = (
             f"{ui}/artifacts/artifact/{table.id}",
             ["reward (mean)", "accuracy"],
         )
+    if curves is not None:
+        pages["curves"] = (f"{ui}/artifacts/artifact/{curves.id}", ["Curves of"])
     if progress is not None:
         pages["progress"] = (f"{ui}/artifacts/artifact/{progress.id}", [progress.key, "100"])
     failures = []
-    for kind, found in (("metrics-table", tables), ("progress", progress)):
-        if not found:
+    for kind, found in (("metrics-table", table), ("curves", curves), ("progress", progress)):
+        if found is None:
             print(f"{kind:14s} MISSING: the flow run has no {kind} artifact")
             failures.append(kind)
     for name, (url, expected) in pages.items():
-        if not _check(browser, name, url, expected, out):
+        if not _check(browser, name, url, expected, out, image=name == "curves"):
             failures.append(name)
     if children and not _check_children(browser, ui, run, children, deployments, out):
         failures.append("subflow-runs")

@@ -70,6 +70,7 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     # Where metrics go, and held-out evaluation (it never touches training).
     "logging",
     "eval",
+    "health",  # alarm thresholds: they warn, never change an update
     # How the run is reached (the same run may be opened by another path or endpoint).
     "storage.run_uri",
     "storage.endpoint_url",

@@ -7,14 +7,17 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 EXAMPLES_STATUS = """\
 examples:
   streamrl status ./runs/demo
   streamrl status ./runs/demo --watch 10          redraw every 10 s until the run finishes
+  streamrl status ./runs/demo --plot curves.png   also draw the curves into an image
   streamrl status ./runs/demo --json | jq .lag_groups
   streamrl status s3://bucket/runs/x --watch 30 --json   one JSON object per line
   AWS_ENDPOINT_URL=http://127.0.0.1:8333 streamrl status s3://bucket/runs/x
@@ -24,7 +27,10 @@ started, running (started, no stop marker), stopping (stop marker before total_s
 finished (stop marker and the learner at total_steps). Stream lag = groups written − groups the
 learner consumed, leaving out quarantined segments (corrupt ones readers skip; counted apart).
 Failed reward calls (errors, timeouts) and the groups dropped for them come from the generators'
-commit records, per generator and in all. Exit status 2 when there is no run at RUN_URI.
+commit records, per generator and in all. Below the status, the learning curves: one text chart
+per metric over the logged steps (first → last value, [min .. max]), held-out evaluations and
+the steps where health conditions fired; --plot draws them into a PNG (the Prefect UI's
+"curves" artifact). Exit status 2 when there is no run at RUN_URI.
 """
 
 _CLEAR_SCREEN = "\033[H\033[2J"
@@ -59,15 +65,20 @@ def _open_run(run_uri: str) -> Any:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from streamrl.curves import RunCurves
     from streamrl.status import FINISHED, format_status, read_status, to_json
 
     run = _open_run(args.run)
     redraw = args.watch is not None and not args.json and sys.stdout.isatty()
-    status = read_status(run)
+    status, history = read_status(run), RunCurves(run)
     try:
         while True:
-            text = to_json(status) if args.json else format_status(status)
+            history.read()
+            curves = history.curves()
+            text = to_json(status) if args.json else _with_curves(format_status(status), curves)
             print((_CLEAR_SCREEN if redraw else "") + text, flush=True)
+            if args.plot:
+                _plot(curves, status, args.plot)
             if args.watch is None or status.state == FINISHED:
                 return 0
             time.sleep(args.watch)
@@ -76,6 +87,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 print()
     except KeyboardInterrupt:  # the way to leave --watch
         return 0
+
+
+def _with_curves(text: str, curves: Any) -> str:
+    """The status, then its text charts as wide as the terminal allows."""
+    from streamrl.curves import text_charts
+
+    if not curves:
+        return text
+    width = max(12, min(48, shutil.get_terminal_size().columns - 70))
+    title = f"curves     steps {curves.first_step}..{curves.last_step}"
+    return "\n".join([text, title, *(f"  {line}" for line in text_charts(curves, width=width))])
+
+
+def _plot(curves: Any, status: Any, path: Path) -> None:
+    """The curves as a PNG at `path` (replaced whole, so a viewer never sees half a file)."""
+    from streamrl.curves import render_png
+
+    title = f"{status.uri} — step {status.step} / {status.total_steps}"
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(render_png(curves, title))
+    partial.replace(path)
+    print(f"curves drawn into {path}", file=sys.stderr)
 
 
 EXAMPLES_SCALE = """\
@@ -132,5 +165,11 @@ def add_commands(commands: Any) -> None:
         type=_positive_seconds,
         metavar="SECONDS",
         help="re-read every SECONDS until the run finishes (Ctrl-C to leave)",
+    )
+    status.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="also draw the curves into this image (redrawn with --watch)",
     )
     status.set_defaults(func=_cmd_status)

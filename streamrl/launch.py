@@ -207,7 +207,9 @@ def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> 
 
 def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
     """What a finished (or running) run achieved, from its learner metrics: reward and
-    accuracy over the first and the last `window` steps, mean learner tokens/s, steps done."""
+    accuracy over the first and the last `window` steps, mean learner tokens/s, steps done,
+    and the reward and accuracy curves as text charts (`charts`)."""
+    from streamrl.curves import curve_data, text_charts
     from streamrl.learner.reporting import read_metrics
 
     steps = [m for m in read_metrics(run) if "value_pretrain_step" not in m]
@@ -229,6 +231,7 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
         "acc_last": mean(last, "rollout/acc"),
         "learner_tokens_per_s": mean(steps, "perf/learner_tokens_per_s"),
         "window": min(window, len(steps)),
+        "charts": text_charts(curve_data(steps), titles=("reward (mean)", "accuracy")),
     }
 
 
@@ -245,5 +248,6 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['reward_last']:+.3f} (last {n})",
             f"accuracy:  {summary['acc_first']:.3f} → {summary['acc_last']:.3f}",
             f"learner:   {summary['learner_tokens_per_s']:.0f} tokens/s",
+            *(f"  {line}" for line in summary.get("charts", ())),
         ]
     )

@@ -8,7 +8,9 @@ cursor, filter totals, RNG), one JSON line of metrics per step in `<run>/metrics
 its progress after each step in `<run>/control/learner.json` (cursor, version, groups consumed
 and accepted: `storage.learner_progress`), and the run's stop marker when `total_steps` is
 reached. Segments whose commit record shows only groups too stale to train on are not read
-(`StreamReader.oldest_usable_version`), only counted.
+(`StreamReader.oldest_usable_version`), only counted. Rank 0 checks each step's metrics for
+the health conditions (`streamrl.health`): one that becomes true is logged as a warning and
+recorded in the step's metrics as `health`.
 Waits for: B accepted groups; the stream reader blocks, and `stream_timeout_s` without a new
 group is an error naming the cursor. Only rank 0 reads the stream: it decides which groups form
 the batch (and whether the stream timed out) and hands the batch to every rank, so ranks can
@@ -36,6 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 
@@ -49,6 +52,7 @@ from storage.stream import StreamReader, StreamTimeoutError, quarantined
 from storage.stream_retention import oldest_resume_cursor, release_consumed
 from storage.weights import WeightStore
 from streamrl.config import RunConfig
+from streamrl.health import HealthMonitor
 from streamrl.learner.batching import (
     BatchCollector,
     FilterCounts,
@@ -58,7 +62,7 @@ from streamrl.learner.batching import (
 )
 from streamrl.learner.loading import build_step_models
 from streamrl.learner.publish import WeightPublisher
-from streamrl.learner.reporting import MetricsReporter
+from streamrl.learner.reporting import MetricsReporter, read_metrics
 from streamrl.learner.step import StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology
 
@@ -115,6 +119,7 @@ class Learner:
             start_step=self.step,
             enabled=topology.is_main,
         )
+        self.health = self._health_monitor() if topology.is_main else None
         self._progress: LearnerProgress | None = None  # as last written (rank 0)
         self._progress_lock = threading.Lock()  # the reader's prefetch thread writes it too
         # The stream is read on rank 0 only (see `_collect`).
@@ -140,6 +145,26 @@ class Learner:
             self.collector = collector
             self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
             self._quarantined_before = len(quarantined(run))
+
+    def _health_monitor(self) -> HealthMonitor:
+        """Rank 0's health conditions; a resumed learner's baselines and windows carry on from
+        the run's records of the steps up to its checkpoint."""
+        config = self.config
+        monitor = HealthMonitor(
+            config.health,
+            max_tokens=config.generator.max_tokens,
+            max_staleness=config.learner.max_staleness,
+        )
+        if self.step > 0:
+            try:
+                records = read_metrics(self.run_location)
+            except (OSError, StorageError) as exc:  # advisory: only the baselines start afresh
+                log.warning(
+                    "could not read the run's metrics; health baselines start afresh: %r", exc
+                )
+            else:
+                monitor.seed(r for r in records if r.get("step", 0) <= self.step)
+        return monitor
 
     def _trainables(self) -> dict[str, Trainable]:
         """The models that learn, by metric prefix."""
@@ -289,11 +314,12 @@ class Learner:
         )
         return batch, metrics
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, Any]:
         """Collect a batch, update, then publish / checkpoint / log as scheduled."""
         cfg = self.config.learner
         batch, metrics = self._train_batch()
         self.step += 1
+        self._check_health(metrics)
         self._check_skipped_updates(metrics)
         if self.step % cfg.publish_every == 0:
             metrics.update(self.publisher.publish(self.models.policy.model, self.version + 1))
@@ -352,6 +378,17 @@ class Learner:
             log.warning("could not record the learner's stream position: %r", exc)
             return
         self._progress = progress
+
+    def _check_health(self, metrics: dict[str, Any]) -> None:
+        """Rank 0: log each health condition this step set off, and record them as
+        `metrics["health"]` (a list of `HealthEvent.as_record()`; absent when none)."""
+        if self.health is None:
+            return
+        events = self.health.check({**metrics, "step": self.step})
+        for event in events:
+            log.warning(event.message)
+        if events:
+            metrics["health"] = [event.as_record() for event in events]
 
     def _check_skipped_updates(self, metrics: dict[str, float]) -> None:
         """Warn about skipped updates; fail once `max_skipped_updates` came in a row."""

@@ -35,6 +35,7 @@ from streamrl.config import LoggingConfig
 from streamrl.models import cache_root
 
 __all__ = [
+    "MetricsFollower",
     "MetricsReporter",
     "latest_metrics",
     "read_metrics",
@@ -53,16 +54,49 @@ def read_metrics(run: Location) -> list[dict[str, Any]]:
     """Every logged learner record in order (value pre-training first, then steps); a record
     logged twice — by a learner killed after logging it — keeps its last version. A line cut
     short by a killed learner is skipped with a warning."""
-    fs = run.fs
-    if not fs.exists(run.join("metrics")):
-        return []
-    lines: list[str] = []
-    jsonl = run.join("metrics", JSONL)
-    if fs.exists(jsonl):
-        lines += fs.cat_file(jsonl).decode().splitlines()
-    for path in sorted(fs.glob(run.join("metrics", "learner-*.json"))):
-        lines.append(fs.cat_file(path).decode())
-    return _in_order(_parse(lines, run))
+    return _in_order(MetricsFollower(run).read())
+
+
+class MetricsFollower:
+    """Reads a run's learner records as they are written: each `read()` returns the records
+    written since the previous call, in the order they were written (local runs: the JSONL from
+    the end of the last complete line read, so a line being written waits for the next call;
+    object stores: the record objects that are new or were rewritten — a resumed learner logs
+    its steps after the checkpoint again — by name)."""
+
+    def __init__(self, run: Location) -> None:
+        self.run = run
+        self._offset = 0  # bytes of the JSONL read, up to a newline
+        self._objects: dict[str, tuple[Any, ...]] = {}  # name → what it was when read
+
+    def read(self) -> list[dict[str, Any]]:
+        fs, run = self.run.fs, self.run
+        if not fs.exists(run.join("metrics")):
+            return []
+        lines: list[str] = []
+        jsonl = run.join("metrics", JSONL)
+        if fs.exists(jsonl):
+            size = fs.size(jsonl)
+            if size < self._offset:  # written anew (a run recreated at the same place)
+                self._offset = 0
+            if size > self._offset:
+                data = fs.cat_file(jsonl, start=self._offset, end=size)
+                complete = data.rfind(b"\n") + 1
+                lines += data[:complete].decode(errors="replace").splitlines()
+                self._offset += complete
+        found = fs.glob(run.join("metrics", "learner-*.json"), detail=True)
+        seen = {name: _object_version(info) for name, info in found.items()}
+        names = sorted(name for name, version in seen.items() if self._objects.get(name) != version)
+        if names:
+            blobs = fs.cat(names)
+            lines += [blobs[name].decode() for name in sorted(blobs)]
+            self._objects.update((name, seen[name]) for name in names)
+        return _parse(lines, run)
+
+
+def _object_version(info: dict[str, Any]) -> tuple[Any, ...]:
+    """What tells a rewritten object from the one read before (S3: its ETag; local: mtime)."""
+    return (info.get("size"), info.get("ETag"), info.get("LastModified"), info.get("mtime"))
 
 
 def latest_metrics(run: Location, tail_bytes: int = 256 * 1024) -> dict[str, Any] | None:

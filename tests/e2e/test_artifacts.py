@@ -1,10 +1,13 @@
-"""The flow's metrics artifact against a real (temporary) Prefect server: `RunArtifacts`
-publishes, next to the learner's metrics, the quarantined-segments total and the generators'
-failed reward calls tallied from the stream's commit records."""
+"""The flow's artifacts against a real (temporary) Prefect server: `RunArtifacts` publishes,
+next to the learner's metrics, the quarantined-segments total and the generators' failed
+reward calls tallied from the stream's commit records; keys come from the run's name; the
+curves artifact is one PNG that replaces its previous version; the progress artifact is
+updated only when it moved; health conditions the learner recorded become Prefect events."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 
@@ -14,6 +17,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.context import get_run_context
+from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.artifacts import RunArtifacts
@@ -45,7 +49,7 @@ async def _tables(flow_run_id: str) -> list[str]:
         artifacts = await client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
         )
-    return [a.data for a in artifacts if a.type == "markdown"]
+    return [a.data for a in artifacts if a.type == "markdown" and a.key.endswith("-metrics")]
 
 
 def test_metrics_artifact_shows_reward_failures_and_quarantined_segments(prefect_server, tmp_path):
@@ -68,3 +72,102 @@ def test_metrics_artifact_shows_reward_failures_and_quarantined_segments(prefect
     assert "| reward errors / timeouts / groups dropped (total) | 5 / 2 / 3 |" in table
     assert "| reward errors / timeouts / groups dropped (gen0) | 5 / 2 / 3 |" in table
     assert "(gen1)" not in table  # a generator without failures gets no row
+
+
+def _record(step: int, **extra: object) -> str:
+    metrics = {"rollout/reward_mean": -1 + step / 4, "rollout/acc": step / 8, "actor/entropy": 1.0}
+    return json.dumps({"time": time.time(), "step": step, **metrics, **extra}) + "\n"
+
+
+def _waste(step: int) -> dict:
+    return {
+        "health": [
+            {
+                "condition": "waste-high",
+                "step": step,
+                "value": 0.8,
+                "threshold": 0.5,
+                "message": f"waste fraction 0.80 above 0.5 at step {step}",
+            }
+        ]
+    }
+
+
+@flow
+def follow(run_uri: str) -> str:
+    """The flow's refreshes over a run whose learner logs while the flow watches: nothing yet;
+    steps 1-3 (step 2 reports a health condition); nothing new; step 4 (another), final."""
+    config = load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={run_uri}"])
+    artifacts = RunArtifacts(config, open_location(run_uri), curves_every_s=0.0)
+    jsonl = open_location(run_uri).join("metrics", "learner.jsonl")
+    artifacts.refresh()
+    with open(jsonl, "a") as f:
+        f.write(_record(1) + _record(2, **_waste(2)) + _record(3))
+    artifacts.refresh()
+    artifacts.refresh()  # nothing new: nothing published
+    with open(jsonl, "a") as f:
+        f.write(_record(4, **_waste(4)))
+    artifacts.refresh(final=True)
+    return str(get_run_context().flow_run.id)
+
+
+async def _flow_run_artifacts(flow_run_id: str) -> list:
+    async with get_client() as client:
+        return await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+
+
+async def _events(prefix: str, flow_run_id: str, count: int, within_s: float = 60) -> list:
+    """The events named `prefix*` related to the flow run, once `count` arrived (the server
+    stores events asynchronously), or what arrived within `within_s`."""
+    wanted = EventFilter(
+        event=EventNameFilter(prefix=[prefix]),
+        related=EventRelatedFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+    )
+    async with get_client() as client:
+        for _ in range(int(within_s / 0.5)):
+            page = await client.read_events(filter=wanted, limit=50)
+            if len(page.events) >= count:
+                break
+            await asyncio.sleep(0.5)
+    return sorted(page.events, key=lambda e: e.occurred)
+
+
+def test_artifacts_are_keyed_by_run_name_curves_replace_themselves_health_becomes_events(
+    prefect_server, tmp_path
+):
+    run_dir = tmp_path / "runs" / "Warm-Start 7"
+    config = load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={run_dir}"])
+    create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
+    (run_dir / "metrics").mkdir()
+    flow_run_id = follow(str(run_dir))
+
+    artifacts = asyncio.run(_flow_run_artifacts(flow_run_id))
+    keys = {a.key for a in artifacts}
+    assert keys == {
+        "streamrl-warm-start-7-progress",
+        "streamrl-warm-start-7-metrics",
+        "streamrl-warm-start-7-curves",
+    }  # from the run's name, not the machine's path
+    (curves,) = [a for a in artifacts if a.key.endswith("-curves")]  # older versions deleted
+    image = curves.data.split("data:image/png;base64,")[1].split(")")[0]
+    assert base64.b64decode(image).startswith(b"\x89PNG")
+    assert "- step 2: waste-high" in curves.data
+    assert "- step 4: waste-high" in curves.data
+    assert "step 4 / " in curves.data
+
+    health = asyncio.run(_events("streamrl.health.", flow_run_id, count=2))
+    assert [(e.event, e.payload["step"]) for e in health] == [
+        ("streamrl.health.waste-high", 2),
+        ("streamrl.health.waste-high", 4),
+    ]
+    assert health[0].resource.id == "streamrl.run.warm-start-7"
+    assert health[0].payload["threshold"] == 0.5
+    # progress moved twice (3/N, then 4/N): two updates, not one per refresh
+    updates = asyncio.run(_events("prefect.artifact.updated", flow_run_id, count=2))
+    assert len(updates) == 2
+
+    # Another flow run over the same run (a resumed one): the old conditions are not re-sent.
+    again = publish(str(run_dir))
+    assert asyncio.run(_events("streamrl.health.", again, count=1, within_s=5)) == []

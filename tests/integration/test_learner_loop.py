@@ -4,6 +4,7 @@ checkpoints, metrics, the stop marker, and exact resume."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -377,6 +378,8 @@ def test_a_batch_with_infinite_loss_is_skipped_and_nothing_published_is_broken(t
     assert [m["actor/skipped_updates"] for m in metrics] == [2, 0]
     assert [m["actor/skipped_updates_total"] for m in metrics] == [2, 2]
     assert not np.isfinite(metrics[0]["actor/grad_norm"])
+    assert [e["condition"] for e in metrics[0]["health"]] == ["non-finite-update"]
+    assert "health" not in metrics[1]
 
 
 def test_too_many_skipped_updates_in_a_row_fail_the_learner_naming_step_and_fix(tmp_path, topology):
@@ -395,3 +398,36 @@ def test_too_many_skipped_updates_in_a_row_fail_the_learner_naming_step_and_fix(
     assert CheckpointStore(run).committed_steps() == []
     lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
     assert [json.loads(x)["actor/skipped_updates_total"] for x in lines] == [2, 4]
+
+
+def test_a_health_condition_is_logged_and_recorded_once_and_not_again_after_resume(
+    tmp_path, topology, caplog
+):
+    """length-runaway forced (its threshold below every response): step 1 records it and logs
+    one warning; steps 2 and 3 (a resumed learner, seeded from the run's records) do not."""
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    run = open_location(str(run_dir))
+
+    def learner(total_steps: int) -> Learner:
+        config = _config(run_dir, total_steps)
+        config.health.length_frac = 0.01  # threshold 0.24 tokens: every batch is over it
+        config.health.waste_max = 1.0  # never: dynamic sampling's drops are random here
+        return Learner(config, run, topology)
+
+    with caplog.at_level(logging.WARNING, logger="streamrl.learner.loop"):
+        learner(2).run()
+        learner(3).run()
+    records = [
+        json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    (event,) = records[0]["health"]
+    assert event.keys() == {"condition", "step", "value", "threshold", "message"}
+    assert (event["condition"], event["step"]) == ("length-runaway", 1)
+    assert event["value"] == records[0]["rollout/response_len_mean"]
+    assert event["threshold"] == pytest.approx(0.01 * 24)
+    assert [r for r in records[1:] if "health" in r] == []
+    warnings = [r.getMessage() for r in caplog.records if "health:" in r.getMessage()]
+    assert warnings == [event["message"]]
+    assert "rollout/response_len_mean" in event["message"]
