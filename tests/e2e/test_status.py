@@ -154,6 +154,16 @@ def test_status_command_prints_the_figures_and_json(finished_run):
     assert "step 3/3" in shown.stdout
     assert f"consumed: {consumed} groups" in shown.stdout
     assert "gen0: 40 groups in 10 commits" in shown.stdout
+    # The curves under the status: a text chart per metric, first → last value of the 3 steps.
+    rewards = [line["rollout/reward_mean"] for line in _metrics_lines(run_dir)]
+    assert "curves     steps 1..3" in shown.stdout
+    (reward,) = [line for line in shown.stdout.splitlines() if "reward (mean)" in line]
+    assert f"{rewards[0]:+.3f} → {rewards[-1]:+.3f}" in reward
+
+    plotted = _status_cli(str(run_dir), "--plot", str(run_dir / "curves.png"))
+    assert plotted.returncode == 0, plotted.stderr
+    assert (run_dir / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert "curves drawn into" in plotted.stderr
 
     as_json = _status_cli(str(run_dir), "--json", "--watch", "0.5")  # finished: one, then exit
     assert as_json.returncode == 0, as_json.stderr
