@@ -98,9 +98,14 @@ def test_deployment_of_the_streamrl_flow_completes_with_artifacts(prefect_server
     artifacts = asyncio.run(_flow_run_artifacts(flow_run.id))
     progress = [a for a in artifacts if a.type == "progress"]
     assert progress[0].data == pytest.approx(100.0)  # updated in place
-    tables = sorted((a for a in artifacts if a.type == "markdown"), key=lambda a: a.created)
+    tables = sorted(
+        (a for a in artifacts if a.key == "streamrl-run-metrics"), key=lambda a: a.created
+    )
     assert tables  # re-published as steps arrive (how many depends on timing) and at the end
     table = tables[-1].data
+    (curves,) = [a for a in artifacts if a.key == "streamrl-run-curves"]  # the last version only
+    assert "step 4 / 4" in curves.data
+    assert "data:image/png;base64," in curves.data
     last = json.loads((run_dir / "metrics" / "learner.jsonl").read_text().splitlines()[-1])
     assert f"{last['rollout/reward_mean']:.3f}" in table
     assert "step 4 / 4" in table
