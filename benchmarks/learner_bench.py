@@ -1,12 +1,26 @@
 """Learner throughput: the learner's step on today's path and on the fast one, against a bare
-forward + backward + AdamW step of the same model, plus `Learner.train_step()` itself, peak
-memory and weight publish time.
+forward + backward + AdamW step of the same model, plus `Learner.train_step()` itself, MFU,
+peak memory and weight publish time, on CPU or on one GPU.
 
     .venv/bin/python -m benchmarks.learner_bench [--model smollm2-135m-instruct] [--repeats 3]
     .venv/bin/python -m benchmarks.learner_bench --group-size 8 --prompt-len 64 76 \
         --min-response-len 16 --max-response-len 64          # the demo's shapes
     .venv/bin/python -m benchmarks.learner_bench --groups 2 --group-size 8 \
         --prompt-len 512 512 --max-response-len 128          # a long shared prompt
+
+On one GPU (the issue's measurement: Qwen2.5-0.5B's shape, DAPO, G = 16, responses of
+512–2048 tokens, bf16 mixed precision with fp32 master weights; `scripts/device_wheels.sh`
+prints the whole device command, with the wheels that machine lacks):
+
+    python3 -m benchmarks.learner_bench --device cuda --model qwen2.5-0.5b-shape \
+        --group-size 16 --min-response-len 512 --max-response-len 2048 \
+        --phases bare,today,new,learner
+
+`--device cuda` sets `learner.device=cuda` and `learner.mixed_precision=bf16` (what the GPU
+presets configure), for every phase alike: the bare phase shards the same model with the same
+FSDP2 mixed-precision policy. MFU is model FLOPs (`benchmarks.learner_measures`) per second
+over `--peak-tflops`, by default the dense bf16 peak of the GPU's name (989 for H100 SXM and
+H200); on CPU only when `--peak-tflops` is given.
 
 One run directory holds a replay stream of synthetic DAPO groups (policy version 0, varied
 response lengths, rewards with variance so dynamic sampling keeps every group): `--batches`
@@ -16,9 +30,11 @@ mix (`--phases`; every phase process lives for the whole run, so mind the machin
 
 - *learner*: `Learner(config, run, topology).train_step()`, which reads a batch from the stream,
   builds micro-batches, trains (DAPO loss, entropy metric, gradient clipping, metrics
-  all-reduce) and publishes the full weights. Its time is the learner's own `perf/step_s`
+  all-reduce) and publishes the weights. Its time is the learner's own `perf/step_s`
   (everything but the publish); the publish's time on the training path (the snapshot of the
-  shard; the upload runs in the background) is its `perf/weight_sync_s`.
+  shard from device memory; the upload runs in the background) is its `perf/weight_sync_s`,
+  and the background upload's time and bytes are its `perf/weight_upload_s` and
+  `weights/stored_bytes`.
 - *bare*: the same FSDP2-wrapped model and AdamW settings on the micro-batches rebuilt from the
   same groups in the same order (`TrainBatch.from_groups` + `make_mini_batches`, outside the
   timed region, a padded row per response): forward, a log-softmax-gather loss on the
@@ -31,23 +47,24 @@ mix (`--phases`; every phase process lives for the whole run, so mind the machin
 The parent runs the processes in lockstep: step k of each right after step k of the others
 (on the same batch), so that all see the same machine load. Both count loss tokens
 (`loss_mask`) per second after the warm-up steps: over all measured steps, and best-of-repeats
-(each batch's fastest step, the least disturbed on a shared machine). Memory is the
+(each batch's fastest step, the least disturbed on a shared machine). Memory on CPU is the
 resident set size (RSS, Linux `/proc`): sampled every 5 ms and split into training and
-publishing windows, and the process's exact high-water mark (`ru_maxrss`).
+publishing windows, and the process's exact high-water mark (`ru_maxrss`); on a GPU it is the
+CUDA allocator's peak per step (`benchmarks.learner_measures`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +72,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
+from benchmarks.learner_measures import (
+    ModelShape,
+    default_peak_tflops,
+    device_name,
+    memory_meter,
+    synchronize,
+)
 from storage.fs import Location, open_location
 from storage.manifest import create_run, open_run
 from storage.records import ScoredGroup
@@ -72,18 +96,45 @@ from streamrl.models import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
-SIZE_PRESETS = {"smollm2-135m-instruct": "smollm2-cpu", "tiny-qwen2": "tiny-cpu"}
+# Bundled model → the size preset and overrides its runs start from.
+MODELS = {
+    "smollm2-135m-instruct": ("smollm2-cpu", []),
+    "tiny-qwen2": ("tiny-cpu", []),
+    "qwen2.5-0.5b-shape": (
+        "tiny-cpu",
+        ["model.path=qwen2.5-0.5b-shape", "model.dtype=bfloat16", "weights.full_every=1"],
+    ),
+}
+# Default micro-batch budget: the CPU presets' size, or what keeps a 0.5B model's activations
+# of four phase processes within one 80 GB GPU; never below the longest sequence.
+MICRO_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
 
 
 # -- the run: config and a synthetic stream ------------------------------------------------
 
 
+def micro_batch_tokens(args: argparse.Namespace) -> int:
+    """`--micro-batch-tokens`, else the device's default raised to the longest sequence."""
+    if args.micro_batch_tokens is not None:
+        return args.micro_batch_tokens
+    return max(MICRO_BATCH_TOKENS[args.device], args.prompt_len[1] + args.max_response_len)
+
+
 def bench_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
-    """DAPO with the model's CPU size preset, resized to the benchmark's batch. No checkpoints
-    and no staleness drops: every measured step trains on the next B groups of the stream."""
+    """DAPO with the model's size preset, resized to the benchmark's batch, on `--device`
+    (CUDA: bf16 mixed precision, as the GPU presets). No checkpoints, no staleness drops, no
+    wandb: every measured step trains on the next B groups of the stream."""
+    preset, model_overrides = MODELS[args.model]
+    on_device = [f"learner.device={args.device}"]
+    if args.device == "cuda":
+        on_device.append("learner.mixed_precision=bf16")
+    if args.activation_checkpointing:
+        on_device.append("learner.activation_checkpointing=true")
     return load_config(
-        ["dapo", SIZE_PRESETS[args.model]],
+        ["dapo", preset],
         overrides=[
+            *model_overrides,
+            *on_device,
             f"storage.run_uri={run_dir}",
             f"generator.group_size={args.group_size}",
             f"generator.max_tokens={args.max_response_len}",
@@ -91,13 +142,13 @@ def bench_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
             f"model.max_model_len={max(2048, args.prompt_len[1] + args.max_response_len)}",
             f"learner.batch_groups={args.groups}",
             f"learner.mini_batch_groups={args.groups}",
-            f"learner.micro_batch_tokens={args.micro_batch_tokens}",
+            f"learner.micro_batch_tokens={micro_batch_tokens(args)}",
             f"learner.total_steps={args.warmup_steps + args.batches * args.repeats + 1}",
             "learner.warmup_steps=0",
             "learner.publish_every=1",
             "learner.checkpoint_every=1000000",
             "learner.max_staleness=1000000",
-            "learner.device=cpu",
+            "logging.wandb_mode=disabled",
         ],
     )
 
@@ -142,13 +193,16 @@ def synthetic_groups(
     return groups
 
 
-def prepare_run(args: argparse.Namespace, run_dir: str) -> RunConfig:
+def prepare_run(args: argparse.Namespace, run_dir: str) -> tuple[RunConfig, ModelShape, list]:
     """Create the run (run.json) and write its stream, one segment per step: the first batch
-    for each warm-up step, then each of the distinct batches `repeats` times."""
+    for each warm-up step, then each of the distinct batches `repeats` times. Returns the
+    config, the model's shape and the model FLOPs of each measured step."""
     config = bench_config(args, run_dir)
     run = open_location(run_dir)
     create_run(run, config.model_dump(mode="json"))
-    vocab = AutoConfig.from_pretrained(resolve_model_path(config.model.path)).vocab_size
+    model_dir = resolve_model_path(config.model.path)
+    shape = ModelShape.of(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     B = args.groups
     groups = synthetic_groups(
         B * args.batches,
@@ -163,50 +217,13 @@ def prepare_run(args: argparse.Namespace, run_dir: str) -> RunConfig:
     measured = [batch for batch in batches for _ in range(args.repeats)]
     for batch in [batches[0]] * args.warmup_steps + measured:
         writer.write(batch)
-    return config
+    return config, shape, [shape.batch_flops(batch) for batch in measured]
 
 
-# -- memory ----------------------------------------------------------------------------------
+# -- the phases (each in a child process) --------------------------------------------------
 
 
-class RssSampler:
-    """This process's RSS every `interval_s` (from `/proc/self/statm`) in a daemon thread;
-    `peak(windows)` is the largest sample taken inside any of the `(start, end)` windows."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/self/statm") as statm:
-            while not self._stop.is_set():
-                statm.seek(0)
-                self.samples.append((time.perf_counter(), int(statm.read().split()[1]) * page))
-                self._stop.wait(self.interval_s)
-
-    def now(self) -> int:
-        time.sleep(2 * self.interval_s)
-        return self.samples[-1][1]
-
-    def peak(self, windows: list[tuple[float, float]]) -> int:
-        inside = [rss for t, rss in self.samples if any(a <= t <= b for a, b in windows)]
-        return max(inside, default=0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _high_water_mb() -> float:
-    """The process's peak RSS since it started (`ru_maxrss` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB
-
-
-# -- the two phases (each in a child process) ----------------------------------------------
+UPLOAD_METRICS = {"upload_s": "perf/weight_upload_s", "stored_bytes": "weights/stored_bytes"}
 
 
 class LearnerPhase:
@@ -214,37 +231,32 @@ class LearnerPhase:
 
     def __init__(self, config: RunConfig, run: Location) -> None:
         self.config, self.run = config, run
-        self.sampler = RssSampler()
+        self.memory = memory_meter(config.learner.device)
         self.topology = Topology.from_env(config.learner.device)
         self.learner = Learner(config, run, self.topology)
-        self.rss_setup = self.sampler.now()
-        self.train_windows: list[tuple[float, float]] = []
-        self.publish_windows: list[tuple[float, float]] = []
+        self.memory.set_up()
 
     def step(self) -> dict[str, Any]:
+        self.memory.begin_step()
         started = time.perf_counter()
         metrics = self.learner.train_step()
         wall_s = time.perf_counter() - started
         if metrics["stream/consumed"] != self.config.learner.batch_groups:
             raise RuntimeError(f"a step skipped stream groups, so the phases differ: {metrics}")
         step_s, sync_s = metrics["perf/step_s"], metrics["perf/weight_sync_s"]
-        self.train_windows.append((started, started + step_s))
-        self.publish_windows.append((started + step_s, started + step_s + sync_s))
+        train_end = started + step_s
+        self.memory.end_step((started, train_end), (train_end, train_end + sync_s))
         tokens = round(metrics["perf/learner_tokens_per_s"] * (step_s - metrics["perf/wait_s"]))
-        return {"tokens": tokens, "step_s": step_s, "sync_s": sync_s, "wall_s": wall_s}
+        # The previous version's background upload, reported once it has finished.
+        upload = {key: metrics[name] for key, name in UPLOAD_METRICS.items() if name in metrics}
+        return {"tokens": tokens, "step_s": step_s, "sync_s": sync_s, "wall_s": wall_s, **upload}
 
     def finish(self, warmup: int) -> dict[str, Any]:
+        self.learner.publisher.flush()
         store = WeightStore(self.run)
         manifest = store.read_manifest(store.latest_version())
-        self.sampler.stop()
         self.topology.destroy()
-        return {
-            "weights_MB": manifest.stored_bytes / MB,
-            "rss_setup_MB": self.rss_setup / MB,
-            "rss_train_MB": self.sampler.peak(self.train_windows[warmup:]) / MB,
-            "rss_publish_MB": self.sampler.peak(self.publish_windows[warmup:]) / MB,
-            "rss_high_water_MB": _high_water_mb(),
-        }
+        return {"weights_MB": manifest.stored_bytes / MB, **self.memory.figures(warmup)}
 
 
 def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, minis: list[MiniBatch]):
@@ -262,15 +274,16 @@ def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, minis: l
 
 
 class BarePhase:
-    """The same model, optimiser settings and micro-batches (built here, untimed), trained by
-    `bare_step`, one batch of B stream groups per step in stream order."""
+    """The same model, optimiser settings and micro-batches (built here, untimed; on the
+    device before the timer starts), trained by `bare_step`, one batch of B stream groups per
+    step in stream order."""
 
     shared_prompt = False  # a row per response
 
     def __init__(self, config: RunConfig, run: Location, model: torch.nn.Module | None = None):
         cfg = config.learner
         self.config, self.run = config, run
-        self.sampler = RssSampler()
+        self.memory = memory_meter(cfg.device)
         self.topology = Topology.from_env(cfg.device)
         model = model if model is not None else load_policy(config.model.path, config.model)
         self.model = shard_model(
@@ -280,12 +293,11 @@ class BarePhase:
             self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps
         )
         self.groups = StreamReader(run).groups(timeout_s=60)
-        self.rss_setup = self.sampler.now()
-        self.windows: list[tuple[float, float]] = []
+        self.memory.set_up()
 
     def step(self) -> dict[str, Any]:
         """The next B stream groups as micro-batches (untimed), then the timed `train`."""
-        cfg = self.config.learner
+        cfg, device = self.config.learner, self.topology.device
         train = TrainBatch.from_groups([next(self.groups) for _ in range(cfg.batch_groups)])
         minis = make_mini_batches(
             train,
@@ -294,10 +306,15 @@ class BarePhase:
             overlong_filter=self.config.algorithm.overlong.filter,
             shared_prompt=self.shared_prompt,
         )
+        minis = [
+            replace(m, micro_batches=tuple(b.to(device) for b in m.micro_batches)) for m in minis
+        ]
+        self.memory.begin_step()
         started = time.perf_counter()
         extra = self.train(train, minis)
+        synchronize(device)
         step_s = time.perf_counter() - started
-        self.windows.append((started, started + step_s))
+        self.memory.end_step((started, started + step_s), None)
         forward = sum(m.input_ids.numel() for mini in minis for m in mini.micro_batches)
         tokens = sum(m.num_loss_tokens for m in minis)
         return {"tokens": tokens, "step_s": step_s, "forward_tokens": forward, **extra}
@@ -307,8 +324,9 @@ class BarePhase:
         return {}
 
     def finish(self, warmup: int) -> dict[str, Any]:
-        # The one-process publish path, in its two parts: gather the full weights, then write
-        # a version (serialise + xxh3 checksums + write + manifest + LATEST).
+        # The one-process publish path, in its two parts: gather the full weights (from device
+        # memory to the host), then write a version (serialise + xxh3 checksums + write +
+        # manifest + LATEST).
         started = time.perf_counter()
         state = full_state_dict(self.model, self.topology)
         gather_s = time.perf_counter() - started
@@ -317,14 +335,12 @@ class BarePhase:
         store.publish(1, state, shard_bytes=self.config.weights.shard_bytes)
         write_s = time.perf_counter() - started
         self.groups.close()
-        self.sampler.stop()
         self.topology.destroy()
         return {
             "gather_s": gather_s,
             "write_s": write_s,
-            "rss_setup_MB": self.rss_setup / MB,
-            "rss_train_MB": self.sampler.peak(self.windows[warmup:]) / MB,
-            "rss_high_water_MB": _high_water_mb(),
+            "bare_weights_MB": store.read_manifest(1).stored_bytes / MB,
+            **self.memory.figures(warmup),
         }
 
 
@@ -350,13 +366,8 @@ class StepPhase(BarePhase):
 
     def finish(self, warmup: int) -> dict[str, Any]:
         self.groups.close()
-        self.sampler.stop()
         self.topology.destroy()
-        return {
-            "rss_setup_MB": self.rss_setup / MB,
-            "rss_train_MB": self.sampler.peak(self.windows[warmup:]) / MB,
-            "rss_high_water_MB": _high_water_mb(),
-        }
+        return self.memory.figures(warmup)
 
 
 PHASES = {
@@ -377,7 +388,7 @@ def _phase_main(args: argparse.Namespace) -> None:  # pragma: no cover - a child
     config = validate_config(open_run(run).config, source=f"{args.run}/run.json")
     phase = PHASES[args.phase](config, run)
     reply = lambda obj: print(REPLY + json.dumps(obj), flush=True)  # noqa: E731
-    reply({"ready": True})
+    reply({"device": device_name(config.learner.device)})
     for line in sys.stdin:
         if line.strip() == "step":
             reply(phase.step())
@@ -421,13 +432,14 @@ class PhaseProcess:
         self.stderr.close()
 
 
-def run_phases(run_dir: str, warmup: int, steps: int, phases: list[str]) -> dict[str, dict]:
-    """The `phases`, step k of each right after step k of the others (the order rotates);
-    each result holds its measured `steps` rows and its `finish` figures."""
+def run_phases(
+    run_dir: str, warmup: int, steps: int, phases: list[str]
+) -> tuple[str, dict[str, dict]]:
+    """The `phases`, step k of each right after step k of the others (the order rotates):
+    the device they ran on, and per phase its measured `steps` rows and `finish` figures."""
     procs = [PhaseProcess(name, run_dir) for name in phases]
     try:
-        for proc in procs:
-            proc.ask()  # set up
+        devices = {proc.ask()["device"] for proc in procs}  # set up
         rows: dict[str, list] = {proc.phase: [] for proc in procs}
         for k in range(warmup + steps):
             for proc in procs[k % len(procs) :] + procs[: k % len(procs)]:
@@ -439,71 +451,120 @@ def run_phases(run_dir: str, warmup: int, steps: int, phases: list[str]) -> dict
     finally:
         for proc in procs:
             proc.close()
-    return results
+    return ", ".join(sorted(devices)), results
 
 
 # -- report --------------------------------------------------------------------------------
 
 
-def _rate(rows: list[dict]) -> float:
-    return sum(r["tokens"] for r in rows) / sum(r["step_s"] for r in rows)
+def _rate(rows: list[dict], key: str = "tokens") -> float:
+    """`key` (tokens, flops) per second of step time over `rows`."""
+    return sum(r[key] for r in rows) / sum(r["step_s"] for r in rows)
 
 
-def _best_rate(rows: list[dict], repeats: int) -> float:
-    """Tokens/s with each batch's fastest repeat."""
+def _best(rows: list[dict], repeats: int) -> list[dict]:
+    """Each batch's fastest repeat."""
     batches = [rows[i : i + repeats] for i in range(0, len(rows), repeats)]
-    best = [min(batch, key=lambda r: r["step_s"]) for batch in batches]
-    return _rate(best)
+    return [min(batch, key=lambda r: r["step_s"]) for batch in batches]
 
 
-def report(results: dict[str, dict], repeats: int) -> None:
+def _best_rate(rows: list[dict], repeats: int, key: str = "tokens") -> float:
+    return _rate(_best(rows, repeats), key)
+
+
+def _mfu(rows: list[dict], peak_tflops: float | None) -> str:
+    return "–" if peak_tflops is None else f"{_rate(rows, 'flops') / (peak_tflops * 1e12):.1%}"
+
+
+NAMES = {
+    "bare": "bare fwd+bwd+AdamW (a row per response)",
+    "today": "learner step, today's path",
+    "new": "learner step, shared prompts + response-only head",
+    "learner": "Learner.train_step (new path, + stream, publish)",
+}
+
+
+def report(
+    results: dict[str, dict], repeats: int, flops: list[float], peak_tflops: float | None
+) -> None:
     rows = {name: result["steps"] for name, result in results.items()}
     if len({tuple(r["tokens"] for r in steps) for steps in rows.values()}) != 1:
         raise RuntimeError("the phases trained on different loss tokens; not comparable")
+    for steps in rows.values():
+        for row, step_flops in zip(steps, flops, strict=True):
+            row["flops"] = step_flops
     tokens = statistics.mean(r["tokens"] for r in rows["bare"])
-    print("\n| phase | response tokens/step | forward tokens/step | s/step | tokens/s | "
-          "best-of tokens/s | RSS setup MB | RSS peak train MB | RSS high-water MB |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    names = {
-        "bare": "bare fwd+bwd+AdamW (a row per response)",
-        "today": "learner step, today's path",
-        "new": "learner step, shared prompts + response-only head",
-        "learner": "Learner.train_step (new path, + stream, publish)",
-    }
+    memory = results["bare"]["mem_kind"]
+    print(f"\n| phase | response tokens/step | forward tokens/step | s/step | tokens/s | "
+          f"best-of tokens/s | MFU | best-of MFU | {memory} setup MB | {memory} peak train MB | "
+          f"{memory} high-water MB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, result in results.items():
         steps = result["steps"]
         forward = statistics.mean(r.get("forward_tokens", float("nan")) for r in steps)
         print(
-            f"| {names[name]} | {tokens:.0f} | {forward:.0f} | "
+            f"| {NAMES[name]} | {tokens:.0f} | {forward:.0f} | "
             f"{statistics.mean(r['step_s'] for r in steps):.3g} | {_rate(steps):.1f} | "
-            f"{_best_rate(steps, repeats):.1f} | {result['rss_setup_MB']:.0f} | "
-            f"{result['rss_train_MB']:.0f} | {result['rss_high_water_MB']:.0f} |"
+            f"{_best_rate(steps, repeats):.1f} | {_mfu(steps, peak_tflops)} | "
+            f"{_mfu(_best(steps, repeats), peak_tflops)} | {result['mem_setup_MB']:.0f} | "
+            f"{result['mem_train_MB']:.0f} | {result['mem_high_water_MB']:.0f} |"
         )
-    speedup = _best_rate(rows["new"], repeats) / _best_rate(rows["today"], repeats)
+    best = {name: _best_rate(steps, repeats) for name, steps in rows.items()}
     print(
-        f"\nnew / today response tokens/s: {speedup:.2f}× best-of-repeats (goal ≥ 2×), "
-        f"{_rate(rows['new']) / _rate(rows['today']):.2f}× over all measured steps; "
-        f"new / bare {_best_rate(rows['new'], repeats) / _best_rate(rows['bare'], repeats):.2f}×"
+        f"\nnew / today response tokens/s: {best['new'] / best['today']:.2f}× best-of-repeats "
+        f"(goal ≥ 2×), {_rate(rows['new']) / _rate(rows['today']):.2f}× over all measured "
+        f"steps; new / bare {best['new'] / best['bare']:.2f}×"
     )
     losses = [(a["loss"], b["loss"]) for a, b in zip(rows["today"], rows["new"], strict=True)]
     print(f"policy loss, today vs new (first measured step): {losses[0][0]:.6f} vs "
           f"{losses[0][1]:.6f} (later steps diverge only by float rounding)")  # fmt: skip
-    if "learner" not in results:
-        return
-    bare, learner = results["bare"], results["learner"]
-    best = _best_rate(rows["learner"], repeats) / _best_rate(rows["new"], repeats)
-    print(f"Learner.train_step / new-path step tokens/s: {best:.3f} best-of-repeats")
-    sync = statistics.mean(r["sync_s"] for r in rows["learner"])
+    bare = results["bare"]
     print(
-        f"weight publish (perf/weight_sync_s, mean of {len(rows['learner'])}): {sync:.3g} s for "
-        f"{learner['weights_MB']:.0f} MB; on the bare phase's model: full_state_dict "
-        f"{bare['gather_s']:.3g} s + WeightStore.publish {bare['write_s']:.3g} s"
+        f"publish from the bare phase's model: full_state_dict (device → host) "
+        f"{bare['gather_s']:.3g} s + WeightStore.publish {bare['write_s']:.3g} s for "
+        f"{bare['bare_weights_MB']:.0f} MB"
+    )
+    if "learner" in results:
+        report_learner(rows, results["learner"], best)
+
+
+def report_learner(rows: dict[str, list], learner: dict[str, Any], best: dict[str, float]):
+    """The learner against the bare step and the new path, and its publishes."""
+    print(
+        f"Learner.train_step / bare tokens/s: {best['learner'] / best['bare']:.3f} "
+        f"best-of-repeats (goal ≥ 0.9), {_rate(rows['learner']) / _rate(rows['bare']):.3f} "
+        f"over all measured steps; Learner.train_step / new-path step: "
+        f"{best['learner'] / best['new']:.3f} best-of-repeats"
+    )
+    sync = statistics.mean(r["sync_s"] for r in rows["learner"])
+    uploads = [r for r in rows["learner"] if "upload_s" in r]
+    upload = (
+        f"; background upload (perf/weight_upload_s, mean of {len(uploads)}): "
+        f"{statistics.mean(r['upload_s'] for r in uploads):.3g} s for "
+        f"{statistics.mean(r['stored_bytes'] for r in uploads) / MB:.0f} MB stored"
+        if uploads
+        else ""
+    )
+    publishing = learner["mem_publish_MB"]  # on a GPU, inside the step's peak
+    memory = (
+        ""
+        if math.isnan(publishing)
+        else f"; {learner['mem_kind']} peak while publishing {publishing:.0f} MB"
+    )
+    print(
+        f"weight publish on the training path (perf/weight_sync_s, mean of "
+        f"{len(rows['learner'])}): {sync:.3g} s; last version {learner['weights_MB']:.0f} MB"
+        f"{upload}{memory}"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", choices=sorted(SIZE_PRESETS), default="smollm2-135m-instruct")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="learner.device of every phase; cuda also sets learner.mixed_precision=bf16",
+    )  # fmt: skip
     parser.add_argument("--groups", type=int, default=4, help="B, groups per batch")
     parser.add_argument("--group-size", type=int, default=4, help="G, responses per group")
     parser.add_argument(
@@ -512,7 +573,20 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--min-response-len", type=int, default=32)
     parser.add_argument("--max-response-len", type=int, default=128)
-    parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--micro-batch-tokens", type=int,
+        help="learner.micro_batch_tokens; default 1024 on cpu, 8192 on cuda, at least the longest "
+        "sequence",
+    )  # fmt: skip
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="learner.activation_checkpointing=true (every phase)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peak-tflops", type=float,
+        help="peak FLOP/s (in TFLOP/s) for MFU; default: the GPU's dense bf16 peak by its name "
+        "(H100 SXM, H200: 989); no MFU on CPU without it",
+    )  # fmt: skip
     parser.add_argument("--warmup-steps", type=int, default=1, help="not measured")
     parser.add_argument("--batches", type=int, default=1, help="distinct measured batches")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per batch")
@@ -530,21 +604,29 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = os.path.join(tmp, "run")
-        config = prepare_run(args, run_dir)
-        print(
-            f"model {args.model} ({config.model.dtype}, {config.learner.device}, "
-            f"{torch.get_num_threads()} threads), B={args.groups} groups × G={args.group_size}, "
-            f"prompts {args.prompt_len[0]}–{args.prompt_len[1]} tokens, "
-            f"responses {args.min_response_len}–{args.max_response_len} tokens, "
-            f"micro_batch_tokens {args.micro_batch_tokens}; {args.warmup_steps} warm-up + "
-            f"{args.batches} batch(es) × {args.repeats} measured steps per phase, "
-            "the processes in lockstep"
-        )
-        steps = args.batches * args.repeats
         phases = args.phases.split(",")
         if set(phases) - set(PHASES) or {"bare", "today", "new"} - set(phases):
             parser.error(f"--phases {args.phases}: bare, today and new, optionally learner")
-        report(run_phases(run_dir, args.warmup_steps, steps, phases), args.repeats)
+        config, shape, flops = prepare_run(args, run_dir)
+        cfg = config.learner
+        print(
+            f"model {args.model} (weights {config.model.dtype}, learner.device {cfg.device}, "
+            f"mixed_precision {cfg.mixed_precision}, activation_checkpointing "
+            f"{cfg.activation_checkpointing}), B={args.groups} groups × G={args.group_size}, "
+            f"prompts {args.prompt_len[0]}–{args.prompt_len[1]} tokens, "
+            f"responses {args.min_response_len}–{args.max_response_len} tokens, "
+            f"micro_batch_tokens {cfg.micro_batch_tokens}; {args.warmup_steps} warm-up + "
+            f"{args.batches} batch(es) × {args.repeats} measured steps per phase, "
+            f"the processes in lockstep\n{shape.describe()}"
+        )
+        device, results = run_phases(run_dir, args.warmup_steps, len(flops), phases)
+        peak = args.peak_tflops or default_peak_tflops(device)
+        source = "--peak-tflops" if args.peak_tflops else "dense bf16 peak by the device's name"
+        print(
+            f"device: {device}; MFU against "
+            + (f"{peak:g} TFLOP/s ({source})" if peak else "– (give --peak-tflops)")
+        )
+        report(results, args.repeats, flops, peak)
 
 
 if __name__ == "__main__":
