@@ -133,6 +133,11 @@ def curves_markdown(curves: Curves, name: str, total_steps: int) -> str:
     return "\n".join(lines)
 
 
+def _position(record: dict[str, Any]) -> tuple[int, int]:
+    """Where a learner record sits: value pre-training (step 0, k) before the steps."""
+    return int(record.get("step", 0)), int(record.get("value_pretrain_step") or 0)
+
+
 def _latest_eval(run: Location) -> dict[str, Any] | None:
     records = read_eval_records(run)
     return records[-1] if records else None
@@ -152,7 +157,7 @@ class RunArtifacts:
     _read_once: bool = field(default=False, init=False)
     _progress_id: UUID | None = field(default=None, init=False)
     _progress: float | None = field(default=None, init=False)
-    _shown_step: int = field(default=-1, init=False)
+    _shown: tuple[int, int] | None = field(default=None, init=False)  # the table's record
     _curves_step: int = field(default=-1, init=False)
     _curves_at: float = field(default=-math.inf, init=False)
     _curves_id: UUID | None = field(default=None, init=False)
@@ -164,7 +169,7 @@ class RunArtifacts:
 
     def refresh(self, *, final: bool = False) -> dict[str, Any] | None:
         """Read the records logged since the last call; update what changed: progress, the
-        metrics table (a new step, or `final`: the run is over and evaluation may have finished
+        metrics table (a new record, or `final`: the run is over and evaluation may have finished
         since), the curves (a new step, at most every `curves_every_s`, and when `final`); emit
         an event for each health condition the new records report. Returns the latest learner
         record (None before the first step)."""
@@ -173,8 +178,8 @@ class RunArtifacts:
         self._take(self._history.read())
         step = int(self._latest["step"]) if self._latest else 0
         self._update_progress(100.0 * min(step, total) / total)
-        if self._latest is not None and (step != self._shown_step or final):
-            self._shown_step = step
+        if self._latest is not None and (_position(self._latest) != self._shown or final):
+            self._shown = _position(self._latest)
             self._stream = read_stream(self.run, since=self._stream)  # new commits only
             create_markdown_artifact(
                 markdown=metrics_table(self._latest, total, _latest_eval(self.run), self._stream),
@@ -182,7 +187,7 @@ class RunArtifacts:
                 description=f"latest metrics of {self.run.uri}",
             )
         due = time.monotonic() - self._curves_at >= self.curves_every_s
-        if self._latest is not None and ((step != self._curves_step and due) or final):
+        if step > 0 and ((step != self._curves_step and due) or final):
             self._publish_curves(step)
         return self._latest
 
@@ -190,11 +195,11 @@ class RunArtifacts:
         """The newest learner record; health events of new records that were not there at the
         first read (a resumed run's old ones were reported by their own flow run)."""
         for record in records:
-            if "value_pretrain_step" in record or "step" not in record:
+            if "step" not in record:
                 continue
+            if self._latest is None or _position(record) >= _position(self._latest):
+                self._latest = record  # a value pre-training record too (step 0)
             step = int(record["step"])
-            if self._latest is None or step >= int(self._latest["step"]):
-                self._latest = record
             if self._read_once:
                 for event in record.get("health") or ():
                     self._emit_health(step, event)

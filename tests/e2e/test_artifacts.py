@@ -171,3 +171,22 @@ def test_artifacts_are_keyed_by_run_name_curves_replace_themselves_health_become
     # Another flow run over the same run (a resumed one): the old conditions are not re-sent.
     again = publish(str(run_dir))
     assert asyncio.run(_events("streamrl.health.", again, count=1, within_s=5)) == []
+
+
+def test_the_table_follows_value_pretraining_before_the_first_step(prefect_server, tmp_path):
+    run_dir = tmp_path / "vapo"
+    config = load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={run_dir}"])
+    create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
+    (run_dir / "metrics").mkdir()
+    pretraining = [
+        {"time": time.time(), "step": 0, "value_pretrain_step": k, "critic/vf_loss": loss}
+        for k, loss in ((1, 0.9), (2, 0.5))
+    ]
+    (run_dir / "metrics" / "learner.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in pretraining)
+    )
+    flow_run_id = publish(str(run_dir))
+    (table,) = asyncio.run(_tables(flow_run_id))
+    assert "| value loss | 0.5000 |" in table  # the newest pre-training record
+    artifacts = asyncio.run(_flow_run_artifacts(flow_run_id))
+    assert not [a for a in artifacts if a.key.endswith("-curves")]  # no learner step yet

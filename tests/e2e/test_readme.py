@@ -52,6 +52,7 @@ def test_readme_commands_check_out_in_a_fresh_shell() -> None:
     assert " 0 wrong" in done.stdout
 
 
+@pytest.mark.slow  # ~45 s on 2 cores: every `streamrl config`/`models` command, and --help runs
 def test_readme_commands_run_in_a_fresh_shell() -> None:
     done = _as_a_user("--run")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -110,6 +110,7 @@ def _wait_healthy(api: str, server: subprocess.Popen, log: Path, timeout_s: floa
     raise AssertionError(f"prefect server not healthy in {timeout_s}s:\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: a Prefect server with its UI, eight Chromium renders
 def test_ui_check_uses_the_active_profile_and_sees_the_curves_image(prefect_ui, tmp_path):
     made = subprocess.run(
         [sys.executable, "-c", _FLOW, str(tmp_path / "runs" / "ui-run")],
