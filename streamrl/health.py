@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -96,15 +97,15 @@ class _Verdict:
     why: str
 
 
-class _Condition:
+class _Condition(ABC):
     """One condition on one metric. `judge` evaluates a finite value and remembers what the
     condition needs of it (a baseline, a window); None: not evaluable yet."""
 
     name: str
     metric: str
 
-    def judge(self, value: float) -> _Verdict | None:
-        raise NotImplementedError
+    @abstractmethod
+    def judge(self, value: float) -> _Verdict | None: ...
 
 
 @dataclass
@@ -141,8 +142,7 @@ class _EntropyCollapse(_Condition):
         threshold, why = self.minimum, "health.entropy_min"
         if len(self._first) < self.baseline_steps:  # a step of the baseline: minimum only
             self._first.append(value)
-        elif self.ratio * statistics.fmean(self._first) > self.minimum:
-            baseline = statistics.fmean(self._first)
+        elif self.ratio * (baseline := statistics.fmean(self._first)) > self.minimum:
             threshold = self.ratio * baseline
             why = (
                 f"health.entropy_collapse_ratio={self.ratio:g} × the baseline {baseline:.4g}, "
