@@ -6,7 +6,9 @@ With `learner.nnodes` > 1 the nodes of one attempt (the same `attempt` id) meet 
 run's storage (`streamrl.rendezvous`): node 0 publishes its address, the others wait for it
 (up to `learner.rendezvous_timeout_s`) and join torchrun's rendezvous there. Every attempt
 resumes from the run's last committed checkpoint; a node that dies fails its attempt, and the
-parent starts the next one. Restarting is the parent's job: this flow run fails with its node.
+parent starts the next one (`take_over`: once the earlier attempt's nodes have ended or are
+fenced, so the learner takes the run's lease over at once). Restarting is the parent's job: this
+flow run fails with its node.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ __all__ = ["learner_node"]
 
 
 @flow(name="learner", log_prints=True)
-def learner_node(run_uri: str, node_rank: int = 0, attempt: str | None = None) -> int:
+def learner_node(
+    run_uri: str, node_rank: int = 0, attempt: str | None = None, take_over: bool = False
+) -> int:
     """Train the run at `run_uri` as node `node_rank` of attempt `attempt` until the learner
-    reaches its step budget; returns the node rank."""
+    reaches its step budget; returns the node rank. `take_over`: take the run's learner lease
+    over from an earlier holder at once (`streamrl learner --take-over`)."""
     config = open_run_config(run_uri)
     nnodes = config.learner.nnodes
     if not 0 <= node_rank < nnodes:
@@ -42,5 +47,5 @@ def learner_node(run_uri: str, node_rank: int = 0, attempt: str | None = None) -
         else:
             timeout = config.learner.rendezvous_timeout_s
             node = await_node0(run, attempt, node_rank, nnodes, timeout)
-    run_alone(Supervisor.for_component(config, "learner", node=node))
+    run_alone(Supervisor.for_component(config, "learner", node=node, take_over=take_over))
     return node_rank

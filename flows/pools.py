@@ -15,19 +15,16 @@ each with the job variables its pool's template declares: `gpu_count` from the c
 (the learner's ranks per node, an engine's tensor-parallel GPUs), `image` and `env`
 (`placement.image`, `placement.env`).
 
-`PoolSupervisor.poll()` reads the children's states and acts:
-
-- a generator run that ended before the run asked it to stop (crashed, failed, cancelled,
-  preempted) is replaced by a new run of the same index; replacements are counted over
-  `placement.retry_window_s`, and the `generator_retries`-th within the window fails the run;
-- a learner node that ended in failure fails its attempt: the other nodes are cancelled and a
-  new attempt (every node, resuming from the last committed checkpoint) starts while
-  `learner_retries` last; after that the run fails; the evaluator has one restart;
-- when every learner node completed (the learner wrote the stop marker), the generators flush
-  and end; what still runs after `FINISH_GRACE_S` is cancelled;
-- `<run>/control/fleet.json` (`streamrl scale`) sets how many generators run: more are started
-  (new indexes), the newest are asked to stop through their own stop marker (they flush their
-  open segment first, then their runs complete).
+`PoolSupervisor.poll()` reads the children's states and `<run>/control/fleet.json` (`streamrl
+scale`), hands what changed to the restart policy (`streamrl.supervision`: the same rules as for
+processes on one machine) and carries out its answer: a lost generator replaced by a new run of
+its index (`generator_retries` within `placement.retry_window_s`); a failed learner attempt's
+other nodes cancelled and, once they have ended or are fenced, every node started again as the
+next attempt (resuming from the last committed checkpoint, taking the run's lease over;
+`learner_retries` times); the evaluator restarted once; the generators flushing once every
+learner node completed (what still runs after `FINISH_GRACE_S` is cancelled); more generators
+started on new indexes, or the newest asked to stop through their own stop marker (they flush
+their open segment first, then their runs complete).
 
 Failing for good, or an interrupted parent (cancelled, Ctrl-C), writes the stop marker and
 cancels every child still running (Prefect's server also cancels the children of a cancelled
@@ -37,9 +34,11 @@ flow run).
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -64,11 +63,29 @@ from storage.control import (
     set_requested_generators,
     stop_requested,
 )
+from storage.lease import DISPLACED
 from streamrl.config import RunConfig
 from streamrl.launch import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
 from streamrl.runs import open_run_location
-from streamrl.supervisor import FINISH_GRACE_S, ComponentFailedError, RestartBudget
+from streamrl.supervision import (
+    Abort,
+    Action,
+    Cancel,
+    Ended,
+    Event,
+    Failure,
+    Finish,
+    Interrupted,
+    ScaleOut,
+    Start,
+    StopGenerator,
+    SupervisionPolicy,
+    TargetGenerators,
+    Tick,
+    Unit,
+)
+from streamrl.supervisor import ComponentFailedError
 
 __all__ = ["PoolError", "PoolSupervisor", "job_variables"]
 
@@ -97,15 +114,21 @@ class PoolError(RuntimeError):
 
 @dataclass
 class Child:
-    """One flow run of the run's processes."""
+    """One flow run of the run's processes: the policy's unit it runs."""
 
-    name: str  # learner, learner-node1, gen3, eval
-    kind: Kind
+    unit: Unit
     parameters: dict[str, Any]
     flow_run_id: UUID
     state: StateType | None = None
     message: str = ""
-    stopping: bool = False  # asked to stop (scaling in, finishing): its end is expected
+
+    @property
+    def name(self) -> str:  # learner, learner-node1, gen3, eval
+        return self.unit.name
+
+    @property
+    def kind(self) -> Kind:
+        return self.unit.kind
 
     @property
     def ended(self) -> bool:
@@ -149,7 +172,8 @@ class PoolSupervisor:
     """A run's learner, generators and evaluator as flow runs on work pools (module docstring).
 
     `start()` launches them; `poll()`, every few seconds, until it returns True (the run is
-    done); `abort(reason)` when interrupted."""
+    done); `abort(reason)` when interrupted. Every decision is the policy's (`self.policy`);
+    this backend starts flow runs, reads their states and cancels them."""
 
     def __init__(
         self,
@@ -166,15 +190,19 @@ class PoolSupervisor:
         self.config, self.client, self.log, self.clock = config, client, logger, clock
         self.run = open_run_location(config)
         self.generators = generators
-        self.generator_retries = generator_retries
         self.with_eval = evaluator and config.eval.every_versions > 0
-        self.learner_attempts = RestartBudget(learner_retries)
-        self.eval_restarts = RestartBudget(1)
-        self.gen_restarts: dict[int, RestartBudget] = {}
+        self.policy = SupervisionPolicy(
+            learner_nodes=config.learner.nnodes,
+            generators=range(generators),
+            evaluator=self.with_eval,
+            learner_retries=learner_retries,
+            generator_retries=generator_retries,
+            generator_window_s=config.placement.retry_window_s,
+            evaluator_retries=1,
+        )
         self.children: list[Child] = []
         self.failure: str | None = None
-        self.finishing_since: float | None = None
-        self.attempt = ""
+        self.rendezvous = uuid.uuid4().hex[:12]  # attempt k's nodes meet as `<rendezvous>-<k>`
         self.targets: dict[Kind, _Target] = {}
 
     # -- starting ---------------------------------------------------------------------------
@@ -191,11 +219,7 @@ class PoolSupervisor:
         self.targets = {kind: self._target(kind, pool) for kind, pool in pools.items()}
         reserve_generator_indexes(self.run, self.generators, "streamrl flow (pools)")
         set_requested_generators(self.run, self.generators)
-        self._start_learner()
-        for index in range(self.generators):
-            self._start_generator(index)
-        if self.with_eval:
-            self._launch("evaluator", "eval", {"run_uri": self.config.storage.run_uri})
+        self._act(self.policy.start())
 
     def _target(self, kind: Kind, pool: str) -> _Target:
         flow = FLOWS[kind]
@@ -219,41 +243,45 @@ class PoolSupervisor:
             )
         return _Target(deployment.id, f"{flow}/{deployment.name}", pool, declared)
 
-    def _launch(self, kind: Kind, name: str, parameters: dict[str, Any]) -> Child:
-        target = self.targets[kind]
-        variables = job_variables(self.config, kind, target.declared)
+    def _start(self, start: Start) -> None:
+        """A flow run for each unit of `start`, on its kind's deployment and pool."""
+        if (failure := start.restart) is not None:
+            within = f" within {failure.window_s:.0f}s" if math.isfinite(failure.window_s) else ""
+            resumes = "; the learner resumes from the last checkpoint" if start.take_over else ""
+            self.log.warning(
+                "%s; restart %d (%d of %d allowed%s)%s", failure.cause, failure.restarts,
+                failure.recent, failure.allowed, within, resumes,
+            )  # fmt: skip
+        for unit in start.units:
+            if unit.kind == "generator":
+                clear_stop(self.run, writer=unit.name)  # a stopped index may run again
+            self._launch(unit, self._parameters(unit, start.take_over))
+
+    def _parameters(self, unit: Unit, take_over: bool) -> dict[str, Any]:
+        """What the flow run of `unit` is called with (flows/learner.py, flows/generator.py,
+        flows/evaluator.py)."""
+        run_uri = self.config.storage.run_uri
+        if unit.kind == "learner":
+            attempt = f"{self.rendezvous}-{unit.attempt}"
+            return {"run_uri": run_uri, "node_rank": unit.index, "attempt": attempt,
+                    "take_over": take_over}  # fmt: skip
+        if unit.kind == "generator":  # its replacement is ours: the flow run restarts nothing
+            return {"run_uri": run_uri, "index": unit.index, "retries": 0}
+        return {"run_uri": run_uri}
+
+    def _launch(self, unit: Unit, parameters: dict[str, Any]) -> None:
+        target = self.targets[unit.kind]
+        variables = job_variables(self.config, unit.kind, target.declared)
         flow_run = run_deployment(
             target.deployment_id,
             parameters=parameters,
-            flow_run_name=f"{self.config.run_name}-{name}",
+            flow_run_name=f"{self.config.run_name}-{unit.name}",
             timeout=0,
             job_variables=variables or None,
-            tags=["streamrl", kind],
+            tags=["streamrl", unit.kind],
         )
-        child = Child(name, kind, parameters, flow_run.id, flow_run.state_type)
-        self.children.append(child)
-        self.log.info("started %s: flow run %s on pool '%s'", name, flow_run.name, target.pool)
-        return child
-
-    def _start_learner(self) -> None:
-        nnodes = self.config.learner.nnodes
-        self.attempt = uuid.uuid4().hex[:12]
-        for node in range(nnodes):
-            name = "learner" if nnodes == 1 else f"learner-node{node}"
-            parameters = {
-                "run_uri": self.config.storage.run_uri,
-                "node_rank": node,
-                "attempt": self.attempt,
-            }
-            self._launch("learner", name, parameters)
-
-    def _start_generator(self, index: int) -> None:
-        clear_stop(self.run, writer=f"gen{index}")  # a stopped index may run again
-        self.gen_restarts.setdefault(
-            index, RestartBudget(self.generator_retries, self.config.placement.retry_window_s)
-        )
-        parameters = {"run_uri": self.config.storage.run_uri, "index": index, "retries": 0}
-        self._launch("generator", f"gen{index}", parameters)
+        self.children.append(Child(unit, parameters, flow_run.id, flow_run.state_type))
+        self.log.info("started %s: flow run %s on pool '%s'", unit.name, flow_run.name, target.pool)
 
     # -- watching ---------------------------------------------------------------------------
 
@@ -261,40 +289,30 @@ class PoolSupervisor:
         return [c for c in self.children if not c.ended and (kind is None or c.kind == kind)]
 
     def poll(self) -> bool:
-        """Read the children's states and act on what ended; True when the run is done.
-        Raises `ComponentFailedError` (after cancelling every child) when it failed for good."""
-        self._refresh()
-        now = self.clock()
-        learner = [c for c in self.children if c.kind == "learner" and c.parameters.get(
-            "attempt") == self.attempt]  # fmt: skip
-        if self.finishing_since is None and learner and all(c.completed for c in learner):
-            self.log.info("the learner completed; the generators flush and stop")
-            self.finishing_since = now
-            for child in self.live():
-                child.stopping = True
-        if self.finishing_since is not None:
-            leftover = self.live()
-            if not leftover:
-                return True
-            if now - self.finishing_since > FINISH_GRACE_S:
-                self._cancel(leftover, f"still running {FINISH_GRACE_S:.0f}s after the learner")
-                return True
-            return False
-        for child in [c for c in self.children if c.ended and not c.stopping]:
-            child.stopping = True  # handled once
-            if child.kind == "learner" and not child.completed:
-                self._learner_failed(child, now)
-            elif child.kind == "generator":
-                self._generator_ended(child, now)
-            elif child.kind == "evaluator" and not child.completed:
-                self._evaluator_failed(child, now)
-        self._scale()
-        return False
+        """One look at the run; True when it is done.
 
-    def _refresh(self) -> None:
+        Consumes the children's states (from Prefect's server), `<run>/control/fleet.json`
+        and the clock; each child that ended since the last poll, the time and the generator
+        count asked for go to the policy as events, and its actions are carried out (flow
+        runs started, asked to stop, cancelled). Raises `ComponentFailedError` (after
+        cancelling every child) when a component failed for good."""
+        now = self.clock()
+        for child in self._refresh():
+            stopped = stop_requested(self.run, child.name)
+            displaced = child.unit.kind == "learner" and DISPLACED in child.message
+            cause = self._describe(child)
+            self._feed(Ended(child.unit, child.completed, now, cause, stopped, displaced))
+        self._feed(Tick(now))
+        wanted = requested_generators(self.run, self.config.placement.max_generators)
+        if wanted is not None:
+            self._feed(TargetGenerators(wanted))
+        return self.policy.done
+
+    def _refresh(self) -> list[Child]:
+        """Read the states of the children not known to have ended; those that now have."""
         waiting = [c for c in self.children if not c.ended]
         if not waiting:
-            return
+            return []
         runs = self.client.read_flow_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[c.flow_run_id for c in waiting]))
         )
@@ -303,92 +321,86 @@ class PoolSupervisor:
             run = by_id.get(child.flow_run_id)
             if run is not None and run.state is not None:
                 child.state, child.message = run.state.type, run.state.message or ""
+        return [c for c in waiting if c.ended]
 
     def _describe(self, child: Child) -> str:
         state = child.state.value.lower() if child.state else "unknown"
         return f"{child.name} ({state}{': ' + child.message if child.message else ''})"
 
-    def _learner_failed(self, child: Child, now: float) -> None:
-        others = [c for c in self.live("learner") if c.parameters["attempt"] == self.attempt]
-        self._cancel(others, f"{child.name} of the same learner attempt ended")
-        if not self.learner_attempts.spend(now):
-            self._fail(f"the learner failed for good: {self._describe(child)}")
-        self.log.warning(
-            "%s; learner attempt %d of %d resumes from the last checkpoint",
-            self._describe(child), self.learner_attempts.total, self.learner_attempts.allowed,
-        )  # fmt: skip
-        self._start_learner()
+    def abort(self, reason: str) -> None:
+        """Stop the run: its stop marker, then every child still running is cancelled."""
+        self._feed(Interrupted(reason))
 
-    def _generator_ended(self, child: Child, now: float) -> None:
-        index = int(child.parameters["index"])
-        if stop_requested(self.run, child.name):
-            return  # scaled in, or the run is stopping
-        budget = self.gen_restarts[index]
-        if not budget.spend(now):
-            self._fail(
-                f"{child.name} failed for good ({budget.allowed} replacements within "
-                f"{self.config.placement.retry_window_s:.0f}s): {self._describe(child)}"
-            )
-        self.log.warning(
-            "%s; replaced (replacement %d, %d within placement.retry_window_s)",
-            self._describe(child), budget.total, len(budget.times),
-        )  # fmt: skip
-        self._start_generator(index)
+    def restarts(self) -> dict[str, int]:
+        return {name: count for name, count in self.policy.restarts().items() if count}
 
-    def _evaluator_failed(self, child: Child, now: float) -> None:
-        if not self.eval_restarts.spend(now):
-            self._fail(f"the evaluator failed for good: {self._describe(child)}")
-        self.log.warning("%s; restarted", self._describe(child))
-        self._launch("evaluator", "eval", child.parameters)
+    # -- carrying out the policy's actions ----------------------------------------------------
 
-    def _scale(self) -> None:
-        wanted = requested_generators(self.run)
-        running = [c for c in self.live("generator") if not c.stopping]
-        if wanted is None or wanted == len(running):
-            return
-        if wanted > len(running):
-            for _ in range(wanted - len(running)):
-                index = claim_generator_index(self.run, owner="streamrl flow (pools)")
-                self.log.info("scaling out to %d generators: gen%d", wanted, index)
-                self._start_generator(index)
-            return
-        newest = sorted(running, key=lambda c: int(c.parameters["index"]))[wanted:]
-        for child in newest:
-            self.log.info("scaling in to %d generators: %s flushes and stops", wanted, child.name)
-            request_stop(self.run, f"scaled in to {wanted} generators", writer=child.name)
-            child.stopping = True
+    def _feed(self, event: Event) -> None:
+        self._act(self.policy.handle(event))
 
-    # -- stopping ---------------------------------------------------------------------------
+    def _act(self, actions: Iterable[Action]) -> None:
+        """Carry out `actions`, then the policy's answers to the events they cause (a flow run
+        cancelled before it started has ended at once), until none is left."""
+        pending = deque(actions)
+        while pending:
+            for event in self._carry_out(pending.popleft()):
+                pending.extend(self.policy.handle(event))
 
-    def _cancel(self, children: list[Child], reason: str) -> None:
+    def _carry_out(self, action: Action) -> list[Event]:
+        match action:
+            case Start():
+                self._start(action)
+            case ScaleOut(count=count, wanted=wanted):
+                for _ in range(count):
+                    index = claim_generator_index(self.run, owner="streamrl flow (pools)")
+                    self.log.info("scaling out to %d generators: gen%d", wanted, index)
+                    self._start(Start((self.policy.add_generator(index),)))
+            case StopGenerator(unit=unit, reason=reason):
+                self.log.info("%s: %s flushes and stops", reason, unit.name)
+                request_stop(self.run, reason, writer=unit.name)
+            case Cancel(units=units, reason=reason):
+                return self._cancel([c for c in self.live() if c.unit in units], reason)
+            case Finish():
+                self.log.info("the learner completed; the generators flush and stop")
+            case Abort(reason=reason, failure=None):
+                self._abort(reason)
+            case Abort(failure=Failure() as failure):
+                self.failure = self._failed_for_good(failure)
+                self._abort(self.failure)
+                raise ComponentFailedError(self.failure)
+        return []
+
+    def _cancel(self, children: list[Child], reason: str) -> list[Event]:
+        """Cancel `children`; the end of those that never started (cancelled at once)."""
+        ended: list[Event] = []
         for child in children:
-            child.stopping = True
             state = Cancelled if child.state in _NOT_STARTED else Cancelling
             try:
                 self.client.set_flow_run_state(child.flow_run_id, state(message=reason), force=True)
-                if state is Cancelled:  # it never started: ended now
-                    child.state = StateType.CANCELLED
             except Exception as exc:  # the server unreachable: Prefect's own cleanup remains
                 self.log.warning("could not cancel %s: %r", child.name, exc)
+                continue
+            if state is Cancelled:
+                child.state = StateType.CANCELLED
+                ended.append(Ended(child.unit, False, self.clock(), self._describe(child)))
+        return ended
 
-    def _fail(self, reason: str) -> None:
-        self.failure = reason
-        self.abort(reason)
-        raise ComponentFailedError(reason)
+    @staticmethod
+    def _failed_for_good(failure: Failure) -> str:
+        unit = failure.unit
+        if unit.kind == "generator":
+            return (
+                f"{unit.name} failed for good ({failure.allowed} replacements within "
+                f"{failure.window_s:.0f}s): {failure.cause}"
+            )
+        return f"the {unit.kind} failed for good: {failure.cause}"
 
-    def abort(self, reason: str) -> None:
-        """Stop the run: its stop marker, then every child still running is cancelled."""
+    def _abort(self, reason: str) -> None:
+        """The run's stop marker, then every child still running cancelled."""
         try:
             request_stop(self.run, reason)
         except OSError as exc:
             self.log.warning("could not write the run's stop marker: %r", exc)
         self._refresh()
         self._cancel(self.live(), reason)
-
-    def restarts(self) -> dict[str, int]:
-        counts = {f"gen{i}": w.total for i, w in self.gen_restarts.items() if w.total}
-        if self.learner_attempts.total:
-            counts["learner"] = self.learner_attempts.total
-        if self.eval_restarts.total:
-            counts["eval"] = self.eval_restarts.total
-        return counts

@@ -25,23 +25,45 @@ refreshed as steps arrive, and the wandb link.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
+from pydantic import Field
 
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
+from storage.manifest import CREDENTIAL_NAME
 from streamrl.config import RunConfig, StorageConfig, load_config
 from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.runs import open_run_location, prepare_run
 from streamrl.supervisor import ComponentFailedError, Supervisor
 
-__all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
+__all__ = ["CREDENTIAL_OVERRIDE", "Override", "streamrl_run", "supervise", "supervise_on_pools"]
 
 REFRESH_S = 5.0
+
+CREDENTIAL_OVERRIDE = (
+    rf"(?i)^(?:[^=]*\.)?\s*{CREDENTIAL_NAME}\s*[.=]"
+    rf"|^\s*(?:storage|placement)\b[^=]*=.*?(?<![\w-])[\"']?{CREDENTIAL_NAME}[\"']?\s*:"
+)
+"""An override that sets a credential: one whose dotted key names one
+(`placement.env.HF_TOKEN=...`), or a storage/placement mapping with such a key
+(`storage.storage_options={secret: ...}`). The deployments' parameter schema refuses it, so the
+Prefect server refuses the flow run before storing its parameters; in the flow,
+`parse_overrides` refuses every credential, naming its path."""
+
+Override = Annotated[
+    str,
+    Field(
+        description="A dotted override, section.field=value (learner.lr=1e-6); never a "
+        "credential: those are refused (give them to the workers as environment variables or a "
+        "Kubernetes secret).",
+        json_schema_extra={"not": {"pattern": CREDENTIAL_OVERRIDE}},
+    ),
+]
 
 
 def _failed(future: PrefectFuture[Any]) -> bool:
@@ -169,15 +191,19 @@ def streamrl_run(
     preset: str = "dapo",
     size: str = "smollm2-cpu",
     config_file: str | None = None,
-    overrides: list[str] | None = None,
+    overrides: list[Override] | None = None,
     run_uri: str | None = None,
     generators: int | None = None,
     resume: bool = False,
     generator_retries: int = 3,
     learner_retries: int = 1,
+    allow_trusted_changes: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) a streamrl run to its step budget: its processes on this machine
-    (`placement.mode=local`) or each its own flow run on a work pool (`pools`)."""
+    (`placement.mode=local`) or each its own flow run on a work pool (`pools`).
+    `allow_trusted_changes`: a resume may change what decides where code runs or what it
+    trusts (the reward function, the model, the storage endpoint, placement.env; see
+    `streamrl.runs.prepare_run`)."""
     extra = list(overrides or [])
     if run_uri:
         extra.append(f"storage.run_uri={run_uri}")
@@ -187,12 +213,12 @@ def streamrl_run(
         config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     count = generators if generators is not None else config.generator.count
     if config.placement.pools:
-        config, _ = prepare_run(config, resume=resume)
+        config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
         return supervise_on_pools(
             config, generators=count, retries=generator_retries, learner_retries=learner_retries
         )
     placement = plan_placement(config, generators=count)  # refused before anything starts
-    config, _ = prepare_run(config, resume=resume)
+    config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
     return supervise(
         config,
         generators=count,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The local streamrl stack, everything on 127.0.0.1:
-#   Prefect server (SQLite under the stack dir, analytics off), the process work pools `local`
+#   Prefect server (SQLite under the stack dir, analytics off, HTTP basic auth with a credential
+#   generated at each start into <stack>/auth and the Prefect profile), the process work pools `local`
 #   (runs' supervisors), `learner` and `generators` (the processes of runs placed on pools), the
 #   deployments of deploy/prefect.yaml, one process worker per pool, and SeaweedFS (S3) with S3=1.
 #
@@ -16,6 +17,11 @@
 #   STREAMRL_STACK_TIMEOUT   seconds to wait for each component to come up (default: 180)
 #   S3=1                     also start SeaweedFS; its endpoint and keys go to <stack>/s3.env
 #   VENV                     the virtualenv with streamrl installed (default: ./.venv)
+#
+# The stack dir is private (0700) and what the stack writes there is too (0600): the API
+# credential (auth), the S3 keys (s3.env), the database, logs. The profile's file (profiles.toml,
+# which then holds the credential) is made 0600. The UI asks for a password: give it the whole
+# `admin:<token>` line of <stack>/auth.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,6 +35,8 @@ PROFILE="${STREAMRL_PREFECT_PROFILE-streamrl}"
 TIMEOUT="${STREAMRL_STACK_TIMEOUT:-180}"
 HOST=127.0.0.1
 POOLS=(local learner generators)
+USER_UMASK="$(umask)"  # what flow runs get: the runs they write are the user's to share
+umask 077              # everything the stack writes itself is private
 
 # A phrase of each component's command line: proof that a PID file names a process of ours.
 SERVER_SIG="server start"
@@ -154,16 +162,31 @@ active_profile() {
 
 api_url() { printf 'http://%s:%s/api' "$HOST" "$(<"$STACK/port")"; }
 
+new_credential() {  # a fresh `admin:<random token>` into <stack>/auth (0600)
+    "$PY" -c 'import secrets; print("admin:" + secrets.token_urlsafe(32), end="")' >"$STACK/auth"
+    chmod 600 "$STACK/auth"
+}
+
+use_credential() {  # the clients this script starts (deploy, workers) authenticate with it
+    if [[ -f "$STACK/auth" ]]; then
+        PREFECT_API_AUTH_STRING="$(<"$STACK/auth")"
+        export PREFECT_API_AUTH_STRING
+    fi
+}
+
 start_server() {
     local port log="$STACK/server.log"
     port="$(pick_port)"
     printf '%s' "$port" >"$STACK/port"
-    say "starting the Prefect server on $HOST:$port (SQLite: $(show "$STACK/prefect.db"))"
+    new_credential
+    say "starting the Prefect server on $HOST:$port (SQLite: $(show "$STACK/prefect.db"); basic auth: $(show "$STACK/auth"))"
     # The UI's own API address: without it the UI calls port 4200 whatever port the server has.
     PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT=false \
         PREFECT_SERVER_UI_API_URL="$(api_url)" \
         PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$STACK/prefect.db" \
-        launch server "$log" env -u PREFECT_API_URL "$PREFECT" server start --host "$HOST" --port "$port"
+        PREFECT_SERVER_API_AUTH_STRING="$(<"$STACK/auth")" \
+        launch server "$log" env -u PREFECT_API_URL -u PREFECT_API_AUTH_STRING \
+        "$PREFECT" server start --host "$HOST" --port "$port"
     wait_for server "$SERVER_SIG" "$log" healthy "$(api_url)"
     say "Prefect server healthy: http://$HOST:$port"
 }
@@ -175,9 +198,27 @@ use_profile() {
     [[ "$previous" == "$PROFILE" ]] || printf '%s' "$previous" >"$STACK/previous-profile"
     "$PY" -c 'import sys; from prefect.settings import load_profiles; sys.exit(sys.argv[1] not in load_profiles().names)' "$PROFILE" \
         || "$PREFECT" profile create "$PROFILE" >/dev/null
-    PREFECT_PROFILE="$PROFILE" "$PREFECT" config set "PREFECT_API_URL=$(api_url)" >/dev/null
+    # The credential goes from its file into the profile, never through a command line.
+    "$PY" - "$PROFILE" "$(api_url)" "$STACK/auth" <<'PY'
+import os, sys
+from pathlib import Path
+
+from prefect.settings import (
+    PREFECT_API_AUTH_STRING,
+    PREFECT_API_URL,
+    get_current_settings,
+    load_profiles,
+    save_profiles,
+)
+
+name, url, auth = sys.argv[1], sys.argv[2], Path(sys.argv[3]).read_text()
+profiles = load_profiles()
+profiles.update_profile(name, {PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: auth})
+save_profiles(profiles)
+os.chmod(get_current_settings().profiles_path, 0o600)
+PY
     "$PREFECT" profile use "$PROFILE" >/dev/null
-    say "Prefect profile '$PROFILE' is active: PREFECT_API_URL=$(api_url)"
+    say "Prefect profile '$PROFILE' is active: PREFECT_API_URL=$(api_url), with the stack's credential"
 }
 
 restore_profile() {
@@ -232,6 +273,8 @@ start_worker() {  # start_worker POOL
     (
         [[ -f "$STACK/s3.env" ]] && running seaweedfs "$S3_SIG" >/dev/null && source "$STACK/s3.env"
         cd "$ROOT"
+        : >"$log"  # private, as the rest of the stack dir; the flow runs it starts are not
+        umask "$USER_UMASK"
         STREAMRL_ROOT="$ROOT" PATH="$VENV/bin:$PATH" launch "worker-$pool" "$log" \
             "$PREFECT" worker start --pool "$pool" --name "streamrl-$pool" --install-policy never
     )
@@ -254,6 +297,7 @@ stop_workers() {
 
 up() {
     mkdir -p "$STACK"
+    chmod 700 "$STACK"
     printf '*\n' >"$STACK/.gitignore"
     local want_s3=0 fresh_s3=0
     [[ "${S3:-0}" == 1 ]] && want_s3=1
@@ -272,6 +316,7 @@ up() {
         PREFECT_API_URL="$(api_url)"
         use_profile
     fi
+    use_credential
     deploy
     if ((want_s3)) && ! running seaweedfs "$S3_SIG" >/dev/null; then
         start_seaweedfs
@@ -300,6 +345,7 @@ status() {
     say "streamrl stack ($(show "$STACK")):"
     if pid="$(running server "$SERVER_SIG")"; then
         say "  prefect server  up    pid $pid  UI http://$HOST:$(<"$STACK/port")  API $(api_url)"
+        [[ -f "$STACK/auth" ]] && say "    basic auth:   the UI's password is the line in $(show "$STACK/auth")"
     else
         say "  prefect server  down"
         missing=1

@@ -5,46 +5,47 @@ One checkpoint folder holds
     __<rank>_0.distcp       DCP shards, one file per rank: model, optimiser, value model, ...
     .metadata               DCP's index of the shards (written by DCP's coordinator, rank 0)
     learner_state.json      {"format", "world_size", "learner": LearnerState, "rng": [per rank]}
-    COMMITTED               written LAST by rank 0, after a barrier:
-                            {"format", "step", "world_size", "learner_state_sha256",
-                             "files": {name: size in bytes}}
+    COMMITTED               written LAST by rank 0, after a barrier: every other file with its
+                            size and xxh3, and the writer's lease epoch (`CommittedRecord`)
 
 Invariants:
 - A checkpoint exists only once COMMITTED does; readers ignore folders without it (a learner
   that died mid-save leaves one, removed by `retain` or overwritten by the next save of that
   step). A committed checkpoint is never modified; deleting one removes COMMITTED first.
-- `load` trusts only what COMMITTED names: every listed file must be there with its size, and
-  learner_state.json must match its sha256.
+- `load` trusts only what COMMITTED names, in the checkpoint's own folder: every listed file
+  must be there with its size and xxh3. `latest_verified` is the checkpoint to resume from:
+  the newest that passes; one that fails is reported (logged, `damaged`) and passed over for
+  the previous one, from which the resume is exact. A checkpoint committed before checksums
+  is checked by sizes only (and says so in a log line).
+- Trust model: whoever can write the run's storage can run code in the learner (DCP's
+  `.metadata` and non-tensor entries are pickles); checksums guard against corruption, not
+  against an attacker.
+- With a `fence` (the learner's lease, `storage.fencing.Fence`), `fence.check()` is called
+  right before COMMITTED is written and before each deletion; its epoch is recorded.
 - RNG states (python, numpy, torch, and CUDA when in use) are captured per rank when `save`
   starts and restored per rank by `load`, which therefore needs the same world size (model
   and optimiser shards themselves reshard freely; pass `restore_rng=False` to resume on a
   different world size).
 
-Distributed use: with torch.distributed initialised, `save`, `load`, `committed_steps`,
-`latest_committed` and `retain` are collectives — call them on every rank. Rank 0 alone
-decides (lists, deletes, commits) and broadcasts the outcome, so every rank returns the same
-answer or raises the same error. Without torch.distributed they work in one process.
+Distributed use: with torch.distributed initialised, `save`, `load`, `read_state`,
+`committed_steps`, `latest_committed`, `latest_verified` and `retain` are collectives — call
+them on every rank. Rank 0 alone decides (lists, deletes, commits) and broadcasts the outcome,
+so every rank returns the same answer or raises the same error; the ranks share the hashing of
+the files (`storage.checkpoint_ranks`). Without torch.distributed they work in one process.
 FSDP2 (`fully_shard`) models save sharded: wrap model and optimiser in `ModelState`, which
 uses DCP's `get_state_dict` / `set_state_dict`.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
+import logging
 import posixpath
-import random
 import re
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -57,15 +58,29 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from storage.checkpoint_ranks import (
+    all_gather,
+    barrier,
+    capture_rng_state,
+    hash_share,
+    on_rank0,
+    rank,
+    restore_rng_state,
+    single_process_is_intended,
+    world_size,
+)
+from storage.checkpoint_record import COMMITTED, LEARNER_STATE, CommittedRecord, FileCheck
 from storage.fs import Location, StorageError, put_if_absent
 
-__all__ = ["CheckpointStore", "LearnerState", "ModelState", "step_dirname"]
+if TYPE_CHECKING:
+    from storage.fencing import Fence
 
-COMMITTED = "COMMITTED"
-LEARNER_STATE = "learner_state.json"
-_FORMAT = 1
+__all__ = ["COMMITTED", "CheckpointStore", "LearnerState", "ModelState", "step_dirname"]
+
+log = logging.getLogger(__name__)
+
+_STATE_FORMAT = 1  # of learner_state.json
 _STEP_DIR = re.compile(r"step-(\d{8})")
-T = TypeVar("T")
 
 
 def step_dirname(step: int) -> str:
@@ -132,24 +147,37 @@ class ModelState(Stateful):
 
 
 class CheckpointStore:
-    """The checkpoints of one run, under `<run>/checkpoints/`."""
+    """The checkpoints of one run, under `<run>/checkpoints/`.
 
-    def __init__(self, run: Location) -> None:
+    `fence`: the writer's lease; `fence.check()` (the epoch held, or it raises) is called
+    right before COMMITTED is written and before each checkpoint folder is deleted.
+    `damaged`: the steps `latest_verified` passed over because they failed their checks; a
+    later `save` of such a step replaces it (a learner resumed before it reaches it again)."""
+
+    def __init__(self, run: Location, fence: Fence | None = None) -> None:
         self.location = run.child("checkpoints")
+        self.fence = fence
+        self.damaged: list[int] = []
+        self._verified: set[int] = set()  # steps whose every file passed, in this process
 
     def save(self, app_state: dict[str, Any], state: LearnerState) -> None:
         """Save `app_state` (name → `Stateful` or state dict) as checkpoint `state.step`.
 
-        Raises `StorageError` if that step is already committed.
+        Raises `StorageError` if that step is already committed; whatever `fence.check()`
+        raises, with nothing committed.
         """
         folder = self.location.child(step_dirname(state.step))
-        per_rank = _all_gather({"learner": asdict(state), "rng": _capture_rng()})
-        _on_rank0(lambda: self._prepare(folder, state, [got["learner"] for got in per_rank]))
+        per_rank = all_gather({"learner": asdict(state), "rng": capture_rng_state()})
+        on_rank0(lambda: self._prepare(folder, state, [got["learner"] for got in per_rank]))
         writer = FsspecWriter(folder.uri, sync_files=folder.is_local, **folder.storage_options())
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.save(app_state, storage_writer=writer)
-        _barrier()
-        _on_rank0(lambda: self._commit(folder, state, [got["rng"] for got in per_rank]))
+        barrier()
+        rng = [got["rng"] for got in per_rank]
+        sizes = on_rank0(lambda: self._write_learner_state(folder, state, rng))
+        hashes = hash_share(folder, sorted(sizes))
+        files = {name: FileCheck(size, hashes[name]) for name, size in sizes.items()}
+        on_rank0(lambda: self._commit(folder, CommittedRecord(state.step, len(rng), files)))
 
     def load(
         self, step: int, app_state: dict[str, Any], *, restore_rng: bool = True
@@ -157,11 +185,12 @@ class CheckpointStore:
         """Load committed checkpoint `step` into `app_state` in place; restore RNG states.
 
         Raises `StorageError` if `step` is not committed (naming those that are), if the
-        checkpoint is damaged, or if `restore_rng` and the world size differs from the saved one.
+        checkpoint is damaged (a file's size or xxh3 differs from COMMITTED), or if
+        `restore_rng` and the world size differs from the saved one.
         """
         folder = self.location.child(step_dirname(step))
-        body = _on_rank0(lambda: self._verified_state(folder, step))
-        world = dist.get_world_size() if _distributed() else 1
+        body = self._verify(step)
+        world = world_size()
         if restore_rng and body["world_size"] != world:
             raise StorageError(
                 f"checkpoint {folder.uri} was saved by {body['world_size']} ranks, this job has "
@@ -169,33 +198,77 @@ class CheckpointStore:
                 "with restore_rng=False"
             )
         reader = FsspecReader(folder.uri, **folder.storage_options())
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.load(app_state, storage_reader=reader)
         if restore_rng:
-            _restore_rng(body["rng"][_rank()])
+            restore_rng_state(body["rng"][rank()])
         return LearnerState(**body["learner"])
 
     def read_state(self, step: int) -> LearnerState:
-        """The learner state of committed checkpoint `step`, verified, without loading any
-        tensors: check it before `load` (a collective, like `load`)."""
+        """The learner state of committed checkpoint `step`, checked against COMMITTED,
+        without reading any shard: check it before `load` (a collective, like `load`)."""
         folder = self.location.child(step_dirname(step))
-        return LearnerState(**_on_rank0(lambda: self._verified_state(folder, step))["learner"])
+        body = on_rank0(lambda: self._committed_state(folder, step)[1])
+        return LearnerState(**body["learner"])
 
     def committed_steps(self) -> list[int]:
-        """Steps with a committed checkpoint, oldest first."""
-        return _on_rank0(lambda: sorted(s for s, done in self._scan().items() if done))
+        """Steps with a committed checkpoint, oldest first (unchecked: see `latest_verified`)."""
+        return on_rank0(lambda: sorted(s for s, done in self._scan().items() if done))
 
     def latest_committed(self) -> int | None:
-        """The newest committed step, or None when there is none."""
+        """The newest committed step, or None when there is none. Reads no shard: to resume,
+        use `latest_verified`."""
         steps = self.committed_steps()
         return steps[-1] if steps else None
+
+    def latest_verified(self) -> int | None:
+        """The newest committed step whose every file passes its size and xxh3 check (the one
+        to resume from), or None. A checkpoint that fails is logged as an error, added to
+        `damaged` and passed over for the previous one; a storage error that proves nothing
+        (unreachable, timeout) is raised instead."""
+        passed_over = []
+        for step in reversed(self.committed_steps()):
+            try:
+                self._verify(step)
+            except StorageError as exc:
+                self.damaged.append(step)
+                passed_over.append(step)
+                log.error("passing over checkpoint step %d: %s", step, exc)
+                continue
+            if passed_over:
+                log.warning(
+                    "resuming from checkpoint step %d of %s: the newer steps %s are damaged",
+                    step, self.location.uri, passed_over,
+                )  # fmt: skip
+            return step
+        return None
 
     def retain(self, keep: int) -> list[int]:
         """Keep the newest `keep` committed checkpoints; delete older ones and uncommitted
         folders older than the newest committed one. Returns the deleted steps."""
         if keep < 1:
             raise ValueError(f"keep must be ≥ 1 (got {keep}); the newest checkpoint is kept")
-        return _on_rank0(lambda: self._retain(keep))
+        return on_rank0(lambda: self._retain(keep))
+
+    def _verify(self, step: int) -> dict[str, Any]:
+        """The learner state body of `step` once every file passed its check (a collective;
+        each rank hashes its share). Raises `StorageError` when the checkpoint is damaged."""
+        folder = self.location.child(step_dirname(step))
+        record, body = on_rank0(lambda: self._committed_state(folder, step))
+        if step in self._verified:
+            return body
+        if record.checksummed:
+            hashes = hash_share(folder, sorted(record.files))
+            failed = sorted(n for n, check in record.files.items() if hashes[n] != check.xxh3)
+            if failed:
+                raise StorageError(
+                    f"checkpoint {folder.uri} is damaged: {', '.join(failed)} fails its xxh3 "
+                    "check; resume from an earlier checkpoint (latest_verified())"
+                )
+        else:
+            log.info("checkpoint %s was committed before checksums: checked sizes only", folder.uri)
+        self._verified.add(step)
+        return body
 
     # -- rank 0 only ---------------------------------------------------------------------
 
@@ -226,55 +299,68 @@ class CheckpointStore:
                 f"{differing}); it must be the same everywhere, only rank 0's is written"
             )
         fs = folder.fs
-        if fs.exists(folder.join(COMMITTED)):
+        committed = fs.exists(folder.join(COMMITTED))
+        if committed and state.step not in self.damaged:
             raise StorageError(
                 f"checkpoint {folder.uri} is already committed; checkpoints are never "
                 f"overwritten (resume from it, or delete it to take step {state.step} again)"
             )
+        if committed:  # passed over as damaged when this learner resumed before it
+            log.warning("replacing damaged checkpoint %s with a new save", folder.uri)
+            self._check_fence()
+            fs.rm_file(folder.join(COMMITTED))
         if fs.exists(folder.path):  # left by a save that died: start from an empty folder
+            self._check_fence()
             fs.rm(folder.path, recursive=True)
 
-    def _commit(self, folder: Location, state: LearnerState, rng: list[dict[str, Any]]) -> None:
-        body = {"format": _FORMAT, "world_size": len(rng), "learner": asdict(state), "rng": rng}
-        learner_bytes = json.dumps(body, sort_keys=True).encode()
-        folder.fs.pipe_file(folder.join(LEARNER_STATE), learner_bytes)
-        files = _file_sizes(folder)
-        record = {
-            "format": _FORMAT,
-            "step": state.step,
+    def _write_learner_state(
+        self, folder: Location, state: LearnerState, rng: list[dict[str, Any]]
+    ) -> dict[str, int]:
+        """Write learner_state.json; return every file of the checkpoint with its size."""
+        body = {
+            "format": _STATE_FORMAT,
             "world_size": len(rng),
-            "learner_state_sha256": hashlib.sha256(learner_bytes).hexdigest(),
-            "files": dict(sorted(files.items())),
+            "learner": asdict(state),
+            "rng": rng,
         }
-        data = json.dumps(record, indent=2).encode()
+        folder.fs.pipe_file(folder.join(LEARNER_STATE), json.dumps(body, sort_keys=True).encode())
+        return _file_sizes(folder)
+
+    def _commit(self, folder: Location, record: CommittedRecord) -> None:
+        if self.fence is not None:
+            record = replace(record, epoch=self.fence.check())
+        data = record.to_json()
         created = put_if_absent(folder.fs, folder.join(COMMITTED), data)
         if not created and folder.fs.cat_file(folder.join(COMMITTED)) != data:  # not a retry
             raise StorageError(f"{folder.uri} was committed by another writer meanwhile")
 
-    def _verified_state(self, folder: Location, step: int) -> dict[str, Any]:
+    def _committed_state(
+        self, folder: Location, step: int
+    ) -> tuple[CommittedRecord, dict[str, Any]]:
+        """COMMITTED and the learner state it commits, with every listed file present at its
+        size. Raises `StorageError` naming what is missing or damaged."""
         fs = folder.fs
-        if not fs.exists(folder.join(COMMITTED)):
+        try:
+            data = fs.cat_file(folder.join(COMMITTED))
+        except FileNotFoundError:
             committed = sorted(s for s, done in self._scan().items() if done)
             raise StorageError(
                 f"no committed checkpoint for step {step} at {self.location.uri} "
                 f"({folder.join(COMMITTED)} not found); committed steps: "
-                f"{committed or 'none'}. Resume from one of them (latest_committed())"
-            )
-        record = json.loads(fs.cat_file(folder.join(COMMITTED)))
+                f"{committed or 'none'}. Resume from one of them (latest_verified())"
+            ) from None
+        record = CommittedRecord.from_json(data, folder.uri)
         present = _file_sizes(folder)
-        for name, size in record["files"].items():
-            if present.get(name) != size:
+        for name, check in record.files.items():
+            if present.get(name) != check.size:
                 raise StorageError(
                     f"checkpoint {folder.uri} is damaged: {name} has "
-                    f"{present.get(name, 'no')} bytes, COMMITTED says {size}; resume from an "
-                    "earlier checkpoint"
+                    f"{present.get(name, 'no')} bytes, COMMITTED says {check.size}; resume from "
+                    "an earlier checkpoint"
                 )
         learner_bytes = fs.cat_file(folder.join(LEARNER_STATE))
-        if hashlib.sha256(learner_bytes).hexdigest() != record["learner_state_sha256"]:
-            raise StorageError(
-                f"checkpoint {folder.uri} is damaged: {LEARNER_STATE} fails its sha256 check"
-            )
-        return json.loads(learner_bytes)
+        record.check_learner_state(learner_bytes, folder.uri)
+        return record, json.loads(learner_bytes)
 
     def _retain(self, keep: int) -> list[int]:
         steps = self._scan()
@@ -285,102 +371,20 @@ class CheckpointStore:
         fs = self.location.fs
         for step in sorted(doomed):
             folder = self.location.child(step_dirname(step))
+            self._check_fence()
             if steps[step]:  # uncommit first: a crash mid-delete leaves only garbage
                 fs.rm_file(folder.join(COMMITTED))
             fs.rm(folder.path, recursive=True)
         return sorted(doomed)
 
+    def _check_fence(self) -> None:
+        if self.fence is not None:
+            self.fence.check()
+
 
 def _file_sizes(folder: Location) -> dict[str, int]:
+    """Every file directly in `folder` but COMMITTED, with its size."""
     entries = folder.fs.ls(folder.path, detail=True)
-    return {posixpath.basename(e["name"]): int(e["size"]) for e in entries if e["type"] == "file"}
-
-
-# -- distributed helpers ---------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-@contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """Without torch.distributed, DCP warns that it assumes one process: here that is meant."""
-    with warnings.catch_warnings():
-        if not _distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _all_gather(value: dict[str, Any]) -> list[dict[str, Any]]:
-    if not _distributed():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _on_rank0(decide: Callable[[], T]) -> T:
-    """Run `decide` on rank 0 only and hand its result, or its error, to every rank."""
-    if not _distributed():
-        return decide()
-    box: list[Any] = [None]
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", decide())
-        except Exception as exc:  # re-raised below, after the other ranks have been told
-            error = exc
-            box[0] = ("storage" if isinstance(exc, StorageError) else "error", str(exc))
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    kind, payload = box[0]
-    if kind == "storage":
-        raise StorageError(payload)
-    if kind == "error":
-        raise RuntimeError(f"rank 0 failed while handling a checkpoint: {payload}")
-    return payload
-
-
-# -- RNG states ----------------------------------------------------------------------------
-
-
-def _capture_rng() -> dict[str, Any]:
-    version, mt_state, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": [version, list(mt_state), gauss_next],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached_gaussian)],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = _b64(torch.cuda.get_rng_state())
-    return state
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    version, mt_state, gauss_next = state["python"]
-    random.setstate((version, tuple(mt_state), gauss_next))
-    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_unb64(state["cuda"]))
-
-
-def _b64(tensor: torch.Tensor) -> str:
-    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
-
-
-def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    sizes = {posixpath.basename(e["name"]): int(e["size"]) for e in entries if e["type"] == "file"}
+    sizes.pop(COMMITTED, None)
+    return sizes

@@ -7,22 +7,37 @@
 
 A stop marker is created once and never changed; a new run (or `clear_stop`) starts without the
 run's one; a writer's is cleared when its index starts again.
+
+Control files are input from whoever can write the run's storage: a reader checks what it
+reads, reports a malformed file (a warning naming the file and the problem) and ignores it,
+and never lets it raise into the supervisor that polls it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from storage.fs import Location, put_if_absent
 
 __all__ = [
+    "DEFAULT_MAX_GENERATORS",
     "clear_stop",
     "request_stop",
     "requested_generators",
     "set_requested_generators",
     "stop_requested",
 ]
+
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_GENERATORS = 64
+"""The most generators a fleet request is granted when the caller names no maximum (the
+default of `placement.max_generators`)."""
+
+_reported: dict[str, set[str]] = {}  # fleet file -> problems warned about since it last read well
 
 
 def _stop_path(run: Location, writer: str | None = None) -> str:
@@ -70,9 +85,54 @@ def set_requested_generators(run: Location, count: int) -> None:
     run.fs.pipe_file(_fleet_path(run), json.dumps(record).encode())
 
 
-def requested_generators(run: Location) -> int | None:
-    """The generator count last asked for, None when nobody asked."""
+def requested_generators(run: Location, maximum: int = DEFAULT_MAX_GENERATORS) -> int | None:
+    """The generator count last asked for, at most `maximum` (`placement.max_generators`);
+    None when nobody asked, or when `control/fleet.json` is malformed: then a warning names
+    the file and the problem (once per problem, however often it is polled) and the request is
+    ignored. Storage errors reach the caller."""
+    if maximum < 1:
+        raise ValueError(f"the generator maximum must be ≥ 1, got {maximum}")
+    path = _fleet_path(run)
     try:
-        return int(json.loads(run.fs.cat_file(_fleet_path(run)))["generators"])
+        data = run.fs.cat_file(path)
     except FileNotFoundError:
         return None
+    count, problem = _parse_fleet(data)
+    if count is None:
+        _report(run, f"{problem}; the request is ignored (write it with `streamrl scale`)")
+        return None
+    if count > maximum:
+        _report(
+            run,
+            f"asks for {count} generators, more than placement.max_generators ({maximum}): "
+            f"{maximum} are run (raise placement.max_generators to allow more)",
+        )
+        return maximum
+    _reported.pop(path, None)
+    return count
+
+
+def _parse_fleet(data: bytes) -> tuple[int | None, str]:
+    """(the count, "") or (None, what is wrong with the file)."""
+    try:
+        body = json.loads(data)
+    except ValueError as exc:  # invalid JSON or not UTF-8
+        return None, f"is not JSON ({exc})"
+    if not isinstance(body, dict):
+        return None, f"is not a JSON object (got {type(body).__name__})"
+    if "generators" not in body:
+        return None, "has no 'generators' count"
+    count = body["generators"]
+    if isinstance(count, bool) or not isinstance(count, int):
+        return None, f"asks for {count!r} generators, not a whole number"
+    if count < 0:
+        return None, f"asks for a negative number of generators ({count})"
+    return count, ""
+
+
+def _report(run: Location, problem: str) -> None:
+    path = _fleet_path(run)
+    seen = _reported.setdefault(path, set())
+    if problem not in seen:
+        seen.add(problem)
+        log.warning("%s/control/fleet.json %s", run.uri, problem)

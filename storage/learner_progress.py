@@ -50,6 +50,7 @@ class LearnerProgress:
     dropped_stale_total: int = 0
     waiting: bool = False
     updated_at: float = 0.0
+    lease_epoch: int = 0  # the writer's lease epoch (storage.lease); 0 in older records
 
     def __post_init__(self) -> None:
         counts = [
@@ -61,6 +62,7 @@ class LearnerProgress:
             self.consumed_total,
             self.accepted_total,
             self.dropped_stale_total,
+            self.lease_epoch,
         ]
         if min(counts) < 0:
             raise ValueError(f"learner progress {self}: steps, versions and counts are ≥ 0")

@@ -7,13 +7,23 @@ These are the boundary between generators and the learner; both sides validate t
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CommitRecord", "Cursor", "InvalidRecordError", "RolloutSums", "ScoredGroup"]
+__all__ = [
+    "WRITER_ID",
+    "CommitRecord",
+    "Cursor",
+    "InvalidRecordError",
+    "RolloutSums",
+    "ScoredGroup",
+    "segment_name",
+]
 
 
 class InvalidRecordError(ValueError):
@@ -189,14 +199,44 @@ class RolloutSums:
         }
 
 
+WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
+"""A writer id (`gen3`): it starts every segment name of the writer, so it holds no '-' or '/'."""
+
+_INCARNATION = re.compile(r"[0-9a-f]+")
+_SEGMENT_NUMBER = re.compile(r"[0-9]{6,}")
+_OBJECT_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+"""A Zarr key relative to its segment (`zarr.json`, `rewards/c/0`): no empty, `.` or `..` part,
+no leading '/', so the object lies inside its segment's folder."""
+
+_REWARD_FAILURES = ("reward_errors", "reward_timeouts", "reward_dropped_groups")
+
+
+def segment_name(writer_id: str, incarnation: str, number: int) -> str:
+    """The folder name, under `<run>/stream/segments/`, of a writer incarnation's `number`-th
+    segment: `<writer>-<incarnation>-<number:06d>`, the only names a commit record may name."""
+    return f"{writer_id}-{incarnation}-{number:06d}"
+
+
+def _check_int(value: object, minimum: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidRecordError(f"{what} must be an integer ≥ {minimum}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CommitRecord:
     """One entry of the commit log, `<run>/stream/log/<seq:012d>.json`.
 
-    Invariants: `seq` is gap-free from 0 (each claimed once with create-if-absent); `segment`
-    names an immutable folder under `<run>/stream/segments/` whose every object is listed in
-    `objects` with its size and CRC32, uploaded before this record was written. A reader trusts
-    only segments that a commit record names.
+    Invariants (checked on construction, so on every read): `seq` is gap-free from 0 (each
+    claimed once with create-if-absent; -1 while a writer has not claimed one yet); `segment`
+    is `segment_name(writer_id, incarnation, n)`, an immutable folder directly under
+    `<run>/stream/segments/` whose every object is listed in `objects` (a key relative to the
+    segment, never leaving it: `_OBJECT_KEY`) with its size and CRC32, uploaded before this
+    record was written; counts are ≥ 0 and min_policy_version ≤ max_policy_version. A reader
+    trusts only segments that a commit record names, and only paths these rules allow.
+
+    A stored record that breaks them is read as a *rejected* record (`rejected_record`): the
+    reason in `rejected`, no segment, no object, every count 0. Readers quarantine it; retention
+    and the sweeper touch no path for it.
 
     Reward failures of the writer's generator, counted since the previous commit of the same
     writer incarnation (so summing them over the log counts every failure once; those after an
@@ -228,23 +268,100 @@ class CommitRecord:
     reward_timeouts: int = 0
     reward_dropped_groups: int = 0
     rollout: RolloutSums | None = None
+    rejected: str = ""  # never stored: why a stored record was rejected (`rejected_record`)
+
+    def __post_init__(self) -> None:
+        where = f"commit record {self.seq}"
+        if self.rejected:
+            if self.segment or self.objects or self.num_groups:
+                raise InvalidRecordError(f"{where}: a rejected record names no segment")
+            return
+        _check_int(self.seq, -1, f"{where}: seq")
+        for name in ("num_groups", "num_responses", "num_tokens", "min_policy_version",
+                     *_REWARD_FAILURES):  # fmt: skip
+            _check_int(getattr(self, name), 0, f"{where}: {name}")
+        _check_int(self.max_policy_version, self.min_policy_version, f"{where}: max_policy_version")
+        if self.rollout is not None:
+            self._check_rollout(where)
+        if self.seq == -1 and not self.segment:  # a writer's record before it names its upload
+            return
+        self._check_segment(where)
+        self._check_objects(where)
+
+    def _check_rollout(self, where: str) -> None:
+        rollout = self.rollout
+        if not isinstance(rollout, RolloutSums):
+            raise InvalidRecordError(f"{where}: rollout must be RolloutSums, got {rollout!r}")
+        for name in ("responses", "correct", "length", "truncated"):
+            _check_int(getattr(rollout, name), 0, f"{where}: rollout.{name}")
+        reward = rollout.reward
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise InvalidRecordError(f"{where}: rollout.reward must be a finite number")
+        if not math.isfinite(reward):
+            raise InvalidRecordError(f"{where}: rollout.reward must be a finite number")
+
+    def _check_segment(self, where: str) -> None:
+        if not isinstance(self.writer_id, str) or not WRITER_ID.fullmatch(self.writer_id):
+            raise InvalidRecordError(f"{where}: writer_id {self.writer_id!r} is not a writer id")
+        if not isinstance(self.incarnation, str) or not _INCARNATION.fullmatch(self.incarnation):
+            raise InvalidRecordError(f"{where}: incarnation {self.incarnation!r} is not hex")
+        prefix = f"{self.writer_id}-{self.incarnation}-"
+        segment = self.segment
+        if not (
+            isinstance(segment, str)
+            and segment.startswith(prefix)
+            and _SEGMENT_NUMBER.fullmatch(segment[len(prefix) :])
+        ):
+            raise InvalidRecordError(
+                f"{where}: segment {segment!r} breaks the naming rule: a record names its own "
+                f"writer's segment, {prefix}<6+ digits>, directly under stream/segments/"
+            )
+
+    def _check_objects(self, where: str) -> None:
+        if not isinstance(self.objects, dict) or not self.objects:
+            raise InvalidRecordError(f"{where}: objects must list the segment's objects")
+        for key, entry in self.objects.items():
+            if not isinstance(key, str) or not _OBJECT_KEY.fullmatch(key):
+                raise InvalidRecordError(
+                    f"{where}: objects key {key!r} breaks the naming rule: a key relative to "
+                    "its segment, of letters, digits, '_', '.', '-' and '/', with no '.' or "
+                    "'..' part"
+                )
+            size, crc = entry
+            _check_int(size, 0, f"{where}: objects[{key!r}] size")
+            _check_int(crc, 0, f"{where}: objects[{key!r}] CRC32")
+
+    @classmethod
+    def rejected_record(cls, seq: int, reason: str) -> CommitRecord:
+        """What a stored record at `seq` that breaks the invariants reads as (see the class)."""
+        return cls(seq, "", "", "", 0, 0, 0, 0, 0, rejected=reason or "rejected")
 
     def to_json(self) -> bytes:
+        if self.rejected:
+            raise InvalidRecordError(f"commit record {self.seq} was rejected; it is never stored")
         rollout = None if self.rollout is None else asdict(self.rollout)
         objects = {k: list(v) for k, v in self.objects.items()}
-        return json.dumps(
-            {**self.__dict__, "objects": objects, "rollout": rollout}, sort_keys=True
-        ).encode()
+        body = {**self.__dict__, "objects": objects, "rollout": rollout}
+        del body["rejected"]
+        return json.dumps(body, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, seq: int) -> CommitRecord:
+        """The stored record `seq`; raises `InvalidRecordError` naming what is wrong."""
         try:
             raw: dict[str, Any] = json.loads(data)
+            if "rejected" in raw:
+                raise ValueError("'rejected' is not a stored field")
             raw["objects"] = {k: (int(v[0]), int(v[1])) for k, v in raw["objects"].items()}
             if raw.get("rollout") is not None:
                 raw["rollout"] = RolloutSums(**raw["rollout"])
+        except InvalidRecordError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+            raise InvalidRecordError(f"commit record {seq} is unreadable: {exc}") from None
+        try:
             record = cls(**raw)
-        except (ValueError, TypeError, KeyError) as exc:
+        except TypeError as exc:
             raise InvalidRecordError(f"commit record {seq} is unreadable: {exc}") from None
         if record.seq != seq:
             raise InvalidRecordError(f"commit record {seq} claims seq {record.seq}")

@@ -7,7 +7,8 @@ and the local stack.
 One `weed server` process (master, volume, filer and S3 gateway) on free loopback ports with
 its own data folder and access keys. It ignores SIGTERM while it has clients, so `stop()`
 kills it. `kill()` then `start()` brings the same server back (same ports, keys and data), for
-tests of what clients do while the store is down.
+tests of what clients do while the store is down (an outage): its ports are chosen below the
+kernel's ephemeral range, so no client connection can take one while it is down.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -42,14 +44,31 @@ def weed_binary() -> str:
     return found
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux; else IANA's)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
 def _free_ports(count: int) -> list[int]:
     """`count` distinct free TCP ports on 127.0.0.1 (every gRPC port is passed explicitly, so
-    SeaweedFS's default of port + 10000 never collides)."""
+    SeaweedFS's default of port + 10000 never collides), below the ephemeral range when there
+    is room: while the server is down for a restart, its clients' outgoing connections cannot
+    take one of its ports, which it binds again on `start()`."""
+    low = _ephemeral_floor()
+    candidates = list(range(10_000, low)) if low > 10_000 + 100 * count else []
+    random.shuffle(candidates)
     sockets, ports = [], []
     try:
         while len(ports) < count:
             sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", candidates.pop() if candidates else 0))
+            except OSError:  # taken: try the next candidate
+                sock.close()
+                continue
             sockets.append(sock)
             ports.append(sock.getsockname()[1])
     finally:

@@ -4,7 +4,8 @@ Layout under `<run>/stream/`:
 
     segments/<writer>-<incarnation>-<n:06d>/   immutable Zarr v3 group (see `storage.segments`)
     log/<seq:012d>.json                        commit record naming one segment
-    quarantine/<seq:012d>.json                 committed segments that failed to read
+    quarantine/<seq:012d>.json                 committed segments that failed to read, and
+                                               records that break the naming rule
 
 Writing a segment (`StreamWriter`, here): upload all its objects (concurrently on S3), then
 claim the next log number with a create-if-absent write of the commit record. On a conflict the
@@ -24,13 +25,14 @@ plus a margin (`storage.stream_sweep`, which proves the rule).
 Reading (`StreamReader`, `storage.stream_reader`) follows the log from a cursor. Only proof
 (size, CRC32, decoding, an object missing for long) quarantines a committed segment; a
 transient storage error is retried without moving the cursor, so it never loses data.
-The log itself: `storage.stream_log`.
+The log itself: `storage.stream_log`. Every path a commit record names (its segment, its
+objects) must follow the writers' naming rule (`storage.records.CommitRecord`); a record that
+does not is quarantined by readers and never read or deleted by anyone.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import time
 import zlib
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from storage.fs import Location, put_if_absent
-from storage.records import CommitRecord, RolloutSums, ScoredGroup
+from storage.records import WRITER_ID, CommitRecord, RolloutSums, ScoredGroup, segment_name
 from storage.segments import Compression, encode_segment
 from storage.stream_log import StorageUnavailableError, first_free, log_path, read_log, read_record
 from storage.stream_reader import (
@@ -75,7 +77,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
 _REWARD_FAILURES = ("reward_errors", "reward_timeouts", "reward_dropped_groups")
 _MAX_UNRESOLVED_CLAIMS = 20
 _MAX_REUPLOADS = 3  # of one segment past its commit deadline, before the writer gives up
@@ -123,7 +124,7 @@ class StreamWriter:
         sweeper must use the same value: `sweep_orphans(commit_deadline_s=...)`)."""
         if commit_deadline_s <= 0:
             raise ValueError(f"commit_deadline_s must be > 0, got {commit_deadline_s}")
-        if not _WRITER_ID.fullmatch(writer_id):
+        if not WRITER_ID.fullmatch(writer_id):
             raise ValueError(f"writer id {writer_id!r} may use only letters, digits, '_' and '.'")
         self.stream = run.child("stream")
         self.writer_id = writer_id
@@ -199,7 +200,7 @@ class StreamWriter:
 
     def _store(self, record: CommitRecord, objects: dict[str, bytes]) -> UploadedSegment:
         """Upload `objects` as a segment of a fresh name, timed for the commit deadline."""
-        name = f"{self.writer_id}-{self.incarnation}-{self._segment_number:06d}"
+        name = segment_name(self.writer_id, self.incarnation, self._segment_number)
         self._segment_number += 1
         started = time.monotonic()
         _put_objects(self.stream.child("segments", name), objects)

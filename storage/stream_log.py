@@ -5,6 +5,11 @@ Reading it tells "no record yet" (the object does not exist: the end of the log)
 "could not read" (anything else: a timeout, a refused connection, an S3 5xx). The second raises
 `StorageUnavailableError`, never a shorter log: a reader that took a failed read for the end of
 the log would wait instead of retrying, and a sweeper would take committed segments for orphans.
+
+A stored record that breaks the commit record's invariants (unreadable, another log number, a
+segment or object name outside the writers' naming rule) is returned as a rejected record
+(`CommitRecord.rejected_record`) in its place: the log keeps one entry per log number, and no
+path the stored record named reaches anyone.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from fsspec import AbstractFileSystem
 
 from storage.fs import Location
-from storage.records import CommitRecord
+from storage.records import CommitRecord, InvalidRecordError
 
 __all__ = [
     "StorageUnavailableError",
@@ -23,6 +28,7 @@ __all__ = [
     "fetch_records",
     "first_free",
     "log_path",
+    "parse_record",
     "read_log",
     "read_record",
     "storage_io",
@@ -60,13 +66,22 @@ def log_path(stream: Location, seq: int) -> str:
     return stream.join("log", f"{seq:012d}.json")
 
 
+def parse_record(data: bytes, seq: int) -> CommitRecord:
+    """The stored commit record `seq`, or the rejected record standing for it when it breaks
+    an invariant (`CommitRecord.rejected`: why)."""
+    try:
+        return CommitRecord.from_json(data, seq)
+    except InvalidRecordError as exc:
+        return CommitRecord.rejected_record(seq, str(exc))
+
+
 def read_record(stream: Location, seq: int) -> CommitRecord | None:
-    """The commit record `seq`, or None if there is none (yet)."""
+    """The commit record `seq` (rejected if invalid), or None if there is none (yet)."""
     try:
         data = stream.fs.cat_file(log_path(stream, seq))
     except FileNotFoundError:
         return None
-    return CommitRecord.from_json(data, seq)
+    return parse_record(data, seq)
 
 
 def first_free(stream: Location, start: int) -> int:
@@ -104,7 +119,7 @@ def fetch_records(stream: Location, start: int, count: int) -> list[CommitRecord
             break
         if isinstance(data, Exception):
             raise StorageUnavailableError(f"reading commit record {seq}: {data!r}") from data
-        records.append(CommitRecord.from_json(data, seq))
+        records.append(parse_record(data, seq))
     return records
 
 

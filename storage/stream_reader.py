@@ -16,6 +16,9 @@ decreases: a group below an earlier bound is below every later one.
 
 What a failed read means — only proof of corruption loses a committed segment:
 
+* **Invalid record** — the commit record itself breaks its invariants (unreadable, or a
+  segment or object name outside the writers' naming rule: `storage.records.CommitRecord`):
+  it is quarantined like a corrupt segment, and nothing it names is fetched.
 * **Corrupt** — an object's size or CRC32 differs from its commit record, or it does not
   decode: the segment is quarantined (a note under `quarantine/`, logged, counted in
   `ReaderStats.quarantined`) and the reader goes on past it.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import threading
 import time
 import zlib
@@ -55,6 +59,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FIRST_WAIT_S = 0.05
+_NOTE = re.compile(r"(\d{12})\.json")  # quarantine/<seq:012d>.json
 
 
 class StreamTimeoutError(TimeoutError):
@@ -152,11 +157,16 @@ class StreamReader:
             and r.rollout is not None  # older records lack the sums: read those
             and not (r.seq == start.seq and start.offset)  # whole segments only
         }
-        wanted = [r for r in records if r.seq not in unread]
+        wanted = [r for r in records if r.seq not in unread and not r.rejected]
         fetched = cat_objects(self.stream.fs, self._object_paths(wanted))
         out: Round = []
         for record in records:
             first = start.offset if record.seq == start.seq else 0
+            if record.rejected:  # names no path: nothing to fetch, nothing to decode
+                self._quarantine(record, InvalidRecordError(record.rejected))
+                out.append((Cursor(record.seq + 1), None))
+                self.stats.records += 1
+                continue
             if record.seq in unread:
                 self.stats.records += 1
                 skipped = SkippedSegment(
@@ -310,6 +320,12 @@ class StreamReader:
             )
         self._missing_since.pop(record.seq, None)
         self.stats.quarantined.append(record.seq)
+        if record.rejected:
+            log.error(
+                "quarantined commit record %d of %s, which no reader reads and retention never "
+                "deletes: %s", record.seq, self.stream.uri, error,
+            )  # fmt: skip
+            return
         log.error(
             "quarantined stream segment %s (log %d) of %s: %s",
             record.segment, record.seq, record.writer_id, error,
@@ -359,10 +375,10 @@ def _prefetched(
 
 
 def quarantined(run: Location) -> list[int]:
-    """Log numbers of every committed segment a reader has quarantined."""
+    """Log numbers of every committed segment (or rejected record) a reader has quarantined;
+    objects under `quarantine/` not named like a note are not counted."""
     folder = run.child("stream", "quarantine")
     if not folder.fs.exists(folder.path):
         return []
-    return sorted(
-        int(p.rsplit("/", 1)[-1].split(".")[0]) for p in folder.fs.ls(folder.path, detail=False)
-    )
+    names = (p.rsplit("/", 1)[-1] for p in folder.fs.ls(folder.path, detail=False))
+    return sorted(int(m.group(1)) for n in names if (m := _NOTE.fullmatch(n)))

@@ -17,16 +17,21 @@ position is protected: another reader of the stream (an audit, an export) needs 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
-from itertools import islice
 from typing import TYPE_CHECKING
 
 from storage.fs import Location, replace_object
 from storage.records import Cursor
-from storage.stream_log import read_log
+from storage.stream_log import fetch_records
 
 if TYPE_CHECKING:
     from storage.checkpoints import CheckpointStore
+    from storage.fencing import Fence
+
+log = logging.getLogger(__name__)
+
+_DELETE_BATCH = 64  # commit records read, and their segments deleted, per fence check
 
 __all__ = [
     "ReleasedStreamError",
@@ -59,6 +64,9 @@ class StreamRetention:
     deleted_before_seq: int = 0
 
     def __post_init__(self) -> None:
+        for value in (self.released_before_seq, self.deleted_before_seq):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"stream retention log numbers must be integers, got {value!r}")
         if not 0 <= self.deleted_before_seq <= self.released_before_seq:
             raise ValueError(
                 f"stream retention must have 0 ≤ deleted_before_seq ({self.deleted_before_seq})"
@@ -107,29 +115,50 @@ def oldest_resume_cursor(checkpoints: CheckpointStore) -> Cursor | None:
     return min(cursors, default=None)
 
 
-def release_consumed(run: Location, before: Cursor) -> list[str]:
+def release_consumed(run: Location, before: Cursor, fence: Fence | None = None) -> list[str]:
     """Delete the segments of the commit records wholly before `before` (seq < before.seq);
     return the names of those this call deleted.
 
     Idempotent, and never moves the released point back. The point is raised in
     `retention.json` *before* anything is deleted, so no reader starts in a segment being
     deleted; deletions go in log order, from where the last release finished; segments
-    already gone are passed over. A storage error leaves the point raised and the deletion
-    unfinished, which the next call completes."""
+    already gone are passed over, and so are rejected commit records (they name no segment:
+    `storage.records.CommitRecord`; counted in a warning). A storage error leaves the point
+    raised and the deletion unfinished, which the next call completes. `fence.check()` (the
+    learner's lease) is called right before each write: the point, each batch of deletions,
+    the final record; when it raises, nothing more is written."""
     retention = read_retention(run)
     target = max(before.seq, retention.released_before_seq)
     if target == retention.deleted_before_seq:
         return []
     if target > retention.released_before_seq:
+        _check(fence)
         _write_retention(run, StreamRetention(target, retention.deleted_before_seq))
-    segments = run.child("stream", "segments")
-    start, count = retention.deleted_before_seq, target - retention.deleted_before_seq
-    deleted = []
-    for record in islice(read_log(run, start, batch=min(count, 64)), count):
-        try:
-            segments.fs.rm(segments.join(record.segment), recursive=True)
-        except FileNotFoundError:  # deleted by a release that stopped part-way
-            continue
-        deleted.append(record.segment)
+    segments, stream = run.child("stream", "segments"), run.child("stream")
+    deleted, rejected = [], []
+    for start in range(retention.deleted_before_seq, target, _DELETE_BATCH):
+        records = fetch_records(stream, start, min(_DELETE_BATCH, target - start))
+        _check(fence)
+        for record in records:
+            if record.rejected:
+                rejected.append(record.seq)
+                continue
+            try:
+                segments.fs.rm(segments.join(record.segment), recursive=True)
+            except FileNotFoundError:  # deleted by a release that stopped part-way
+                continue
+            deleted.append(record.segment)
+    if rejected:
+        log.warning(
+            "stream retention of %s passed over %d rejected commit records (log numbers %s): "
+            "they break the commit record's rules, so no path they name is deleted (readers "
+            "quarantine them)", run.uri, len(rejected), rejected,
+        )  # fmt: skip
+    _check(fence)
     _write_retention(run, StreamRetention(target, target))
     return deleted
+
+
+def _check(fence: Fence | None) -> None:
+    if fence is not None:
+        fence.check()

@@ -88,6 +88,9 @@ def orphan_segments(
 ) -> list[str]:
     """Segment folders that no commit record names and that have not changed for `grace_s`.
 
+    Only folders listed under `stream/segments/` are candidates: no path a commit record names
+    is ever removed (a rejected record, `storage.records.CommitRecord`, names none).
+
     `commit_deadline_s` must be the writers' (`StreamWriter(commit_deadline_s=...)`).
     Raises `SweepGraceError` for a grace shorter than
     `min_sweep_grace_s(commit_deadline_s, margin_s)`.
@@ -104,7 +107,7 @@ def orphan_segments(
     segments = stream.child("segments")
     if not segments.fs.exists(segments.path):
         return []
-    committed = {r.segment for r in read_log(run)}
+    committed = {r.segment for r in read_log(run) if not r.rejected}
     orphans = []
     for path in segments.fs.ls(segments.path, detail=False):
         name = path.rstrip("/").rsplit("/", 1)[-1]

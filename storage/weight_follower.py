@@ -24,7 +24,10 @@ class Advance:
     """What `WeightFollower.advance` did: the version now held (None: none intact, nothing
     changed), the versions found corrupt on the way (→ why) and those that vanished. A version
     whose chain passes through a corrupt link is corrupt itself: it can never be built (versions
-    are immutable), so a reader skips it for good."""
+    are immutable), so a reader skips it for good. A version retention removed while it was
+    being read — its own files or any link of its chain — is vanished, never corrupt:
+    `WeightStore.retain` deletes versions newest first, so a missing link means a missing
+    version."""
 
     version: int | None
     corrupt: dict[int, str] = field(default_factory=dict)

@@ -224,7 +224,10 @@ class WeightManifest:
       every `delta` piece applies to (the previous version);
     - every tensor's pieces tile it; every piece's file is listed in `files` exactly once;
     - `checksum` names the hash of files and pieces; `model_config` is the publisher's JSON
-      object; `created_at` is ISO 8601 UTC.
+      object; `created_at` is ISO 8601 UTC;
+    - `epoch` is the lease epoch its writer held when it wrote the manifest (an int >= 0), or
+      None: written without a lease, or by a release before leases (then absent from the
+      JSON, so those manifests still load and fenceless ones read as before).
     """
 
     version: int
@@ -234,6 +237,7 @@ class WeightManifest:
     model_config: dict[str, Any]
     created_at: str
     checksum: str = CHECKSUM
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         _check_int(self.version, 1, "weight version")
@@ -243,6 +247,8 @@ class WeightManifest:
                 raise ValueError(f"base {self.base} is not older than version {self.version}")
         if self.checksum != CHECKSUM:
             raise ValueError(f"checksum {self.checksum!r} is not {CHECKSUM!r}")
+        if self.epoch is not None:
+            _check_int(self.epoch, 0, "lease epoch")
         object.__setattr__(self, "tensors", _tensors(self.tensors))
         object.__setattr__(self, "files", _files(self.files))
         if not self.tensors:
@@ -279,7 +285,10 @@ class WeightManifest:
         return sum(f.size for f in self.files)
 
     def to_json(self) -> str:
-        return json.dumps({"format": MANIFEST_FORMAT, **asdict(self)})
+        raw = asdict(self)
+        if raw["epoch"] is None:
+            del raw["epoch"]
+        return json.dumps({"format": MANIFEST_FORMAT, **raw})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WeightManifest:

@@ -18,9 +18,23 @@ publish killed before `commit` leaves a folder no reader lists or opens, deleted
 once a newer version is committed. Versions are immutable; publishing one that has a manifest
 fails; NaN or inf is refused before anything is written.
 
+Whatever no committed manifest names is garbage that `retain` deletes: retired versions, dead
+publishes' folders, and in a kept version the part records and the files of a publish that
+died before the one that committed it (readers open only what the manifest names, and a
+manifest never changes, so deleting the rest cannot hurt one).
+
 A version is *full* or a *delta* against the previous version (`manifest.base`). Readers build
 a version from the nearest full version and the deltas after it (`WeightFollower`), verifying
-every file and every rebuilt piece; `retain` never deletes a version that a kept delta needs.
+every file and every rebuilt piece; `retain` never deletes a version that a kept delta needs,
+and deletes retired versions newest first (each one's manifest before its files): a reader
+that finds a link of its chain gone also finds the version it builds gone, so a version removed
+under it reads as vanished (`WeightVersionNotFoundError`), never as corrupt
+(`WeightIntegrityError`, which readers skip for good).
+
+Fencing: with a `fence` (the learner's lease, `storage.fencing.Fence`), `fence.check()` runs
+right before every write another learner could clobber — the manifest, LATEST, each deletion
+of `retain` — and what it raises (the lease was lost) stops the write; the manifest records
+the epoch it returned.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
@@ -50,6 +64,9 @@ from storage.weight_manifest import (
 from storage.weight_pieces import Assembled, PieceMismatchError, TensorShare, encode_share
 from storage.weight_shares import check_finite, new_publish_id, whole_shares
 
+if TYPE_CHECKING:
+    from storage.fencing import Fence
+
 __all__ = [
     "PublishAbandonedError",
     "WeightIntegrityError",
@@ -64,6 +81,8 @@ LATEST_NAME = "LATEST"
 DEFAULT_SHARD_BYTES = 512 * 1024**2
 _IO_BATCH_BYTES = 512 * 1024**2  # serialised bytes per batch of concurrent PUTs / GETs
 _VERSION_DIR = re.compile(r"v(\d{8,})")
+_FILE_SUFFIX = ".safetensors"
+_DATA_FILE = re.compile(r"(?P<publish>.+)-r\d{5,}-\d{5,}" + re.escape(_FILE_SUFFIX))
 
 
 class WeightIntegrityError(StorageError):
@@ -107,11 +126,19 @@ def _batches(items: list[tuple[str, int]], limit: int) -> Iterator[list[str]]:
 
 
 class WeightStore:
-    """Versions of one run's policy weights under `<run>/weights/` (see module docstring)."""
+    """Versions of one run's policy weights under `<run>/weights/` (see module docstring).
 
-    def __init__(self, location: Location) -> None:
+    `fence`: checked right before the manifest is written, LATEST moves or `retain` deletes
+    anything (None: the writer holds no lease, as readers and single-process tools)."""
+
+    def __init__(self, location: Location, fence: Fence | None = None) -> None:
         self.root = location.child("weights")
         self.fs = location.fs
+        self.fence = fence
+
+    def _check_fence(self) -> int | None:
+        """The epoch the fence holds (None without a fence); what it raises propagates."""
+        return None if self.fence is None else self.fence.check()
 
     def _path(self, version: int, *name: str) -> str:
         """The folder of `version`, or the object `name` in it."""
@@ -197,7 +224,7 @@ class WeightStore:
         with ThreadPoolExecutor(1, thread_name_prefix="weight-upload") as uploader:
             uploading: Future[None] | None = None
             for index, pieces in enumerate(_batches(sizes, shard_bytes), start=1):
-                file = f"{publish_id}-r{rank:05d}-{index:05d}.safetensors"
+                file = f"{publish_id}-r{rank:05d}-{index:05d}{_FILE_SUFFIX}"
                 keys = [key for piece in pieces for key in keys_of[piece]]
                 data = safetensors.torch.save({key: encoded.entries[key] for key in keys})
                 files.append(FileEntry(file, len(data), checksum(data)))
@@ -257,8 +284,31 @@ class WeightStore:
         """Wait for the part of every rank of `publish_id`, check their files are all there,
         write the manifest (create-if-absent), then point LATEST at `version`.
 
+        Idempotent for one publish: if `publish_id` already wrote the manifest (an earlier
+        attempt failed after it, e.g. moving LATEST), this only moves LATEST and returns it.
         Raises `PublishAbandonedError` if a rank recorded an error or a part is still missing
-        after `timeout_s` (nothing committed, LATEST unchanged)."""
+        after `timeout_s` (nothing committed, LATEST unchanged), `WeightVersionExistsError` if
+        another publish committed `version`, and whatever the fence raises (the manifest not
+        written, or LATEST not moved)."""
+        manifest = self._committed_by(version, publish_id)
+        if manifest is None:
+            manifest = self._write_manifest(version, publish_id, world, model_config, timeout_s)
+        self._check_fence()
+        # Readers must never see a half-written LATEST.
+        replace_object(
+            self.root, self.root.join(LATEST_NAME), json.dumps({"version": version}).encode()
+        )
+        return manifest
+
+    def _write_manifest(
+        self,
+        version: int,
+        publish_id: str,
+        world: int,
+        model_config: dict[str, Any] | None,
+        timeout_s: float,
+    ) -> WeightManifest:
+        """The manifest of every rank's part of `publish_id`, stored create-if-absent."""
         parts = self._wait_for_parts(version, publish_id, world, timeout_s)
         tensors: dict[str, TensorEntry] = {}
         for part in parts:
@@ -267,31 +317,46 @@ class WeightStore:
         bases = {part.base for part in parts if part.base is not None}
         if len(bases) > 1:
             raise PublishAbandonedError(f"version {version}: ranks used different bases {bases}")
-        manifest = WeightManifest(
-            version=version,
-            base=bases.pop() if bases else None,
-            tensors=tensors,
-            files=tuple(f for part in parts for f in part.files),
-            model_config=_json_object(model_config),
-            created_at=datetime.now(UTC).isoformat(),
-        )
+        files = tuple(f for part in parts for f in part.files)
         listing = self._listing(version)
-        for entry in manifest.files:
+        for entry in files:
             if listing.get(entry.file) != entry.size:
                 raise WeightIntegrityError(
                     f"cannot commit version {version}: {entry.file} is missing or not "
                     f"{entry.size} bytes"
                 )
-        encoded = manifest.to_json().encode()
-        path = self._path(version, MANIFEST_NAME)
-        # The name taken: ours if a retried PUT had landed, else an earlier publish's.
-        if not put_if_absent(self.fs, path, encoded) and self.fs.cat_file(path) != encoded:
-            raise self._exists_error(version)
-        # Readers must never see a half-written LATEST.
-        replace_object(
-            self.root, self.root.join(LATEST_NAME), json.dumps({"version": version}).encode()
+        manifest = WeightManifest(
+            version=version,
+            base=bases.pop() if bases else None,
+            tensors=tensors,
+            files=files,
+            model_config=_json_object(model_config),
+            created_at=datetime.now(UTC).isoformat(),
+            epoch=self._check_fence(),
         )
-        return manifest
+        if put_if_absent(self.fs, self._path(version, MANIFEST_NAME), manifest.to_json().encode()):
+            return manifest
+        # The name is taken: by this very request if a retried PUT had landed, else by
+        # another publish (raises).
+        stored = self._committed_by(version, publish_id)
+        if stored is None:
+            raise StorageError(
+                f"{self.root.uri}: the manifest of version {version} was refused as existing "
+                "but cannot be read; is the store honouring If-None-Match?"
+            )
+        return stored
+
+    def _committed_by(self, version: int, publish_id: str) -> WeightManifest | None:
+        """The manifest of `version` if `publish_id` wrote it (every file it names is one of
+        that publish's); None if `version` has none; `WeightVersionExistsError` if another
+        publish committed it."""
+        try:
+            manifest = self.read_manifest(version)
+        except WeightVersionNotFoundError:
+            return None
+        if manifest.files and all(_publish_of(f.file) == publish_id for f in manifest.files):
+            return manifest
+        raise self._exists_error(version)
 
     def _listing(self, version: int) -> dict[str, int]:
         """Object name → size in the folder of `version` (one listing)."""
@@ -335,15 +400,15 @@ class WeightStore:
 
     # -- reading -------------------------------------------------------------------------
 
-    def _scan(self) -> dict[int, bool]:
-        """Every version folder → whether it has a manifest (one listing)."""
-        folders: dict[int, bool] = {}
+    def _scan(self) -> dict[int, set[str]]:
+        """Every version folder → the names of the objects in it (one listing)."""
+        folders: dict[int, set[str]] = {}
         prefix = self.root.path.rstrip("/") + "/"
         for path in self.fs.find(self.root.path, withdirs=True):
             parts = path.removeprefix(prefix).strip("/").split("/")
             if match := _VERSION_DIR.fullmatch(parts[0]):
-                has_manifest = parts[1:] == [MANIFEST_NAME]
-                folders[int(match[1])] = folders.get(int(match[1]), False) or has_manifest
+                names = folders.setdefault(int(match[1]), set())
+                names.update(parts[1:2] if len(parts) == 2 else ())
         return folders
 
     def _read_latest(self) -> int | None:
@@ -363,7 +428,7 @@ class WeightStore:
 
     def versions(self) -> list[int]:
         """Committed versions (those with a manifest), ascending."""
-        return sorted(v for v, has_manifest in self._scan().items() if has_manifest)
+        return sorted(v for v, names in self._scan().items() if MANIFEST_NAME in names)
 
     def latest_version(self) -> int | None:
         """The version LATEST names if its manifest exists, else the newest committed version
@@ -489,34 +554,62 @@ class WeightStore:
     # -- retention -----------------------------------------------------------------------
 
     def retain(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed versions and what they need; returns the
-        deleted versions.
+        """Delete all but the newest `keep` committed versions and what they need, and what no
+        kept manifest names; returns the deleted versions, ascending.
 
         Never deletes the version LATEST names, nor a version on the chain of a kept one (the
         full version and deltas a kept delta is built from). Also deletes manifest-less
-        folders older than the newest committed version (dead publishes); newer ones may be in
-        progress and stay. A reader still reading a deleted version gets
-        `WeightVersionNotFoundError`: keep >= 2 leaves generators one publication of slack.
+        folders older than the newest committed version (dead publishes; newer ones may be in
+        progress and stay) and, in kept versions, the objects their manifest does not name.
+        Versions go newest first, each one's manifest before its files, so a reader still
+        reading one gets `WeightVersionNotFoundError` (vanished), never `WeightIntegrityError`
+        (see the module docstring): keep >= 2 leaves generators one publication of slack.
+        The fence is checked before each version is deleted and before the leftovers are.
         """
         _check_int(keep, 1, "keep")
         folders = self._scan()
-        committed = sorted(v for v, has_manifest in folders.items() if has_manifest)
+        committed = sorted(v for v, names in folders.items() if MANIFEST_NAME in names)
         protected = {*committed[-keep:], self._read_latest()}
-        for version in sorted(v for v in protected if folders.get(v)):
+        manifests: dict[int, WeightManifest] = {}
+        for version in sorted(v for v in protected if v in committed):
             base = version
             while base is not None:
                 protected.add(base)
                 try:
-                    base = self.read_manifest(base).base
+                    manifests[base] = manifests.get(base) or self.read_manifest(base)
                 except (WeightVersionNotFoundError, WeightIntegrityError):
                     break  # a broken chain: readers detect it; keep what is left of it
+                base = manifests[base].base
         newest = max(committed, default=0)
-        doomed = [v for v in sorted(folders) if v not in protected and (folders[v] or v < newest)]
+        doomed = sorted(
+            (v for v in folders if v not in protected and (v in committed or v < newest)),
+            reverse=True,  # a chain's link never goes before the versions built on it
+        )
         for version in doomed:
-            if folders[version]:  # manifest first: the version is gone for new readers at once
+            self._check_fence()
+            if version in committed:  # manifest first: the version is gone for new readers
                 self.fs.rm_file(self._path(version, MANIFEST_NAME))
             self.fs.rm(self._path(version), recursive=True)
-        return doomed
+        leftovers = [
+            self._path(version, name)
+            for version, manifest in sorted(manifests.items())  # every one of them is kept
+            for name in sorted(folders.get(version, set()) - _named(manifest))
+        ]
+        if leftovers:
+            self._check_fence()
+            self.fs.rm(leftovers)
+        return sorted(doomed)
+
+
+def _publish_of(file: str) -> str | None:
+    """The publish id a data file was written by (None: not a data file's name)."""
+    match = _DATA_FILE.fullmatch(file)
+    return None if match is None else match["publish"]
+
+
+def _named(manifest: WeightManifest) -> set[str]:
+    """The objects of a committed version's folder that its readers need."""
+    return {MANIFEST_NAME, *(entry.file for entry in manifest.files)}
 
 
 def _piece_of_key(key: str) -> str:

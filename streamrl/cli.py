@@ -166,14 +166,23 @@ examples:
   streamrl generator --run ./runs/demo --index 0
   AWS_ENDPOINT_URL=http://127.0.0.1:8333 streamrl generator --run s3://bucket/runs/x --index 3
 Joins an existing run (its run.json holds the configuration) and generates until the run's
-stop marker appears or SIGTERM arrives; then flushes its open segment and exits 0.
+stop marker appears or SIGTERM arrives; then flushes its open segment and exits 0. One
+generator per index: it refuses an index another live generator holds (after waiting up to
+30 s for that one's lease to lapse, in case it crashed; exit code 3), and stops, committing
+nothing more, if another takes its index over (--take-over; exit code 3).
 """
 
 
 def _cmd_generator(args: argparse.Namespace) -> int:
+    from storage.lease import NOT_HOLDER_EXIT_CODE
     from streamrl.generator import run_generator
+    from streamrl.launch import GeneratorIndexHeldError, GeneratorIndexLostError
 
-    stats = run_generator(args.run, args.index)
+    try:
+        stats = run_generator(args.run, args.index, take_over=args.take_over)
+    except (GeneratorIndexHeldError, GeneratorIndexLostError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return NOT_HOLDER_EXIT_CODE
     print(f"generator {args.index}: {stats.groups} groups in {stats.segments} segments")
     return 0
 
@@ -183,18 +192,34 @@ examples:
   streamrl learner --run ./runs/demo
   torchrun --nproc_per_node 8 -m -- streamrl learner --run s3://bucket/runs/x
 Trains an existing run (its run.json holds the configuration) from its latest checkpoint to
-learner.total_steps, then writes the run's stop marker.
+learner.total_steps, then writes the run's stop marker. One learner per run: a learner refuses
+a run another live learner holds (exit code 3) and stops, writing nothing more, when another
+learner takes the run over (--take-over; exit code 3).
 """
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _cmd_learner(args: argparse.Namespace) -> int:
+    from storage.lease import NOT_HOLDER_EXIT_CODE, LeaseHeldError, LeaseLostError
     from streamrl.learner import run_learner
     from streamrl.learner.topology import exit_process
 
-    print(f"learner: trained to step {run_learner(args.run)}")
+    if args.program:  # SIGTERM (a supervisor stopping the run) unwinds: the lease is released
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        print(f"learner: trained to step {run_learner(args.run, take_over=args.take_over)}")
+        code = 0
+    except (LeaseHeldError, LeaseLostError) as exc:  # another learner writes this run
+        print(f"error: {exc}", file=sys.stderr)
+        code = NOT_HOLDER_EXIT_CODE
+    except SystemExit as exc:  # SIGTERM
+        code = exc.code if isinstance(exc.code, int) else 1
     if args.program:  # this process ends here, without an interpreter teardown to race
-        exit_process(0)
-    return 0
+        exit_process(code)
+    return code
 
 
 EXAMPLES_RUN = """\
@@ -233,7 +258,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     count = args.generators or config.generator.count
     placement = plan_placement(config, generators=count)  # refused before anything starts
-    config, run = prepare_run(config, resume=args.resume)
+    config, run = prepare_run(
+        config, resume=args.resume, allow_trusted_changes=args.allow_trusted_changes
+    )
 
     def on_line(component: str, line: str) -> None:
         if (shown := noteworthy(line)) is not None:
@@ -383,6 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
     generator.add_argument(
         "--index", type=int, default=0, help="this generator's index (its data shard)"
     )
+    generator.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the index over at once from the generator holding it, without waiting for "
+        "its lease to lapse (that generator then commits nothing more); for a supervisor "
+        "restarting the index, or a generator known to be gone",
+    )
     generator.set_defaults(func=_cmd_generator)
 
     learner = commands.add_parser(
@@ -393,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     learner.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
+    learner.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the run over from the learner that holds its lease, without waiting for "
+        "the lease to expire (that learner then writes nothing more); for a learner that is "
+        "known to be gone",
+    )
     learner.set_defaults(func=_cmd_learner)
 
     run = commands.add_parser(
@@ -404,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(run)
     run.add_argument("--resume", action="store_true", help="resume the run at storage.run_uri")
+    run.add_argument(
+        "--allow-trusted-changes",
+        action="store_true",
+        help="with --resume: let fields that decide what code runs or what is trusted change "
+        "(generator.reward.fn, model.path, model.trust_remote_code, storage.endpoint_url, "
+        "placement.env, ...: streamrl.runs.TRUSTED_FIELDS); refused without it",
+    )
     run.add_argument(
         "--generators", type=int, metavar="N", help="generators to start (default generator.count)"
     )

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from storage.manifest import credential_paths
 from storage.stream_sweep import min_sweep_grace_s
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import (
@@ -65,9 +66,43 @@ __all__ = [
 
 MIN_SWEEP_GRACE_S = min_sweep_grace_s()
 
+MAX_WAIT_S = 30 * 24 * 3600.0
+"""The longest duration any `*_s` field takes (30 days): far below `threading.TIMEOUT_MAX`,
+the longest timeout a lock, event or queue wait accepts."""
+MAX_SEQUENCE_TOKENS = 2**20
+"""The longest prompt, response or sequence in tokens any length field takes."""
+MAX_SEED = 2**31 - 1
+"""The largest seed: every RNG streamrl seeds (Python, NumPy, torch, vLLM) takes it."""
+MAX_STEPS = 10**9
+"""The largest step, version or interval count."""
+MAX_CORES = 65536
+"""CPU core counts and core numbers are below this."""
+
 
 class _Component(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A configuration section: unknown fields refused, every float finite (no inf or nan,
+    whatever its bounds), and no credentials anywhere in it (`_no_credentials`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and (found := credential_paths(data)):
+            raise ValueError(_credentials_problem(found))
+        return data
+
+
+def _credentials_problem(paths: Sequence[str]) -> str:
+    """What to do about credentials found in a configuration at `paths` (never their values)."""
+    return (
+        f"credentials do not belong in the configuration ({', '.join(paths)}): it is stored in "
+        "run.json and control/config.json and shown in wandb and in flow-run parameters. "
+        "Remove them and give them to the processes as environment variables (AWS_ACCESS_KEY_ID "
+        "/ AWS_SECRET_ACCESS_KEY or an AWS profile for S3, WANDB_API_KEY, HF_TOKEN) or, on "
+        "work pools, through the pool's Kubernetes secret (deploy/README.md); the S3 endpoint "
+        "is storage.endpoint_url"
+    )
 
 
 def _core_setting(value: Any) -> Any:
@@ -76,17 +111,23 @@ def _core_setting(value: Any) -> Any:
         value = int(value) if value.strip().isdigit() else parse_cores(value)
     if isinstance(value, bool):
         raise ValueError("give a core count (4) or a core list ('0-3,8'), not true/false")
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"a core count must be ≥ 1, got {value}; null picks cores automatically")
+    if isinstance(value, int) and not 1 <= value < MAX_CORES:
+        raise ValueError(
+            f"a core count must be ≥ 1 and < {MAX_CORES}, got {value}; null picks cores "
+            "automatically"
+        )
     if isinstance(value, list):
-        if not value or any(not isinstance(c, int) or c < 0 for c in value):
-            raise ValueError(f"a core list holds core numbers ≥ 0, got {value}")
+        if not value or any(not isinstance(c, int) or not 0 <= c < MAX_CORES for c in value):
+            raise ValueError(f"a core list holds core numbers ≥ 0 and < {MAX_CORES}, got {value}")
         value = sorted(set(value))
     return value
 
 
 # CPU cores of a component: null (automatic), a count, or a core list ("0-3,8").
 CoreSetting = Annotated[int | list[int] | None, BeforeValidator(_core_setting)]
+
+# An Adam moment decay: 1 would never forget (and divide by zero in the bias correction).
+AdamBeta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,7 +163,10 @@ class ModelConfig(_Component):
         "generator and learner log-probs agree exactly on CPU.",
     )
     max_model_len: int = Field(
-        2048, gt=0, description="Longest prompt + response in tokens (vLLM max_model_len)."
+        2048,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Longest prompt + response in tokens (vLLM max_model_len).",
     )
     trust_remote_code: bool = Field(
         False, description="Allow model code from the model directory (transformers/vLLM)."
@@ -163,10 +207,16 @@ class DataConfig(_Component):
         True, description="Format prompts with the tokenizer's chat template."
     )
     max_prompt_len: int = Field(
-        512, gt=0, description="Prompts longer than this many tokens are dropped and counted."
+        512,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Prompts longer than this many tokens are dropped and counted.",
     )
     shuffle_seed: int = Field(
-        0, ge=0, description="Seed of the per-epoch shuffle (deterministic across restarts)."
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed of the per-epoch shuffle (deterministic across restarts).",
     )
     val_path: str | None = Field(
         None, description="Held-out validation set (same layout), for evaluation."
@@ -182,9 +232,28 @@ class RewardConfig(_Component):
         "path 'package.module:function'.",
     )
     timeout_s: float = Field(
-        10.0, gt=0.0, description="Per-call time limit; a call that exceeds it fails (on_error)."
+        10.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Per-call time limit; a call that exceeds it fails (on_error).",
     )
-    workers: int = Field(2, ge=1, description="Processes scoring responses in parallel.")
+    workers: int = Field(2, ge=1, le=1024, description="Processes scoring responses in parallel.")
+    memory_mb: int = Field(
+        4096,
+        ge=256,
+        le=1024**2,
+        description="Address-space limit (RLIMIT_AS) of each reward worker, MiB: an allocation "
+        "beyond it fails and the call counts as failed (on_error). Counts virtual memory, "
+        "which threads and mapped files take too.",
+    )
+    startup_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Time for reward workers to start and import the reward's module. Past "
+        "it a starting generator fails naming the reward; workers restarted mid-run count the "
+        "calls waiting for them as failed (on_error) and are tried again next batch.",
+    )
     on_error: Literal["drop_group", "score_zero"] = Field(
         "drop_group",
         description="A group with a reward call that raised or timed out: drop_group leaves it "
@@ -206,27 +275,40 @@ class RewardConfig(_Component):
 class GeneratorConfig(_Component):
     """vLLM generators: sampling, scoring and writing to the replay stream."""
 
-    group_size: int = Field(8, ge=1, description="G: responses sampled per prompt (vLLM n).")
+    group_size: int = Field(
+        8, ge=1, le=4096, description="G: responses sampled per prompt (vLLM n)."
+    )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    top_k: int = Field(0, ge=0, le=MAX_SEQUENCE_TOKENS, description="Top-k sampling; 0 disables.")
     max_tokens: int = Field(
-        1024, gt=0, description="L_max: the longest response in tokens; longer ones truncate."
+        1024,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="L_max: the longest response in tokens; longer ones truncate.",
     )
     stop: list[str] = Field(default_factory=list, description="Extra stop strings.")
-    seed: int = Field(0, ge=0, description="Engine seed (per generator: seed + index).")
-    count: int = Field(1, ge=1, description="Number of generators a run starts.")
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="Engine seed (per generator: seed + index)."
+    )
+    count: int = Field(1, ge=1, le=100_000, description="Number of generators a run starts.")
     prompts_in_flight: int = Field(
-        32, ge=1, description="Prompts submitted to the engine and not yet finished."
+        32, ge=1, le=1_000_000, description="Prompts submitted to the engine and not yet finished."
     )
     segment_groups: int = Field(
-        16, ge=1, description="Write a stream segment after this many scored groups..."
+        16,
+        ge=1,
+        le=1_000_000,
+        description="Write a stream segment after this many scored groups...",
     )
     segment_seconds: float = Field(
-        30.0, gt=0.0, description="...or after this many seconds, whichever comes first."
+        30.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="...or after this many seconds, whichever comes first.",
     )
     weight_poll_s: float = Field(
-        10.0, gt=0.0, description="How often to look for newly published weights."
+        10.0, gt=0.0, le=MAX_WAIT_S, description="How often to look for newly published weights."
     )
     flow_control: Literal["staleness", "off"] = Field(
         "staleness",
@@ -241,9 +323,11 @@ class GeneratorConfig(_Component):
     gpu_memory_utilization: float = Field(
         0.85, gt=0.0, le=1.0, description="Share of GPU memory vLLM may take (CUDA)."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per generator engine (CUDA).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=1024, description="GPUs per generator engine (CUDA)."
+    )
     cpu_kv_cache_gib: int = Field(
-        1, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."
+        1, ge=1, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."
     )
     cpu_engine_process: bool = Field(
         False,
@@ -287,31 +371,42 @@ class GeneratorConfig(_Component):
 class LearnerConfig(_Component):
     """The FSDP2 learner: batching, optimiser, staleness, publishing and checkpoints."""
 
-    total_steps: int = Field(100, ge=1, description="Step budget; the run ends after it.")
+    total_steps: int = Field(
+        100, ge=1, le=MAX_STEPS, description="Step budget; the run ends after it."
+    )
     batch_groups: int = Field(
-        16, ge=1, description="B: accepted groups (prompts) per training batch."
+        16, ge=1, le=1_000_000, description="B: accepted groups (prompts) per training batch."
     )
     mini_batch_groups: int = Field(
         16,
         ge=1,
+        le=1_000_000,
         description="Groups per optimiser update; batch_groups / mini_batch_groups updates "
         "per batch.",
     )
     micro_batch_tokens: int = Field(
-        8192, gt=0, description="Token budget of one forward/backward micro-batch per rank."
+        8192,
+        gt=0,
+        le=2**30,
+        description="Token budget of one forward/backward micro-batch per rank.",
     )
     max_staleness: int = Field(
         4,
         ge=0,
+        le=MAX_STEPS,
         description="Drop groups sampled more than this many weight versions ago; 0 is "
         "synchronous on-policy RL.",
     )
     lr: float = Field(1e-6, gt=0.0, description="Actor peak learning rate (AdamW).")
     critic_lr: float = Field(2e-6, gt=0.0, description="Critic peak learning rate (vapo).")
     weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW β1, β2.")
+    betas: tuple[AdamBeta, AdamBeta] = Field(
+        (0.9, 0.999), description="AdamW β1, β2, each in [0, 1)."
+    )
     eps: float = Field(1e-8, gt=0.0, description="AdamW ε.")
-    warmup_steps: int = Field(10, ge=0, description="Linear learning-rate warm-up steps.")
+    warmup_steps: int = Field(
+        10, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up steps."
+    )
     schedule: Literal["constant", "cosine"] = Field(
         "constant", description="Learning-rate schedule after warm-up."
     )
@@ -322,23 +417,39 @@ class LearnerConfig(_Component):
         1.0, gt=0.0, description="Clip the global gradient norm to this; null disables."
     )
     publish_every: int = Field(
-        1, ge=1, description="Publish weights every K steps (each publication is a version)."
+        1,
+        ge=1,
+        le=MAX_STEPS,
+        description="Publish weights every K steps (each publication is a version).",
     )
-    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every M steps.")
-    keep_checkpoints: int = Field(2, ge=1, description="Committed checkpoints retained.")
+    checkpoint_every: int = Field(50, ge=1, le=MAX_STEPS, description="Checkpoint every M steps.")
+    keep_checkpoints: int = Field(2, ge=1, le=10_000, description="Committed checkpoints retained.")
     stream_timeout_s: float = Field(
-        600.0, gt=0.0, description="Fail when the stream yields no data for this long."
+        600.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Fail when the stream yields no data for this long.",
+    )
+    lease_ttl_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=3600.0,
+        description="The learner's lease on the run (one learner per run) lasts this long "
+        "without renewal: a learner stopped or cut off from storage that long stops writing, "
+        "and a new learner may take the run over after it (or at once with --take-over).",
     )
     max_skipped_updates: int = Field(
         5,
         ge=1,
+        le=1_000_000,
         description="Fail the learner after this many optimiser updates in a row were skipped "
         "for a non-finite gradient norm (each skip is counted and logged).",
     )
-    nproc_per_node: int = Field(1, ge=1, description="Learner processes (ranks) per node.")
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="Learner processes (ranks) per node.")
     nnodes: int = Field(
         1,
         ge=1,
+        le=100_000,
         description="Learner nodes (machines, pods) of nproc_per_node ranks each. More than one "
         "needs placement.mode=pools: each node is a run of the learner deployment, joined by "
         "torchrun's rendezvous at an address node 0 publishes in the run's storage.",
@@ -346,6 +457,7 @@ class LearnerConfig(_Component):
     rendezvous_timeout_s: float = Field(
         900.0,
         gt=0.0,
+        le=MAX_WAIT_S,
         description="How long a learner node waits for node 0's address (its pod may still be "
         "scheduled) before its attempt fails.",
     )
@@ -378,9 +490,12 @@ class LearnerConfig(_Component):
         "model's attention takes such a mask (SDPA); off: a row per response.",
     )
     logprob_chunk_tokens: int = Field(
-        1024, gt=0, description="Tokens per chunk for log-prob/entropy over the vocabulary."
+        1024,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Tokens per chunk for log-prob/entropy over the vocabulary.",
     )
-    seed: int = Field(0, ge=0, description="Seed for parameter init and data order.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for parameter init and data order.")
 
     @model_validator(mode="after")
     def _mini_batches_divide_the_batch(self) -> LearnerConfig:
@@ -425,14 +540,21 @@ class EvalConfig(_Component):
     every_versions: int = Field(
         0,
         ge=0,
+        le=MAX_STEPS,
         description="E: evaluate every E-th published version, and the last one; 0 starts no "
         "evaluator.",
     )
     k: int = Field(
-        4, ge=1, description="Samples per prompt for val/avg@k (mean accuracy of k samples)."
+        4,
+        ge=1,
+        le=4096,
+        description="Samples per prompt for val/avg@k (mean accuracy of k samples).",
     )
     max_prompts: int = Field(
-        64, ge=1, description="Evaluate the first this many validation prompts (file order)."
+        64,
+        ge=1,
+        le=100_000_000,
+        description="Evaluate the first this many validation prompts (file order).",
     )
     temperature: float | None = Field(
         None,
@@ -445,11 +567,6 @@ class EvalConfig(_Component):
         description="CPU cores of the evaluator: a count or a core list such as '6-7'. null: a "
         "share of what the learner leaves, like a generator's.",
     )
-
-
-_SECRET_KEYS = frozenset(
-    {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key"}
-)
 
 
 class StorageConfig(_Component):
@@ -467,8 +584,9 @@ class StorageConfig(_Component):
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra fsspec/s3fs options (not credentials: those come from the "
-        "environment, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or an AWS profile).",
+        description="Extra fsspec/s3fs options, such as client_kwargs: {region_name: ...}. Not "
+        "credentials (refused): those come from the environment, AWS_ACCESS_KEY_ID / "
+        "AWS_SECRET_ACCESS_KEY, or an AWS profile.",
     )
     compression: Literal["zstd", "blosc", "none"] = Field(
         "blosc",
@@ -479,6 +597,7 @@ class StorageConfig(_Component):
     sweep_grace_s: float = Field(
         3600.0,
         ge=MIN_SWEEP_GRACE_S,
+        le=MAX_WAIT_S,
         description="Uncommitted segments older than this are garbage. At least the writers' "
         "commit deadline plus a margin (storage.stream_sweep), so a segment that can still be "
         "committed is never removed.",
@@ -489,18 +608,6 @@ class StorageConfig(_Component):
         "after each checkpoint the learner deletes the segments wholly before the oldest "
         "stored checkpoint's cursor, keeping their commit records (storage.stream_retention).",
     )
-
-    @field_validator("storage_options")
-    @classmethod
-    def _no_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
-        leaked = sorted(k for k in options if k.lower() in _SECRET_KEYS)
-        if leaked:
-            raise ValueError(
-                f"credentials in storage_options ({', '.join(leaked)}) would be written into "
-                "run.json; pass them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS "
-                "profile instead"
-            )
-        return options
 
 
 class WeightsConfig(_Component):
@@ -522,6 +629,7 @@ class WeightsConfig(_Component):
     full_every: int = Field(
         8,
         ge=1,
+        le=MAX_STEPS,
         description="A full version at least every N versions; the ones between are deltas "
         "against the previous version (the elements that changed). 1: full versions only.",
     )
@@ -536,14 +644,28 @@ class WeightsConfig(_Component):
         description="Upload while the next step trains (false: the step waits for the upload).",
     )
     publish_timeout_s: float = Field(
-        600.0, gt=0.0, description="Rank 0 gives up on a version whose shares are not all in."
+        600.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Rank 0 gives up on a version whose shares are not all in.",
+    )
+    publish_attempts: int = Field(
+        3,
+        ge=1,
+        le=20,
+        description="Uploads (and commits) of one version before the learner fails naming the "
+        "storage error (retries after 2 s, 4 s, ... of back-off); a version is never skipped.",
     )
     shard_bytes: int = Field(
-        512 * 1024**2, gt=0, description="Largest safetensors file a rank writes per version."
+        512 * 1024**2,
+        gt=0,
+        le=1 << 40,
+        description="Largest safetensors file a rank writes per version.",
     )
     keep_versions: int = Field(
         3,
         ge=1,
+        le=10_000,
         description="Published versions retained, plus the versions a kept delta is built "
         "from (LATEST is never deleted).",
     )
@@ -579,15 +701,25 @@ class PlacementConfig(_Component):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="Environment variables added to every flow run's `env` job variable "
-        "(not credentials: those belong in the pool's secret).",
+        description="Environment variables added to every flow run's `env` job variable. Not "
+        "credentials (AWS_*, *_KEY, *TOKEN*, *SECRET*, *PASSWORD* are refused): those belong "
+        "in the pool's Kubernetes secret or the worker's environment.",
     )
     retry_window_s: float = Field(
         3600.0,
         gt=0.0,
+        le=MAX_WAIT_S,
         description="A generator's replacements are counted over this sliding window: "
         "generator_retries replacements within it fail the run, fewer spread over days do not "
         "(a spot fleet losing nodes now and then keeps going).",
+    )
+    max_generators: int = Field(
+        64,
+        ge=1,
+        le=100_000,
+        description="The most generators a scaling request (`streamrl scale`, "
+        "control/fleet.json) may start; a larger request is refused by `streamrl scale` and "
+        "capped at this by the supervising flow.",
     )
 
     @property
@@ -610,7 +742,7 @@ class LoggingConfig(_Component):
     run_name: str | None = Field(
         None, description="Display name; default: the last component of storage.run_uri."
     )
-    log_every: int = Field(1, ge=1, description="Log metrics every N learner steps.")
+    log_every: int = Field(1, ge=1, le=MAX_STEPS, description="Log metrics every N learner steps.")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Console log level."
     )
@@ -629,6 +761,7 @@ class HealthConfig(_Component):
     baseline_steps: int = Field(
         5,
         ge=1,
+        le=MAX_STEPS,
         description="entropy-collapse: the run's first this-many steps give the entropy "
         "baseline (their mean actor/entropy).",
     )
@@ -663,6 +796,7 @@ class HealthConfig(_Component):
     grad_norm_window: int = Field(
         20,
         ge=5,
+        le=1_000_000,
         description="grad-norm-spike: how many previous steps' gradient norms the median "
         "is taken over.",
     )
@@ -855,12 +989,26 @@ def _read_yaml(path: Path | Any, what: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{what} is not valid YAML: {exc}"]) from exc
+        raise ConfigError([_yaml_problem(path, exc)]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([f"{what} must hold a mapping of sections, got {type(data).__name__}"])
     return data
+
+
+def _yaml_problem(path: Path | Any, exc: yaml.YAMLError) -> str:
+    """`<file>:<line>:<column>: <problem>`. Never PyYAML's own message: it quotes the
+    offending line, which may hold a secret."""
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"{path}: not valid YAML: {exc.reason} (character {exc.position + 1})"
+    if mark is None:
+        return f"{path}: not valid YAML ({type(exc).__name__})"
+    context = getattr(exc, "context", None)
+    problem = getattr(exc, "problem", None) or "not valid YAML"
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}"
+    return f"{where}: not valid YAML: {f'{context}, ' if context else ''}{problem}"
 
 
 def _load_layer(ref: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -891,7 +1039,10 @@ def _load_layer(ref: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
-    """`["learner.lr=1e-6", "generator.stop=[A, B]"]` → nested dict; values parsed as YAML."""
+    """`["learner.lr=1e-6", "generator.stop=[A, B]"]` → nested dict; values parsed as YAML.
+
+    An override that sets a credential (`placement.env.HF_TOKEN=...`,
+    `storage.storage_options={secret: ...}`) is refused, naming its path, never its value."""
     nested: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -911,6 +1062,8 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
                 raise ConfigError([f"override {item!r} conflicts with an earlier one for {part}"])
             node = child
         node[leaf] = value
+    if found := credential_paths(nested):
+        raise ConfigError([_credentials_problem(found)], "overrides")
     return nested
 
 

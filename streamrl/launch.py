@@ -7,14 +7,16 @@ pools, one such job per node, `streamrl.rendezvous`), N generators and, when
 interpreter, sharing nothing but the run's storage.
 
 Opening a run (`prepare_run`, `open_existing_run`, `load_run_config`) lives in
-`streamrl.runs`, which the components import; nothing but supervisors imports this module.
+`streamrl.runs`, which the components import; but for a generator holding its index
+(`hold_generator_index`), only supervisors import this module.
 
 - `learner_command`, `generator_command`, `evaluator_command`: their argv.
 - `run_process`: run one to its exit, each output line to a callback; SIGTERM when asked to
   stop, SIGKILL after a grace period; SIGTERM too if the supervisor dies (however it dies); on
   the cores and with the environment of its `ProcessPlacement` (`streamrl.placement`).
 - `reserve_generator_indexes`, `claim_generator_index`: the run's own generator indexes, and
-  the next free one for a generator that joins later (scaling out).
+  the next free one for a generator that joins later (scaling out); `hold_generator_index`:
+  the index a generator process runs as, held by it alone while it lives.
 - `run_summary`, `format_summary`: what a run achieved, for the console.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -31,23 +34,31 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from storage.fs import Location, put_if_absent
+from storage.fs import Location, StorageError, put_if_absent
+from storage.lease import LeaseHeldError, LeaseLostError, LeaseRecord, RunLease, read_lease
 from streamrl.config import RunConfig
 from streamrl.placement import PLACED_VARIABLES, ProcessPlacement
 from streamrl.processes import die_with_parent
 from streamrl.rendezvous import LearnerNode
 
 __all__ = [
+    "GENERATOR_LEASE_TTL_S",
     "STOP_GRACE_S",
+    "GeneratorIndex",
+    "GeneratorIndexHeldError",
+    "GeneratorIndexLostError",
     "claim_generator_index",
     "evaluator_command",
     "format_summary",
     "generator_command",
+    "hold_generator_index",
     "learner_command",
     "reserve_generator_indexes",
     "run_process",
     "run_summary",
 ]
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0
 
@@ -56,12 +67,17 @@ def _python() -> list[str]:
     return [sys.executable, "-m", "streamrl"]
 
 
-def learner_command(config: RunConfig, node: LearnerNode | None = None) -> list[str]:
+def learner_command(
+    config: RunConfig, node: LearnerNode | None = None, *, take_over: bool = False
+) -> list[str]:
     """The learner: `streamrl learner`, under torchrun when it has several ranks; with `node`,
-    this node's ranks of a learner of several nodes (`streamrl.rendezvous`)."""
+    this node's ranks of a learner of several nodes (`streamrl.rendezvous`). `take_over`: it
+    takes the run's learner lease over from an earlier holder (`--take-over`), fencing it — for
+    a restart, whose supervisor knows the previous attempt's processes ended or are fenced."""
+    learner = ["learner", "--run", config.storage.run_uri, *(["--take-over"] if take_over else [])]
     nproc = config.learner.nproc_per_node
     if nproc == 1 and node is None:
-        return [*_python(), "learner", "--run", config.storage.run_uri]
+        return [*_python(), *learner]
     where = ["--standalone"] if node is None else node.torchrun_args()
     return [
         sys.executable,
@@ -74,14 +90,15 @@ def learner_command(config: RunConfig, node: LearnerNode | None = None) -> list[
         # for an ambiguous abbreviation of its own `--run-path`/`--run_path` (as in torch 2.13).
         "--",
         "streamrl",
-        "learner",
-        "--run",
-        config.storage.run_uri,
+        *learner,
     ]
 
 
-def generator_command(config: RunConfig, index: int) -> list[str]:
-    return [*_python(), "generator", "--run", config.storage.run_uri, "--index", str(index)]
+def generator_command(config: RunConfig, index: int, *, take_over: bool = False) -> list[str]:
+    """Generator `index`; `take_over` when restarting it after its previous process ended (it
+    takes the index at once instead of waiting for that process's lease to lapse)."""
+    argv = [*_python(), "generator", "--run", config.storage.run_uri, "--index", str(index)]
+    return [*argv, "--take-over"] if take_over else argv
 
 
 def evaluator_command(config: RunConfig) -> list[str]:
@@ -174,10 +191,8 @@ def _signal_group(process: subprocess.Popen[str], sig: int) -> None:
 
 def reserve_generator_indexes(run: Location, count: int, owner: str = "") -> None:
     """Mark indexes 0..count−1 as taken (the run's own generators); existing marks stay."""
-    folder = run.child("control", "generators")
     for index in range(count):
-        record = json.dumps({"index": index, "owner": owner, "at": time.time()}).encode()
-        put_if_absent(folder.fs, folder.join(f"{index}.json"), record)
+        _claim(run, index, owner)
 
 
 def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> int:
@@ -195,11 +210,131 @@ def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> 
         }
     index = first
     while True:
-        if index not in taken:
-            record = json.dumps({"index": index, "owner": owner, "at": time.time()}).encode()
-            if put_if_absent(folder.fs, folder.join(f"{index}.json"), record):
-                return index
+        if index not in taken and _claim(run, index, owner):
+            return index
         index += 1
+
+
+def _claim(run: Location, index: int, owner: str) -> bool:
+    """Create index `index`'s claim record unless it exists; True if this call created it."""
+    folder = run.child("control", "generators")
+    record = json.dumps({"index": index, "owner": owner, "at": time.time()}).encode()
+    return put_if_absent(folder.fs, folder.join(f"{index}.json"), record)
+
+
+# -- the index a generator process runs as ---------------------------------------------------
+
+GENERATOR_LEASE_TTL_S = 30.0
+
+
+class GeneratorIndexHeldError(RuntimeError):
+    """Another live generator holds the index; the message names it and what to do."""
+
+
+class GeneratorIndexLostError(RuntimeError):
+    """This generator's index was taken over: it must commit nothing more."""
+
+
+class GeneratorIndex:
+    """Generator `index` of a run, held by this process (`hold_generator_index`) until
+    `release()` (also as a context manager). `check()` guards every commit."""
+
+    def __init__(self, index: int, lease: RunLease) -> None:
+        self.index, self.lease = index, lease
+
+    def check(self) -> None:
+        """Raises `GeneratorIndexLostError` when another generator took the index over, or
+        this one's renewals lapsed (stopped, or cut off from storage) so that one may have."""
+        try:
+            self.lease.check()
+        except LeaseLostError as exc:
+            raise GeneratorIndexLostError(
+                f"generator {self.index} no longer holds its index, so it commits nothing "
+                f"more ({exc})"
+            ) from exc
+
+    def release(self) -> None:
+        self.lease.release()
+
+    def __enter__(self) -> GeneratorIndex:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def hold_generator_index(
+    run: Location, index: int, *, take_over: bool = False, ttl_s: float = GENERATOR_LEASE_TTL_S
+) -> GeneratorIndex:
+    """Hold generator `index` of `run` for this process: an explicit index, or one claimed for
+    it (`claim_generator_index`), goes through the same steps.
+
+    1. The index is claimed as a joining generator's would be (its claim record is created if
+       absent), so `claim_generator_index` never hands it out afterwards.
+    2. Its lease — `storage.lease` on `<run>/generators/gen<index>/`: an epoch record that the
+       holder renews every `ttl_s`/3 and releases when it ends — is taken. If another process
+       holds it live, this one waits until that lease would lapse (at most about `ttl_s`: a
+       crashed holder no longer renews) and takes it then; if it was renewed, the holder is
+       alive and this refuses. `take_over` takes it at once: for a supervisor restarting the
+       index, which saw the previous process end.
+
+    Raises:
+        GeneratorIndexHeldError: a live generator holds the index (the message names it).
+    """
+    if index < 0:
+        raise ValueError(f"generator index must be ≥ 0, got {index}")
+    _claim(run, index, owner=f"streamrl generator --index {index}")
+    where = run.child("generators", f"gen{index}")
+    if not take_over:
+        _wait_until_lapsed(run, index, where, ttl_s)
+    try:
+        return GeneratorIndex(index, RunLease.acquire(where, ttl_s=ttl_s, take_over=take_over))
+    except LeaseHeldError as exc:  # another generator won the race for the next epoch
+        raise GeneratorIndexHeldError(
+            f"generator index {index} of run {run.uri} was taken by another generator at the "
+            f"same moment; {_HELD_ADVICE}"
+        ) from exc
+
+
+_HELD_ADVICE = (
+    "two generators must never run one index (they would generate its data shard twice). Stop "
+    "that generator first, or start this one with another --index; if that process has ended "
+    "(its machine is gone), its lease lapses by itself, or pass --take-over"
+)
+
+
+def _wait_until_lapsed(run: Location, index: int, where: Location, ttl_s: float) -> None:
+    """Return once generator `index`'s lease is free or has lapsed; raise if it is renewed."""
+    try:
+        current = read_lease(where)
+    except StorageError as exc:
+        raise GeneratorIndexHeldError(
+            f"generator index {index} of run {run.uri}: {exc}; if no generator runs this index, "
+            "start this one with --take-over"
+        ) from exc
+    if current is None or not current.live(time.time()):
+        return
+    left = current.expires_at - time.time()
+    if left <= 2 * ttl_s:  # longer: not a lease of this ttl; refuse rather than wait
+        log.info(
+            "generator index %d of run %s is held by %s (lease until %s): waiting %.0f s to see "
+            "whether it renews it", index, run.uri, current.holder, time.ctime(current.expires_at),
+            left,
+        )  # fmt: skip
+        time.sleep(left + min(1.0, ttl_s / 10))
+        latest = read_lease(where)
+        if latest is None or not latest.live(time.time()):
+            return
+        current = latest
+    raise GeneratorIndexHeldError(_held_message(run, index, current))
+
+
+def _held_message(run: Location, index: int, held: LeaseRecord) -> str:
+    return (
+        f"generator index {index} of run {run.uri} is held by a live generator: {held.holder} "
+        f"(lease epoch {held.epoch}, renewed until {time.ctime(held.expires_at)}); "
+        f"{_HELD_ADVICE}"
+    )
 
 
 # -- summaries -------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Nothing here talks to Prefect or to a process: every figure comes from the run's objects, so
 the report is the same wherever it is read from, for a live run and for a finished one.
 
-    run.json (+ control/config.json)   algorithm, model, total_steps (the current config)
+    run.json (+ control/config.json)   algorithm, model, total_steps (the current config,
+                                       checked against run.json: `streamrl.runs`)
     checkpoints/                       latest committed step, its policy version and cursor
     weights/                           latest published version, the versions kept
     stream/log/                        commits and groups written, per generator (commit
@@ -47,6 +48,7 @@ from storage.stream import quarantined, read_log
 from storage.weights import WeightStore
 from streamrl.evaluation import read_eval_records
 from streamrl.learner.reporting import latest_metrics
+from streamrl.runs import read_current_config
 
 __all__ = [
     "GeneratorStatus",
@@ -59,7 +61,6 @@ __all__ = [
 ]
 
 NOT_STARTED, RUNNING, STOPPING, FINISHED = "not started", "running", "stopping", "finished"
-CURRENT_CONFIG = ("control", "config.json")  # written by `streamrl.runs.prepare_run` on resume
 STOP_MARKER = ("control", "STOP")  # written by `storage.control.request_stop`
 
 
@@ -167,7 +168,7 @@ def read_status(run: Location, *, previous: RunStatus | None = None) -> RunStatu
     Raises `StorageError` naming the URI when no run is there.
     """
     manifest = open_run(run)
-    config = _current_config(run, manifest.config)
+    config = read_current_config(run)  # a resume's record (it may extend total_steps), checked
     total_steps = int(config["learner"]["total_steps"])
     stop_reason = _stop_reason(run)
     last_metrics = latest_metrics(run)  # value pre-training records carry step 0
@@ -225,15 +226,6 @@ def _learner_position(
             consumed = int(last_metrics["stream/consumed_total"])
             source = f"learner metrics, step {last_metrics.get('step', 0)}"
     return policy_version, consumed, source
-
-
-def _current_config(run: Location, stored: dict[str, Any]) -> dict[str, Any]:
-    """The run's current configuration: a resume's record (it may extend total_steps), else
-    run.json's."""
-    try:
-        return json.loads(run.fs.cat_file(run.join(*CURRENT_CONFIG)))
-    except FileNotFoundError:
-        return stored
 
 
 def _stop_reason(run: Location) -> str | None:

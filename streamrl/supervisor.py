@@ -1,14 +1,9 @@
-"""The supervision core: one run's processes on this machine, kept running until the run is
-done — for `streamrl run`, the `streamrl` and `generator` Prefect flows and `make demo` alike.
-
-`Supervisor.for_run` places the learner, the generators and the evaluator
-(`streamrl.placement`); `keep_running(component)` runs one to its end (`streamrl.launch
-.run_process`), restarting it after a crash (the learner resumes from its checkpoint, a
-generator continues its prompts) until its restarts are spent; the learner's success lets the
-others finish; a component that failed for good, Ctrl-C or SIGTERM stops everything (`abort`).
-Each output line goes to the component's log file (`ComponentLogs`); `noteworthy(line)` picks
-what a terminal shows. `run()` supervises on threads (`streamrl run`); the flows run
-`keep_running` as Prefect tasks (`flows.components`).
+"""The supervision core's local backend: one run's processes on this machine, kept running
+until the run is done — for `streamrl run`, the `streamrl` and `generator` Prefect flows and
+`make demo` alike (`Supervisor`). What follows each exit — a restart, the others finishing after
+the learner's success, the run stopping — is the restart policy's (`streamrl.supervision`, shared
+with runs on work pools). Each output line goes to the component's log file (`ComponentLogs`);
+`noteworthy(line)` picks what a terminal shows.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from typing import IO, Any
 
 from storage.control import request_stop, stop_requested
 from storage.fs import Location
+from storage.lease import NOT_HOLDER_EXIT_CODE
 from streamrl.config import RunConfig
 from streamrl.launch import (
     evaluator_command,
@@ -45,21 +41,31 @@ from streamrl.placement import (
 )
 from streamrl.rendezvous import LearnerNode
 from streamrl.runs import open_run_location
+from streamrl.supervision import (
+    Abort,
+    Action,
+    Cancel,
+    Ended,
+    Event,
+    Failure,
+    Finish,
+    Interrupted,
+    Start,
+    SupervisionPolicy,
+    Tick,
+    Unit,
+)
 
 __all__ = [
-    "FINISH_GRACE_S",
     "Component",
     "ComponentFailedError",
     "ComponentLogs",
-    "RestartBudget",
     "RunInterruptedError",
     "Supervisor",
     "noteworthy",
 ]
 
 log = logging.getLogger(__name__)
-
-FINISH_GRACE_S = 180.0  # generators flush, the evaluator scores the last version
 
 
 class ComponentFailedError(RuntimeError):
@@ -128,42 +134,22 @@ class ComponentLogs:
             self._files.clear()
 
 
-class RestartBudget:
-    """How often a component may be restarted (or, on work pools, replaced): `allowed` times
-    within any `window_s` seconds (default: over its whole life)."""
-
-    def __init__(self, allowed: int, window_s: float = float("inf")) -> None:
-        self.allowed, self.window_s = allowed, window_s
-        self.times: deque[float] = deque()
-        self.total = 0
-
-    def spend(self, now: float | None = None) -> bool:
-        """Record one restart at `now` (default: the monotonic clock); False, recording
-        nothing, when none is left."""
-        now = time.monotonic() if now is None else now
-        while self.times and self.times[0] <= now - self.window_s:
-            self.times.popleft()
-        if len(self.times) >= self.allowed:
-            return False
-        self.times.append(now)
-        self.total += 1
-        return True
-
-
 @dataclass
 class Component:
     """One process of the run and its history under supervision."""
 
-    name: str  # learner, gen<i>, eval
+    unit: Unit  # what the restart policy knows it as (after a learner restart: the new attempt)
     argv: list[str]
-    budget: RestartBudget
     placement: ProcessPlacement | None = None
+    node: LearnerNode | None = None  # a learner node's place among several nodes
     exit_code: int | None = None
+    restarts: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)  # set: stopped, not restarted
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
     @property
-    def restarts(self) -> int:
-        return self.budget.total
+    def name(self) -> str:
+        return self.unit.name
 
 
 class Supervisor:
@@ -177,14 +163,16 @@ class Supervisor:
     `prepare()` stores the plan (`<run>/control/placement.json`) and reserves the generator
     indexes; then each component runs under `keep_running` — on threads (`run()`, for
     `streamrl run`) or as Prefect tasks (the `streamrl` and `generator` flows). Every output
-    line goes to the component's log file, then to `on_line(component, line)`. When the learner
-    finishes, the others get `FINISH_GRACE_S` to flush; when a component fails for good, or on
-    `abort`, everything is stopped: the run's stop marker first when this supervisor owns the
-    run (so nothing restarts into it), then SIGTERM, SIGKILL after `STOP_GRACE_S`."""
+    line goes to the component's log file, then to `on_line(component, line)`. Each exit goes
+    to the one restart policy of all the threads, and this backend carries out its answer: a
+    restart; the others finishing after the learner's success (`FINISH_GRACE_S`); or, when a
+    component failed for good or on `abort`, everything stopped: the run's stop marker first
+    when this supervisor owns the run, then SIGTERM, SIGKILL after `STOP_GRACE_S`."""
 
     def __init__(
         self,
         config: RunConfig,
+        policy: SupervisionPolicy,
         components: list[Component],
         *,
         plan: PlacementPlan | None = None,
@@ -193,6 +181,7 @@ class Supervisor:
         owner: str = "streamrl run",
     ) -> None:
         self.config = config
+        self.policy = policy
         self.components = components
         self.plan = plan
         self.owns_run = owns_run
@@ -200,9 +189,9 @@ class Supervisor:
         self.logs = ComponentLogs.for_run(self.run_location)
         self.on_line = on_line
         self.owner = owner
-        self.stop = threading.Event()
         self.failures: list[str] = []
         self.interrupted: str | None = None
+        self._policy_lock = threading.Lock()  # one event at a time, from every thread
 
     @classmethod
     def for_run(
@@ -220,22 +209,25 @@ class Supervisor:
         """The whole run: `max_restarts` restarts for each generator, `learner_restarts` for
         the learner (it resumes from its checkpoint), one for the evaluator."""
         plan = placement or plan_placement(config, generators=generators, evaluator=evaluator)
-        components = [
-            Component(
-                "learner", learner_command(config), RestartBudget(learner_restarts), plan.learner
-            ),
-            *(
-                Component(
-                    f"gen{i}", generator_command(config, i), RestartBudget(max_restarts), placed
-                )
-                for i, placed in enumerate(plan.generators)
-            ),
-        ]
-        if plan.evaluator is not None:
-            components.append(
-                Component("eval", evaluator_command(config), RestartBudget(1), plan.evaluator)
-            )
-        return cls(config, components, plan=plan, on_line=on_line, owner=owner)
+        policy = SupervisionPolicy(
+            learner_nodes=1,
+            generators=range(len(plan.generators)),
+            evaluator=plan.evaluator is not None,
+            learner_retries=learner_restarts,
+            generator_retries=max_restarts,
+            evaluator_retries=1,
+        )
+
+        def component(unit: Unit) -> Component:
+            if unit.kind == "learner":
+                return Component(unit, learner_command(config), plan.learner)
+            if unit.kind == "generator":
+                argv = generator_command(config, unit.index)
+                return Component(unit, argv, plan.generators[unit.index])
+            return Component(unit, evaluator_command(config), plan.evaluator)
+
+        components = [component(unit) for start in policy.start() for unit in start.units]
+        return cls(config, policy, components, plan=plan, on_line=on_line, owner=owner)
 
     @classmethod
     def for_component(
@@ -245,22 +237,32 @@ class Supervisor:
         index: int = 0,
         *,
         node: LearnerNode | None = None,
+        take_over: bool = False,
         max_restarts: int = 0,
         on_line: Callable[[str, str], None] = lambda component, line: None,
         owner: str = "",
     ) -> Supervisor:
         """One process of a run supervised elsewhere, alone on this machine (`place_alone`):
-        a learner node (`node` for one of several), generator `index` (a generator joining,
-        or one of a run placed on work pools) or the evaluator. Its failure stops only itself."""
-        placement = place_alone(config, kind, index)
+        a learner node (`node` for one of several; `take_over`: a new attempt, which takes the
+        run's lease over), generator `index` (a generator joining, or one of a run placed on
+        work pools) or the evaluator. Its failure stops only itself."""
+        policy = SupervisionPolicy(
+            learner_nodes=int(kind == "learner"),
+            generators=[index] if kind == "generator" else [],
+            evaluator=kind == "evaluator",
+            learner_retries=max_restarts,
+            generator_retries=max_restarts,
+            evaluator_retries=max_restarts,
+        )
+        (unit,) = policy.live
         if kind == "learner":
-            argv = learner_command(config, node)
+            argv = learner_command(config, node, take_over=take_over)
         elif kind == "generator":
             argv = generator_command(config, index)
         else:
             argv = evaluator_command(config)
-        component = Component(placement.name, argv, RestartBudget(max_restarts), placement)
-        return cls(config, [component], owns_run=False, on_line=on_line, owner=owner)
+        component = Component(unit, argv, place_alone(config, kind, index), node)
+        return cls(config, policy, [component], owns_run=False, on_line=on_line, owner=owner)
 
     def prepare(self) -> None:
         """Store the plan and reserve the generator indexes (before starting anything)."""
@@ -271,10 +273,14 @@ class Supervisor:
     def keep_running(
         self, component: Component, on_line: Callable[[str], None] | None = None
     ) -> None:
-        """Run `component` until it exits 0 or the run stops, restarting it after a crash
-        while its restarts last. Each line goes to its log file, then to `on_line` (default:
-        the supervisor's). Raises `ComponentFailedError` (after stopping the run) when it failed
-        for good."""
+        """Run `component`'s process, again and again while the restart policy says so.
+
+        Consumes its output lines (each to its log file, then to `on_line`, default: the
+        supervisor's) and its exit, which goes to the policy (`_ended`). Produces a restart (its
+        notice shown as a line), or returns: it is done (completed, asked to stop, or the run
+        is finishing or stopping). Waits for its process; `component.stop` (abort, the end of
+        the finishing grace) stops it. Raises `ComponentFailedError` (after stopping the run)
+        when it failed for good."""
         show = on_line or (lambda line: self.on_line(component.name, line))
 
         def line(text: str) -> None:
@@ -282,27 +288,14 @@ class Supervisor:
             self.logs.write(component.name, text)
             show(text)
 
-        while not self.stop.is_set():
+        while not component.stop.is_set():
             component.exit_code = run_process(
-                component.argv, line, self.stop, placement=component.placement
+                component.argv, line, component.stop, placement=component.placement
             )
-            if component.exit_code == 0 or self.stop.is_set():
-                if component.name == "learner" and component.exit_code == 0:
-                    self._finish()
+            notice = self._ended(component)
+            if notice is None:
                 return
-            if not component.budget.spend():
-                tail = "\n    ".join(list(component.tail)[-10:])
-                failure = (
-                    f"{component.name} failed for good (exit code {component.exit_code} after "
-                    f"{component.restarts} restarts); its last lines:\n    {tail}"
-                )
-                self.failures.append(failure)
-                self.abort(f"{component.name} failed")
-                raise ComponentFailedError(failure)
-            show(
-                f"{_RESTART} {component.exit_code}; restart {component.restarts} of "
-                f"{component.budget.allowed} (log: {self.logs.folder / component.name}.log)"
-            )
+            show(notice)
 
     def run(self) -> dict[str, Any]:
         """`streamrl run`: every component on a thread of this process until the learner is
@@ -335,29 +328,90 @@ class Supervisor:
     def result(self) -> dict[str, Any]:
         return {c.name: {"exit_code": c.exit_code, "restarts": c.restarts} for c in self.components}
 
+    def abort(self, reason: str, *, interrupted: bool = False) -> None:
+        """Stop everything now: the stop marker (so nothing restarts into the run), then
+        SIGTERM to every process (SIGKILL after `STOP_GRACE_S`); nothing restarts after it.
+        `interrupted`: stopped from outside (Ctrl-C, SIGTERM), not by a failure."""
+        if interrupted and self.interrupted is None:
+            self.interrupted = reason
+        self._act(Interrupted(reason))
+
     def _keep_running_quietly(self, component: Component) -> None:
         with contextlib.suppress(ComponentFailedError):  # recorded in self.failures
             self.keep_running(component)
 
-    def _finish(self) -> None:
-        """The learner is done and has set the stop marker: the generators flush and exit, the
-        evaluator scores the last version; whatever still runs after a grace period is stopped."""
-        deadline = threading.Timer(FINISH_GRACE_S, self.stop.set)
-        deadline.daemon = True  # never keeps the supervisor alive once everything exited
-        deadline.start()
+    # -- the policy's answers -----------------------------------------------------------------
 
-    def abort(self, reason: str, *, interrupted: bool = False) -> None:
-        """Stop everything now: the stop marker (so nothing restarts into the run), then
-        SIGTERM to every process (SIGKILL after `STOP_GRACE_S`). `interrupted`: stopped from
-        outside (Ctrl-C, SIGTERM), not by a failure."""
-        if interrupted and self.interrupted is None:
-            self.interrupted = reason
+    def _decide(self, event: Event) -> list[Action]:
+        with self._policy_lock:
+            return self.policy.handle(event)
+
+    def _act(self, event: Event) -> None:
+        for action in self._decide(event):
+            self._carry_out(action)
+
+    def _ended(self, component: Component) -> str | None:
+        """Tell the policy that `component`'s process exited and carry out its answer; the
+        restart notice when the component runs again, else None. Here an exit can only
+        restart its own component: one learner node, no scaling."""
+        code = component.exit_code
+        displaced = component.unit.kind == "learner" and code == NOT_HOLDER_EXIT_CODE
+        event = Ended(
+            component.unit, code == 0, time.monotonic(), f"exit code {code}", displaced=displaced
+        )
+        notice = None
+        for action in self._decide(event):
+            match action:
+                case Start(units=(unit,), take_over=take_over, restart=Failure() as failure):
+                    component.unit, component.restarts = unit, failure.restarts
+                    if take_over:  # a new learner attempt: the previous one's process has ended
+                        component.argv = learner_command(
+                            self.config, component.node, take_over=True
+                        )
+                    notice = (
+                        f"{_RESTART} {code}; restart {failure.restarts} of {failure.allowed} "
+                        f"(log: {self.logs.folder / component.name}.log)"
+                    )
+                case _:
+                    self._carry_out(action)
+        return notice
+
+    def _carry_out(self, action: Action) -> None:
+        """Finishing, cancelling and aborting, whichever thread the policy answered."""
+        match action:
+            case Finish(deadline=deadline):
+                wait = max(0.0, deadline - time.monotonic())
+                timer = threading.Timer(wait, self._act, args=(Tick(deadline),))
+                timer.daemon = True  # never keeps the supervisor alive once everything exited
+                timer.start()
+            case Cancel(units=units):
+                for component in self.components:
+                    if component.unit in units:
+                        component.stop.set()
+            case Abort(reason=reason, failure=failure):
+                if failure is not None:
+                    self.failures.append(self._failed_for_good(failure))
+                self._stop_run(reason)
+                if failure is not None:
+                    raise ComponentFailedError(self.failures[-1])
+
+    def _failed_for_good(self, failure: Failure) -> str:
+        component = next(c for c in self.components if c.unit == failure.unit)
+        tail = "\n    ".join(list(component.tail)[-10:])
+        return (
+            f"{component.name} failed for good ({failure.cause} after {failure.restarts} "
+            f"restarts); its last lines:\n    {tail}"
+        )
+
+    def _stop_run(self, reason: str) -> None:
+        """The stop marker when this supervisor owns the run, then every process stopped."""
         try:
             if self.owns_run and not stop_requested(self.run_location):
                 request_stop(self.run_location, reason)
         except OSError as exc:  # storage unreachable: the processes are stopped all the same
             log.warning("could not write the run's stop marker: %r", exc)
-        self.stop.set()
+        for component in self.components:
+            component.stop.set()
 
 
 @contextlib.contextmanager

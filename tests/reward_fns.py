@@ -4,7 +4,10 @@ in the test process and again in the scorer's spawned workers."""
 from __future__ import annotations
 
 import os
+import resource
 import time
+
+from streamrl.secrets import is_secret_name, is_storage_setting
 
 NOT_CALLABLE = 42
 
@@ -13,9 +16,14 @@ def scripted(response: str, ground_truth: str, *, prompt: str | None = None) -> 
     """Does what the response says, else exact match of response and ground truth:
 
     'hang' sleeps 100 s; 'sleep:S' sleeps S seconds first; 'raise' raises ValueError('boom');
-    'crash' ends its process at once; 'return:X' returns X (1.5, -1, nan, text, none, true);
-    'prompt' scores 1.0 when the prompt equals the ground truth.
+    'crash' ends its process at once; 'return:X' returns X (1.5, -1, nan, inf, text, none,
+    true); 'prompt' scores 1.0 when the prompt equals the ground truth; 'hog' allocates 2 GiB
+    and scores 1.0 if it could; 'secret' scores $AWS_SECRET_ACCESS_KEY == ground truth.
     """
+    if response == "hog":
+        return len(bytearray(2 * 1024**3)) > 0
+    if response == "secret":
+        return os.environ["AWS_SECRET_ACCESS_KEY"] == ground_truth
     if response == "hang":
         time.sleep(100)
     if response.startswith("sleep:"):
@@ -25,7 +33,8 @@ def scripted(response: str, ground_truth: str, *, prompt: str | None = None) -> 
     if response == "crash":
         os._exit(3)
     if response.startswith("return:"):
-        values = {"1.5": 1.5, "-1": -1, "nan": float("nan"), "text": "yes", "none": None}
+        values = {"1.5": 1.5, "-1": -1, "nan": float("nan"), "inf": float("inf")}
+        values |= {"text": "yes", "none": None}
         return values.get(response.removeprefix("return:"), True)
     if response == "prompt":
         return prompt == ground_truth
@@ -76,3 +85,33 @@ def raises_on_odd_answer(response: str, ground_truth: str, *, prompt: str | None
 def always_raises(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
     """A broken reward: raises on every call."""
     raise ValueError("this reward function is broken")
+
+
+def describes_its_box(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+    """1.0 when what the response names, measured in this worker, equals the ground truth;
+    else raises ValueError saying what it measured. 'oom_score_adj': the worker's OOM score
+    adjustment; 'memory_mb': its address-space limit, soft/hard in MiB; 'credentials': the
+    credential and storage variables it can see, comma-separated."""
+    if response == "oom_score_adj":
+        with open("/proc/self/oom_score_adj") as f:
+            measured = f.read().strip()
+    elif response == "memory_mb":
+        measured = "/".join(str(v // 1024**2) for v in resource.getrlimit(resource.RLIMIT_AS))
+    else:
+        visible = (n for n in os.environ if is_secret_name(n) or is_storage_setting(n))
+        measured = ",".join(sorted(visible))
+    if measured != ground_truth:
+        raise ValueError(f"{response} is {measured!r}, expected {ground_truth!r}")
+    return 1.0
+
+
+def misbehaves_on_odd_answer(
+    response: str, ground_truth: str, *, prompt: str | None = None
+) -> float:
+    """For an odd integer ground truth, by the response's length mod 3: returns inf, allocates
+    2 GiB (scoring 1 if it could) or reads $AWS_SECRET_ACCESS_KEY (scoring 1 if it is there);
+    else 1 for an exact answer. In a boxed worker each of the three is a failed call."""
+    if int(ground_truth) % 2:
+        kind = ("return:inf", "hog", "secret")[len(response) % 3]
+        return float(scripted(kind, "planted"))  # type: ignore[arg-type]
+    return float(response.strip() == ground_truth.strip())

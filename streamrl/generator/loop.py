@@ -17,7 +17,8 @@ newest intact one above the current is loaded instead.
 Stops when: the run's stop marker or its own (scaling in) appears, or `stop` is set (e.g. by
 SIGTERM); it then scores what has finished, flushes its open segment and returns. A SIGKILL
 loses at most that segment. After every commit the `PromptLedger` records how far the prompts
-are committed, so a restart continues there.
+are committed, so a restart continues there. Fails, committing nothing more, when its index
+was taken over by another generator (`before_commit`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -100,7 +102,10 @@ class GeneratorLoop:
         writer: StreamWriter,
         generator_id: str,
         ledger: PromptLedger | None = None,
+        before_commit: Callable[[], object] | None = None,
     ) -> None:
+        """`before_commit` runs before every commit and raises when this generator may no
+        longer write (its index was taken over: `streamrl.launch.GeneratorIndex.check`)."""
         self.config = config
         self.run_location = run
         self.engine = engine
@@ -112,6 +117,7 @@ class GeneratorLoop:
         self.generator_id = generator_id
         self.stats = GeneratorStats()
         self.ledger = ledger or PromptLedger(prompts)
+        self.before_commit = before_commit
         self._corrupt_versions: set[int] = set()
         self._failed_in_a_row = 0  # groups whose every reward call failed
         self._prompts_by_request: dict[str, Prompt] = {}
@@ -257,6 +263,8 @@ class GeneratorLoop:
 
     def _flush(self) -> None:
         """Commit the open segment, then record the prompts it covers as committed."""
+        if self.before_commit is not None and self.writer.pending_groups:
+            self.before_commit()
         record = self.writer.flush()
         if record is not None:
             self.stats.segments += 1

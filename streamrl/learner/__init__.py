@@ -21,9 +21,13 @@ from typing import Any
 __all__ = ["run_learner"]
 
 
-def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) -> int:
+def run_learner(
+    run_uri: str, *, storage_options: dict[str, Any] | None = None, take_over: bool = False
+) -> int:
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
-    number of steps done. Call it on every rank: torchrun's environment sets the topology."""
+    number of steps done. Call it on every rank: torchrun's environment sets the topology.
+    `take_over`: take the run's lease even from a learner that still holds it (a supervisor
+    that saw the previous learner end; `storage.lease`)."""
     import os
 
     from streamrl.learner.loop import Learner
@@ -35,4 +39,4 @@ def run_learner(run_uri: str, *, storage_options: dict[str, Any] | None = None) 
     bind_rank(int(os.environ.get("LOCAL_RANK", "0")))
     config, run = open_existing_run(run_uri, storage_options)
     with Topology.from_env(config.learner.device) as topology:
-        return Learner(config, run, topology).run()
+        return Learner(config, run, topology, take_over=take_over).run()

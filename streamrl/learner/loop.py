@@ -25,6 +25,13 @@ policy that is checkpointed); for VAPO a critic with its own optimiser, pre-trai
 frozen policy's responses (`value_pretrain_steps` batches, or until explained variance reaches
 `value_pretrain_target_ev`) before the first policy update, then checkpointed at step 0.
 
+One learner per run: rank 0 holds the run's lease (`storage.lease`) from before it loads a
+checkpoint until it ends; every checkpoint, weight commit, LATEST move, retention deletion and
+progress or metrics record is written only after checking it still holds it (a collective
+check before each step's writes), and a learner that lost it (`LeaseLostError`) stops without
+writing anything more. A weight version that could not be committed fails the learner
+(`PublishFailedError`, see `streamrl.learner.publish`), also while it waits for data.
+
 Resume is exact: parameters, optimiser, version, cursor and RNG come from the checkpoint, and a
 weight version that an earlier life already published is not published again (the same steps
 on the same stream produce the same weights). A checkpoint written for other models (another
@@ -46,6 +53,7 @@ from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_
 from storage.control import request_stop
 from storage.fs import Location, StorageError
 from storage.learner_progress import LearnerProgress, write_learner_progress
+from storage.lease import RunLease
 from storage.progress import read_all_progress
 from storage.records import Cursor
 from storage.stream import StreamReader, StreamTimeoutError, quarantined
@@ -83,23 +91,48 @@ log = logging.getLogger(__name__)
 class Learner:
     """One learner process (a rank of the torchrun job); `run()` trains to `total_steps`."""
 
-    def __init__(self, config: RunConfig, run: Location, topology: Topology) -> None:
+    def __init__(
+        self, config: RunConfig, run: Location, topology: Topology, *, take_over: bool = False
+    ) -> None:
+        """Take the run's lease (rank 0; `take_over`: even from a live holder, see
+        `storage.lease`), build the models and resume from the latest checkpoint."""
         self.config, self.run_location, self.topology = config, run, topology
+        self.lease: RunLease | None = None
+        topology.decide_on_main(lambda: self._acquire_lease(take_over))
+        try:
+            self._setup()
+        except BaseException:
+            self.release()
+            raise
+
+    def _acquire_lease(self, take_over: bool) -> None:
+        self.lease = RunLease.acquire(
+            self.run_location, ttl_s=self.config.learner.lease_ttl_s, take_over=take_over
+        )
+
+    def release(self) -> None:
+        """Give the run's lease up (rank 0): a successor may start at once."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def _setup(self) -> None:
+        config, run, topology = self.config, self.run_location, self.topology
         cfg, algorithm = config.learner, config.algorithm
         self.models, self.shared_prompt = build_step_models(config, topology)
         self.vocab_size = self.models.policy.model.config.vocab_size
-        self.weights = WeightStore(run)
+        self.weights = WeightStore(run, fence=self.lease)
         self.publisher = WeightPublisher(
             self.weights,
             topology,
             config.weights,
             getattr(torch, config.weights.resolved_dtype(config.model)),
         )
-        self.checkpoints = CheckpointStore(run)
+        self.checkpoints = CheckpointStore(run, fence=self.lease)
         self.settings = StepSettings.from_config(config)
         self.step, self.version, cursor, totals = 0, 0, Cursor(), FilterCounts()
         self.value_pretrained = not algorithm.uses_value_model
-        latest = self.checkpoints.latest_committed()
+        latest = self.checkpoints.latest_verified()
         if latest is not None:
             self._check_compatible(self.checkpoints.read_state(latest), latest)
             state = self.checkpoints.load(latest, self._app_state())
@@ -216,17 +249,27 @@ class Learner:
             )
 
     def run(self) -> int:
-        """Train until `total_steps`, then checkpoint, publish and stop the generators."""
+        """Train until `total_steps`, then checkpoint, publish and stop the generators; the
+        run's lease is released at the end (also on an error)."""
         cfg = self.config.learner
-        with self.reporter:
-            if not self.value_pretrained:
-                self.pretrain_value()
-            while self.step < cfg.total_steps:
-                self.train_step()
-        self.publisher.flush()  # the last version is committed before the generators stop
-        if self.topology.is_main:
-            request_stop(self.run_location, f"learner reached {cfg.total_steps} steps")
+        try:
+            with self.reporter:
+                if not self.value_pretrained:
+                    self.pretrain_value()
+                while self.step < cfg.total_steps:
+                    self.train_step()
+            self.publisher.flush()  # the last version is committed before the generators stop
+            self._guard()
+            if self.topology.is_main:
+                request_stop(self.run_location, f"learner reached {cfg.total_steps} steps")
+        finally:
+            self.release()
         return self.step
+
+    def _guard(self) -> None:
+        """Every rank, before the learner writes the run: fail (`LeaseLostError`) if rank 0 no
+        longer holds the run's lease (a collective, so every rank stops together)."""
+        self.topology.decide_on_main(lambda: self.lease.check() if self.lease else None)
 
     def pretrain_value(self) -> list[dict[str, float]]:
         """VAPO value pre-training: critic-only steps on the frozen policy's responses until
@@ -321,6 +364,7 @@ class Learner:
         self.step += 1
         self._check_health(metrics)
         self._check_skipped_updates(metrics)
+        self._guard()
         if self.step % cfg.publish_every == 0:
             metrics.update(self.publisher.publish(self.models.policy.model, self.version + 1))
             self.version += 1
@@ -337,6 +381,7 @@ class Learner:
             return
         progress = self._progress_record(batch.cursor_after, batch.counts, batch.totals)
         with self._progress_lock:
+            self._check_lease()
             write_learner_progress(self.run_location, progress)
             self._progress = progress
 
@@ -354,15 +399,26 @@ class Learner:
             accepted_total=totals.accepted,
             dropped_stale_total=totals.dropped_stale,
             updated_at=time.time(),
+            lease_epoch=self.lease.epoch if self.lease else 0,
         )
 
     def _report_waiting(self, cursor: Cursor) -> None:
         """Rank 0, while waiting for groups mid-step (the reader's idle hook): the progress
         record moves to `cursor`. Without it the groups this step consumed and rejected would
         still count as the generators' backlog, and flow control could pause every generator
-        while the learner waits for one more group."""
+        while the learner waits for one more group.
+
+        Raises (ending the wait, on every rank) if the version in flight failed for good — no
+        generator will ever produce data of it — or the run's lease is lost."""
+        self.publisher.check_failed()
         with self._progress_lock:
+            self._check_lease()
             self._write_waiting(cursor)
+
+    def _check_lease(self) -> None:
+        """Rank 0, right before writing a progress or metrics record."""
+        if self.lease is not None:
+            self.lease.check()
 
     def _write_waiting(self, cursor: Cursor) -> None:
         last = self._progress
@@ -416,8 +472,9 @@ class Learner:
                 )
 
     def _checkpoint(self, batch: StreamBatch) -> None:
-        # A checkpoint at version v implies v is committed (or abandoned), never in flight.
+        # A checkpoint at version v implies v is committed: flush raises if it was not.
         self.publisher.flush()
+        self._guard()
         state = LearnerState(
             step=self.step,
             policy_version=self.version,
@@ -438,7 +495,7 @@ class Learner:
             try:  # on every rank: reading the checkpoints' cursors is a collective
                 oldest = oldest_resume_cursor(self.checkpoints)
                 released = self.topology.main_only(
-                    lambda: release_consumed(self.run_location, oldest)
+                    lambda: release_consumed(self.run_location, oldest, fence=self.lease)
                 )
             except (OSError, StorageError) as exc:  # the next checkpoint releases them
                 log.warning("could not release consumed stream segments: %r", exc)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.fs import Location, put_if_absent
+from storage.manifest import without_credentials
 from streamrl.config import LoggingConfig
 from streamrl.models import cache_root
 
@@ -177,7 +178,8 @@ class MetricsReporter:
         start_step: int = 0,
         enabled: bool = True,
     ) -> None:
-        """`config`: the run's configuration, shown in wandb. `start_step`: the step a resumed
+        """`config`: the run's configuration, shown in wandb (without credential-named keys,
+        whatever the caller passed; see storage.manifest). `start_step`: the step a resumed
         learner starts from. `enabled`: False on every rank but the main one."""
         self.run, self.cfg, self.enabled = run, cfg, enabled
         self.total_steps = total_steps
@@ -232,7 +234,7 @@ class MetricsReporter:
                 resume="allow",
                 mode=wandb_mode(self.cfg),
                 dir=str(directory),
-                config=config,
+                config=without_credentials(config),
             )
             if self._wandb.url:
                 self._wandb_url = self._wandb.url

@@ -2,9 +2,13 @@
 
 `generator.reward.fn` is either a registered name (`REWARD_FUNCTIONS`: math, format,
 math_format) or `package.module:function`. A user function must be importable in a fresh
-process — scorer workers are spawned and resolve the name again — so it has to live at module
+process — scorer workers are spawned and resolve the name there — so it has to live at module
 level in a module on the Python path; there is deliberately no runtime `register()`, whose
 entries a spawned worker would never see.
+
+Importing a user's module runs user code, which may hang, hog memory or read credentials, so
+only reward workers call `resolve_reward` (under their limits, `streamrl.rewards.worker`);
+generators and evaluators call `check_reward_name`, which imports nothing of the user's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFn",
     "RewardResolutionError",
+    "check_reward_name",
     "registered_rewards",
     "resolve_reward",
 ]
@@ -59,8 +64,34 @@ def registered_rewards() -> list[str]:
     return sorted(REWARD_FUNCTIONS)
 
 
+def check_reward_name(name_or_path: str) -> None:
+    """Fail fast on what can be told without running user code: an unknown registered name, or
+    an import path that is not `package.module:function`. Whether the module imports and has
+    that function is found out by the reward workers (`RewardScorer` raises it on start).
+
+    Raises:
+        RewardResolutionError: the message says what to change.
+    """
+    if ":" not in name_or_path:
+        _registered(name_or_path)
+        return
+    _split_import_path(name_or_path)
+
+
+def _split_import_path(name_or_path: str) -> tuple[str, str]:
+    module_name, _, attribute = name_or_path.partition(":")
+    if not module_name or not attribute:
+        raise RewardResolutionError(
+            f"reward import path {name_or_path!r} must look like 'package.module:function'"
+        )
+    return module_name, attribute
+
+
 def resolve_reward(name_or_path: str) -> RewardFn:
     """The reward function `name_or_path` names: a registered name or `package.module:function`.
+
+    An import path imports the user's module in this process: call it in a reward worker, not
+    in a generator (`check_reward_name`).
 
     Raises:
         RewardResolutionError: unknown name (the message lists the registered names and the
@@ -69,11 +100,7 @@ def resolve_reward(name_or_path: str) -> RewardFn:
     """
     if ":" not in name_or_path:
         return _registered(name_or_path)
-    module_name, _, attribute = name_or_path.partition(":")
-    if not module_name or not attribute:
-        raise RewardResolutionError(
-            f"reward import path {name_or_path!r} must look like 'package.module:function'"
-        )
+    module_name, attribute = _split_import_path(name_or_path)
     module = _import(module_name, name_or_path)
     target: object = module
     for part in attribute.split("."):

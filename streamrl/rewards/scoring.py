@@ -20,9 +20,17 @@ How the time limit is kept. A running task cannot be cancelled in a ProcessPoolE
   the pool is replaced.
 
 Workers are spawned, not forked: the generator process holds vLLM/torch threads, and a fork
-would copy their locks mid-flight. Each worker resolves the reward by name again (so a user
-function must be importable, see `streamrl.rewards.registry`), and dies with the process that
-started it, even a SIGKILLed one (`streamrl.rewards.worker.init_worker`).
+would copy their locks mid-flight. Each worker is boxed in — no credentials in its
+environment, an address-space limit of `memory_mb`, the OOM killer's first choice, dead with
+its parent — and only then imports the reward (`streamrl.rewards.worker`): a user's module is
+imported nowhere else, so the caller only checks the name (`check_reward_name`).
+
+How loading is kept in bounds. A pool counts as started once every worker has loaded the
+reward, within `startup_timeout_s`. On entry a failure raises: `RewardResolutionError` for a
+module or function that is not there (in the same words as `resolve_reward`), `RewardLoadError`
+for an import still running at the limit (its workers are killed) or a worker that died
+starting. A replacement pool that fails to start (the import hangs now) does not raise: the
+calls waiting for it score 0.0 as errors, counted, and the next batch tries again.
 
 `score()` may be called from several threads; batches are then scored one after another.
 Scores are raw, in [0, 1]; `streamrl.algorithms.shaping.scale_rule_reward` maps them to the
@@ -39,6 +47,7 @@ import time
 from collections import deque
 from concurrent.futures import (
     FIRST_COMPLETED,
+    FIRST_EXCEPTION,
     Future,
     ProcessPoolExecutor,
     ThreadPoolExecutor,
@@ -49,7 +58,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
-from streamrl.rewards.registry import resolve_reward
+from streamrl.rewards.registry import RewardResolutionError, check_reward_name
 from streamrl.rewards.worker import (
     STARTUP_TIMEOUT_S,
     RewardValueError,
@@ -61,11 +70,16 @@ from streamrl.rewards.worker import (
 if TYPE_CHECKING:
     from streamrl.config import RewardConfig
 
-__all__ = ["Failure", "RewardScorer", "Scores", "ScoringStats"]
+__all__ = ["Failure", "RewardLoadError", "RewardScorer", "Scores", "ScoringStats"]
 
 log = logging.getLogger(__name__)
 
 Failure = Literal["error", "timeout"]
+
+
+class RewardLoadError(RewardResolutionError):
+    """The reward workers could not load the reward: its import was still running at
+    `startup_timeout_s`, or a worker died while starting; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -100,36 +114,54 @@ class Scores:
 @dataclass
 class ScoringStats:
     """Counters since the scorer opened. Every call ends as exactly one of: scored (its value,
-    possibly 0.0), `timeouts`, `errors`."""
+    possibly 0.0), `timeouts`, `errors`. `pool_restarts` counts pools started in place of one
+    killed (a timeout) or broken (a worker died); `failed_starts` those that failed to start
+    (the calls waiting for them are among `errors`)."""
 
     calls: int = 0
     timeouts: int = 0
     errors: int = 0
     pool_restarts: int = 0
+    failed_starts: int = 0
 
 
 class RewardScorer:
     """Scores batches of responses with one reward function in `workers` worker processes.
 
-    Use as a context manager: the workers start on entry (fails fast if they cannot) and are
-    shut down on exit.
+    Use as a context manager: the workers start on entry — and load the reward, so a reward
+    that cannot be loaded fails there (module docstring) — and are shut down on exit.
 
         with RewardScorer("math", workers=2, timeout_s=10.0) as scorer:
             scores = scorer.score(responses, ground_truths).values
     """
 
-    def __init__(self, fn: str, *, workers: int = 2, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        fn: str,
+        *,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        memory_mb: int = 4096,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        resolve_reward(fn)  # unknown names and bad import paths fail here, in the caller
+        if memory_mb < 1:
+            raise ValueError(f"memory_mb must be ≥ 1, got {memory_mb}")
+        if not startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        check_reward_name(fn)  # unknown names and malformed paths fail here, in the caller
         self.fn = fn
         self.workers = workers
         self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self.startup_timeout_s = startup_timeout_s
         self.stats = ScoringStats()
         self._lock = threading.Lock()
-        self._pool: ProcessPoolExecutor | None = None
+        self._open = False
+        self._pool: ProcessPoolExecutor | None = None  # None while open: start one next batch
         self._spawner: ThreadPoolExecutor | None = None  # the one thread that starts pools
         self._worker_pids: list[int] = []
         self._tracebacks_logged: set[str] = set()
@@ -137,7 +169,13 @@ class RewardScorer:
     @classmethod
     def from_config(cls, config: RewardConfig) -> RewardScorer:
         """A scorer for `generator.reward`."""
-        return cls(config.fn, workers=config.workers, timeout_s=config.timeout_s)
+        return cls(
+            config.fn,
+            workers=config.workers,
+            timeout_s=config.timeout_s,
+            memory_mb=config.memory_mb,
+            startup_timeout_s=config.startup_timeout_s,
+        )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -148,8 +186,13 @@ class RewardScorer:
 
     def __enter__(self) -> RewardScorer:
         with self._lock:
-            if self._pool is None:
-                self._pool = self._start_pool()
+            if not self._open:
+                try:
+                    self._pool = self._start_pool()
+                except BaseException:
+                    self._stop_spawner()
+                    raise
+                self._open = True
         return self
 
     def __exit__(
@@ -168,17 +211,20 @@ class RewardScorer:
         its worker cannot hang the exit.
         """
         with self._lock:
-            if self._pool is not None:
-                _kill_workers(self._pool)
-                self._pool, self._worker_pids = None, []
-            if self._spawner is not None:
-                self._spawner.shutdown(wait=True)
-                self._spawner = None
+            self._open = False
+            self._drop_pool()
+            self._stop_spawner()
+
+    def _stop_spawner(self) -> None:
+        if self._spawner is not None:
+            self._spawner.shutdown(wait=True)
+            self._spawner = None
 
     def _start_pool(self) -> ProcessPoolExecutor:
-        """A pool whose workers have all started, started from the scorer's own thread: a
-        worker is killed when the thread that started it ends (`die_with_parent`), so a pool
-        must not be started from a caller's thread, which may end while the pool is in use."""
+        """A pool whose workers have all loaded the reward, started from the scorer's own
+        thread: a worker is killed when the thread that started it ends (`die_with_parent`), so
+        a pool must not be started from a caller's thread, which may end while the pool is in
+        use."""
         if self._spawner is None:
             self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-pool")
         return self._spawner.submit(self._new_pool).result()
@@ -190,29 +236,66 @@ class RewardScorer:
             max_workers=self.workers,
             mp_context=context,
             initializer=init_worker,
-            initargs=(self.fn, barrier, os.getpid()),
+            initargs=(self.fn, barrier, os.getpid(), self.memory_mb),
         )
         # The pool spawns one process per submit while none is idle, so `workers` submits
-        # start all of them; the barrier returns only once each one is running.
-        started = [pool.submit(wait_until_all_started) for _ in range(self.workers)]
-        done, _ = wait(started, timeout=STARTUP_TIMEOUT_S + 10.0)
+        # start all of them; the barrier returns only once each one has loaded the reward.
+        started = [
+            pool.submit(wait_until_all_started, self.startup_timeout_s) for _ in range(self.workers)
+        ]
+        done, _ = wait(started, timeout=self.startup_timeout_s, return_when=FIRST_EXCEPTION)
         try:
+            errors = [f.exception() for f in done if f.exception() is not None]
+            if errors:
+                raise self._start_error(errors)
             if len(done) < len(started):
-                raise TimeoutError(f"not all workers started within {STARTUP_TIMEOUT_S:.0f}s")
+                raise RewardLoadError(
+                    f"reward {self.fn!r} did not load within startup_timeout_s="
+                    f"{self.startup_timeout_s:g}s: its worker processes were still starting "
+                    "(importing the reward's module) when the limit passed, so they were "
+                    "killed. An import that waits on the network, a lock or input may never "
+                    "end: fix the module, or raise generator.reward.startup_timeout_s if it is "
+                    "only slow"
+                )
             self._worker_pids = sorted(f.result() for f in started)
-        except Exception as e:
+        except BaseException:
             _kill_workers(pool)
-            raise RuntimeError(
-                f"reward workers for {self.fn!r} failed to start ({type(e).__name__}: {e}); a "
-                "worker's own traceback, if any, is on stderr above"
-            ) from e
+            raise
         return pool
 
-    def _replace_pool(self) -> None:
-        assert self._pool is not None
-        _kill_workers(self._pool)
-        self._pool = self._start_pool()
+    def _start_error(self, errors: list[BaseException]) -> RewardResolutionError:
+        """The load error a worker carried back (the user's mistake, in resolve_reward's
+        words), else a `RewardLoadError` naming what broke."""
+        for error in errors:
+            if isinstance(error, RewardResolutionError):
+                return error
+        first = errors[0]
+        return RewardLoadError(
+            f"reward workers for {self.fn!r} failed to start ({type(first).__name__}: "
+            f"{first}); a worker's own traceback, if any, is on stderr above. A worker that "
+            f"dies while importing the reward may need more than generator.reward.memory_mb="
+            f"{self.memory_mb}"
+        )
+
+    def _drop_pool(self) -> None:
+        if self._pool is not None:
+            _kill_workers(self._pool)
+            self._pool, self._worker_pids = None, []
+
+    def _restart_pool(self) -> str | None:
+        """Start a pool in place of the dropped one. None when it started; else why not (it
+        is logged and counted, and the next batch tries again)."""
+        try:
+            self._pool = self._start_pool()
+        except RewardResolutionError as error:  # deliberate: counted, and the generator goes on
+            self.stats.failed_starts += 1
+            log.error(
+                "reward %r: its workers could not be restarted; the calls waiting for them "
+                "count as failed (score 0) and the next batch tries again: %s", self.fn, error,
+            )  # fmt: skip
+            return f"no reward workers ({type(error).__name__}: {error})"
         self.stats.pool_restarts += 1
+        return None
 
     # -- scoring -----------------------------------------------------------------------------
 
@@ -224,9 +307,9 @@ class RewardScorer:
     ) -> Scores:
         """One score in [0, 1] per response, in input order, and which calls failed.
 
-        A call that raises, returns something other than a score, exceeds `timeout_s` or
-        kills its worker scores 0.0, is marked in `Scores.failures` and counted in `stats`;
-        this never raises for them.
+        A call that raises, returns something other than a score, exceeds `timeout_s`, kills
+        its worker or finds no workers to run on (module docstring) scores 0.0, is marked in
+        `Scores.failures` and counted in `stats`; this never raises for them.
         """
         if len(ground_truths) != len(responses) or (
             prompts is not None and len(prompts) != len(responses)
@@ -237,7 +320,7 @@ class RewardScorer:
                 f"{'no' if prompts is None else len(prompts)} prompts"
             )
         with self._lock:
-            if self._pool is None:
+            if not self._open:
                 raise RuntimeError(
                     "RewardScorer is not open; use it as `with RewardScorer(...) as scorer:`"
                 )
@@ -245,8 +328,7 @@ class RewardScorer:
                 return self._score_batch(responses, ground_truths, prompts)
             except BaseException:
                 # Interrupted mid-batch (e.g. KeyboardInterrupt): calls may still be running.
-                _kill_workers(self._pool)
-                self._pool, self._worker_pids = None, []
+                self._drop_pool()
                 raise
 
     def _score_batch(
@@ -257,7 +339,14 @@ class RewardScorer:
         waiting = deque(range(len(responses)))
         running: dict[Future[float], tuple[int, float]] = {}  # → (index, deadline)
         self.stats.calls += len(responses)
+        start_failed = False
         while waiting or running:
+            if self._pool is None and (why := self._restart_pool()) is not None:
+                # A pool is dropped only with nothing in flight: the rest were waiting.
+                for i in waiting:
+                    failures[i] = self._count_error(i, responses[i], why)
+                start_failed = True
+                break
             assert self._pool is not None
             while waiting and len(running) < self.workers:
                 i = waiting.popleft()
@@ -266,11 +355,12 @@ class RewardScorer:
                     future = self._pool.submit(call_reward, responses[i], ground_truths[i], prompt)
                 except BrokenProcessPool:  # a worker died after its last result came back
                     waiting.appendleft(i)
-                    if running:
-                        break  # their futures fail too; handled below
-                    self._replace_pool()
-                    continue
+                    if not running:  # else their futures fail too; handled below
+                        self._drop_pool()
+                    break
                 running[future] = (i, time.monotonic() + self.timeout_s)
+            if not running:
+                continue
             next_deadline = min(deadline for _, deadline in running.values())
             done, _ = wait(
                 running, timeout=max(0.0, next_deadline - time.monotonic()),
@@ -298,14 +388,16 @@ class RewardScorer:
                         i, responses[i], "another call's worker process died"
                     )
                 running.clear()
-                self._replace_pool()
+                self._drop_pool()
             elif overdue:
                 for future in overdue:
                     i, _ = running.pop(future)
                     failures[i] = self._count_timeout(i, responses[i])
                 waiting.extendleft(sorted((i for i, _ in running.values()), reverse=True))
                 running.clear()
-                self._replace_pool()
+                self._drop_pool()
+        if self._pool is None and not start_failed:
+            self._restart_pool()  # ready for the next batch; a failure is counted, retried then
         return Scores(scores, failures)
 
     def _count_timeout(self, index: int, response: str) -> Failure:

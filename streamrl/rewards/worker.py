@@ -1,20 +1,37 @@
 """What runs inside a scorer's worker processes, and the check every returned score passes.
 
-`RewardScorer` (streamrl.rewards.scoring) starts each worker with `init_worker`, which ties
-the worker's life to its parent's and resolves the reward by name in the fresh process, holds
-each until all have started with `wait_until_all_started`, and sends it calls as `call_reward`.
-A value that is not a score in [0, 1] is turned into `RewardValueError` here, in the worker, so
-only floats come back.
+`RewardScorer` (streamrl.rewards.scoring) starts each worker with `init_worker`, which boxes
+the worker in before any user code runs, then imports the reward — the only place a user's
+module is ever imported:
+
+* it dies with its parent, even a SIGKILLed one;
+* its environment loses every credential and storage setting (`streamrl.secrets`): spawned
+  workers start with a copy of the generator's environment, so they are removed here, in the
+  child, before anything reads them;
+* its address space is capped at `memory_mb` (RLIMIT_AS, soft and hard: the reward cannot
+  raise it back), so a reward that allocates beyond it gets a MemoryError, a counted failure;
+* the kernel's OOM killer takes it before anything else (oom_score_adj 1000, Linux).
+
+`wait_until_all_started` holds each worker until all have loaded the reward, or carries the
+load error (`RewardResolutionError`) back to the scorer; calls arrive as `call_reward`. A value
+that is not a score in [0, 1] is turned into `RewardValueError` here, in the worker, so only
+floats come back.
+
+What the box does not do: the worker runs as the generator's user, so whatever that user may
+read — `~/.aws/credentials`, `/proc/<pid>/environ` of its own start or of the generator — stays
+readable. Keeping a hostile reward from those takes another user or a container.
 """
 
 from __future__ import annotations
 
 import numbers
 import os
+import resource
 from typing import TYPE_CHECKING
 
 from streamrl.processes import die_with_parent
-from streamrl.rewards.registry import RewardFn, resolve_reward
+from streamrl.rewards.registry import RewardFn, RewardResolutionError, resolve_reward
+from streamrl.secrets import remove_credentials
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier
@@ -29,6 +46,7 @@ __all__ = [
 ]
 
 STARTUP_TIMEOUT_S = 120.0  # a starting worker imports sympy and the user's module
+_OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
 
 
 class RewardValueError(ValueError):
@@ -39,11 +57,12 @@ def check_score(value: object, fn_spec: str) -> float:
     """`value` as a float score in [0, 1]; bools and 0-d numpy/torch scalars are accepted.
 
     Raises:
-        RewardValueError: anything else (a string, None, NaN, 1.5, −1).
+        RewardValueError: anything else (a string, None, NaN, ±inf, 1.5, −1, 10**400).
     """
     if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0:
         value = value.item()  # type: ignore[attr-defined]
-    if isinstance(value, numbers.Real) and 0.0 <= float(value) <= 1.0:  # NaN fails both
+    # Compared as returned, before float(): a huge int would overflow. NaN fails both bounds.
+    if isinstance(value, numbers.Real) and 0 <= value <= 1:
         return float(value)
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     raise RewardValueError(
@@ -56,22 +75,49 @@ def check_score(value: object, fn_spec: str) -> float:
 _worker_fn: RewardFn | None = None
 _worker_spec = ""
 _worker_barrier: Barrier | None = None
+_load_error: RewardResolutionError | None = None
 
 
-def init_worker(fn_spec: str, barrier: Barrier, parent_pid: int) -> None:
-    """Pool initializer: die with the parent (SIGKILL: a SIGKILLed generator runs no cleanup,
-    and its workers would live on, with them multiprocessing's resource tracker), then resolve
-    the reward in this process (a registered name or import path resolves the same way as in
-    the caller, which has already checked it)."""
-    global _worker_fn, _worker_spec, _worker_barrier
+def init_worker(fn_spec: str, barrier: Barrier, parent_pid: int, memory_mb: int) -> None:
+    """Pool initializer: box this process in (module docstring), then resolve the reward here.
+    A reward that cannot be resolved is kept as `_load_error` for `wait_until_all_started` to
+    raise in the scorer, in resolve_reward's words; one whose import never ends is killed by
+    the scorer at its startup limit."""
+    global _worker_fn, _worker_spec, _worker_barrier, _load_error
     die_with_parent(parent_pid)
-    _worker_fn, _worker_spec, _worker_barrier = resolve_reward(fn_spec), fn_spec, barrier
+    remove_credentials(os.environ)
+    _prefer_for_oom_killer()
+    _limit_address_space(memory_mb)
+    _worker_spec, _worker_barrier = fn_spec, barrier
+    try:
+        _worker_fn = resolve_reward(fn_spec)
+    except RewardResolutionError as error:  # raised in the scorer by wait_until_all_started
+        _load_error = error
 
 
-def wait_until_all_started() -> int:
-    """Held until every worker of the pool runs one of these, so all have finished starting."""
+def _prefer_for_oom_killer() -> None:
+    """Linux: make this the OOM killer's first choice (1000 is the most; an unprivileged
+    process may raise its own score)."""
+    if os.path.exists(_OOM_SCORE_ADJ):
+        with open(_OOM_SCORE_ADJ, "w") as f:
+            f.write("1000")
+
+
+def _limit_address_space(memory_mb: int) -> None:
+    limit = memory_mb * 1024**2
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def wait_until_all_started(timeout_s: float) -> int:
+    """Held until every worker of the pool runs one of these, so all have loaded the reward;
+    raises the reward's load error instead, if it had one. Returns this worker's pid."""
     assert _worker_barrier is not None, "reward worker used before init_worker"
-    _worker_barrier.wait(timeout=STARTUP_TIMEOUT_S)
+    if _load_error is not None:
+        raise _load_error
+    _worker_barrier.wait(timeout=timeout_s)
     return os.getpid()
 
 

@@ -1,11 +1,13 @@
-"""`scripts/ui_check.py` against a real Prefect server and its UI: with the server's profile
-active (as `make up` leaves it) and no PREFECT_API_URL, it finds the server, renders the flow
+"""`scripts/ui_check.py` against a real Prefect server and its UI, protected by basic auth as
+the local stack's is: with the server's profile active (as `make up` leaves it: URL and
+credential) and no PREFECT_API_URL, it finds the server, logs the browser in, renders the flow
 run's curves artifact in headless Chromium and sees the image; a page without one fails."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -64,16 +66,18 @@ _FLOW = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A Prefect server with its UI on a free port, and the environment of a user whose
-    active profile points at it (PREFECT_API_URL unset)."""
+    """A Prefect server with its UI on a free port, behind basic auth, and the environment of a
+    user whose active profile points at it with the credential (PREFECT_API_URL unset)."""
     home = tmp_path_factory.mktemp("prefect-home")
     api = f"http://127.0.0.1:{free_port()}/api"
+    auth = f"admin:{secrets.token_urlsafe(16)}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PYTHONPATH=str(REPO))
     server_env = {
         **env,
         "PREFECT_SERVER_UI_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_AUTH_STRING": auth,
     }
     port = api.split(":")[2].split("/")[0]
     with (home / "server.log").open("w") as log:
@@ -89,6 +93,7 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
         for command in (
             ["profile", "create", "ui-check"],
             ["--profile", "ui-check", "config", "set", f"PREFECT_API_URL={api}"],
+            ["--profile", "ui-check", "config", "set", f"PREFECT_API_AUTH_STRING={auth}"],
             ["profile", "use", "ui-check"],
         ):
             subprocess.run([PREFECT, *command], env=env, check=True, capture_output=True)
@@ -121,7 +126,6 @@ def test_ui_check_uses_the_active_profile_and_sees_the_curves_image(prefect_ui, 
     )
     assert made.returncode == 0, made.stderr[-3000:]
     flow_run_id = made.stdout.strip().splitlines()[-1]
-    shots = tmp_path / "shots"
     shots = tmp_path / "shots"
 
     check = subprocess.run(

@@ -39,16 +39,18 @@ def changed(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[
     return out
 
 
-def publish_versions(run_dir: str, topology: Topology) -> list[dict[str, float]]:
-    """Versions 1-3 as the module docstring says; each publish's metrics (rank 0's last is
-    that of the final flush)."""
+def publish_versions(
+    run_dir: str, topology: Topology, weights: WeightsConfig = WEIGHTS, last_fraction: float = 1.0
+) -> list[dict[str, float]]:
+    """Versions 1-3 as the module docstring says (version 3 changes `last_fraction` of the
+    elements); each publish's metrics (rank 0's last is that of the final flush)."""
     policy = load_policy(MODEL, MODEL_CFG)
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     shard_model(policy, topology, mixed_precision="fp32", activation_checkpointing=True)
     store = WeightStore(open_location(run_dir))
-    publisher = WeightPublisher(store, topology, WEIGHTS, torch.bfloat16)
+    publisher = WeightPublisher(store, topology, weights, torch.bfloat16)
     metrics = [publisher.publish(policy, 1)]
-    for version, (fraction, seed) in ((2, (0.01, 1)), (3, (1.0, 2))):
+    for version, (fraction, seed) in ((2, (0.01, 1)), (3, (last_fraction, 2))):
         update = changed(original, fraction, seed)
         set_model_state_dict(policy, update, options=StateDictOptions(full_state_dict=True))
         metrics.append(publisher.publish(policy, version))
@@ -56,13 +58,41 @@ def publish_versions(run_dir: str, topology: Topology) -> list[dict[str, float]]
     return metrics
 
 
+def land_then_fail(version: int) -> None:
+    """On this rank, writing `version`'s share lands and then raises (as a request that timed
+    out after the server stored it), and recording the failure fails too: rank 0 commits the
+    version from the share that landed, while this rank saw only errors."""
+    write_share = WeightStore.write_share
+
+    def landed_but_raised(self, v, *args, **kwargs):
+        part = write_share(self, v, *args, **kwargs)
+        if v == version:
+            raise TimeoutError(f"injected: the response to v{v}'s share was lost")
+        return part
+
+    def unrecorded(self, *args, **kwargs):
+        raise TimeoutError("injected: storage unreachable")
+
+    WeightStore.write_share = landed_but_raised
+    WeightStore.abandon_share = unrecorded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--land-then-fail", action="store_true", help="rank 1's share of v2: see land_then_fail"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     with Topology.from_env("cpu") as topology:
-        publish_versions(args.out, topology)
+        if not args.land_then_fail:
+            publish_versions(args.out, topology)
+            return
+        if topology.rank == 1:
+            land_then_fail(2)
+        once = WEIGHTS.model_copy(update={"publish_attempts": 1})
+        publish_versions(args.out, topology, once, last_fraction=0.01)  # v3: a delta on v2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""DCP checkpoints: single-process round trips on both backends, commit/retention rules, and a
-two-rank FSDP2 job on SeaweedFS that resumes in a fresh job with bit-identical losses."""
+"""DCP checkpoints: single-process round trips on both backends, commit/retention rules, the
+size and xxh3 of every file checked (a damaged checkpoint is passed over for the previous one;
+checkpoints committed before checksums still load), the writer's fence, and a two-rank FSDP2 job
+on SeaweedFS that resumes in a fresh job with bit-identical losses."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import random
 import uuid
 from pathlib import Path
@@ -151,6 +155,137 @@ def test_damaged_checkpoint_is_refused(run_location: Location) -> None:
     folder.fs.pipe_file(folder.join("__0_0.distcp"), b"truncated")
     with pytest.raises(StorageError, match=r"damaged: __0_0\.distcp has 9 bytes"):
         store.load(1, _app_state(seed=0))
+
+
+def _flip_byte(folder: Location, name: str) -> None:
+    data = bytearray(folder.fs.cat_file(folder.join(name)))
+    data[len(data) // 2] ^= 0x01
+    folder.fs.pipe_file(folder.join(name), bytes(data))
+
+
+def _assert_same_tensors(want: dict[str, ModelState], got: dict[str, ModelState]) -> None:
+    for name in want:
+        for key, tensor in want[name].state_dict()["model"].items():
+            assert torch.equal(got[name].state_dict()["model"][key], tensor), (name, key)
+
+
+def test_a_flipped_byte_is_reported_and_the_previous_checkpoint_loads_exactly(
+    run_location: Location, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointStore(run_location)
+    first = _app_state(seed=1)
+    store.save(first, LearnerState(step=1, policy_version=1, stream_cursor={"seq": 4}))
+    expected_draws = _draws()
+    _save(store, 2)
+    damaged = store.location.child(step_dirname(2))
+    _flip_byte(damaged, "__0_0.distcp")
+
+    resumed = CheckpointStore(run_location)  # a fresh learner's view
+    with pytest.raises(StorageError, match=r"step-00000002.*__0_0\.distcp fails its xxh3 check"):
+        resumed.load(2, _app_state(seed=0))
+    with caplog.at_level(logging.WARNING, logger="storage.checkpoints"):
+        assert resumed.latest_verified() == 1
+    assert resumed.damaged == [2]
+    assert "__0_0.distcp fails its xxh3 check" in caplog.text
+    assert "step 1" in caplog.text
+    assert resumed.committed_steps() == [1, 2]  # reported, not deleted
+
+    fresh = _app_state(seed=3)
+    state = resumed.load(1, fresh)
+    assert state == LearnerState(step=1, policy_version=1, stream_cursor={"seq": 4})
+    assert _draws() == expected_draws
+    _assert_same_tensors(first, fresh)
+    _save(resumed, 2)  # training on from step 1 takes step 2 again: the damaged one is replaced
+    assert CheckpointStore(run_location).latest_verified() == 2
+
+
+def test_every_file_is_recorded_with_its_size_and_xxh3(run_location: Location) -> None:
+    store = CheckpointStore(run_location)
+    _save(store, 1)
+    folder = store.location.child(step_dirname(1))
+    record = json.loads(folder.fs.cat_file(folder.join(COMMITTED)))
+    stored = {p.rsplit("/", 1)[-1] for p in folder.fs.find(folder.path)} - {COMMITTED}
+    assert set(record["files"]) == stored >= {".metadata", "__0_0.distcp", "learner_state.json"}
+    for entry in record["files"].values():
+        assert set(entry) == {"size", "xxh3"}
+        assert len(entry["xxh3"]) == 32
+    assert "epoch" not in record  # no fence
+
+
+def test_a_checkpoint_committed_before_checksums_still_loads_checking_sizes(
+    run_location: Location, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointStore(run_location)
+    saved = _app_state(seed=1)
+    store.save(saved, LearnerState(step=1, policy_version=1))
+    folder = store.location.child(step_dirname(1))
+    record = json.loads(folder.fs.cat_file(folder.join(COMMITTED)))
+    learner_bytes = folder.fs.cat_file(folder.join("learner_state.json"))
+    old = {  # the COMMITTED of format 1: sizes and the learner state's sha256
+        "format": 1,
+        "step": 1,
+        "world_size": 1,
+        "learner_state_sha256": hashlib.sha256(learner_bytes).hexdigest(),
+        "files": {name: entry["size"] for name, entry in record["files"].items()},
+    }
+    folder.fs.pipe_file(folder.join(COMMITTED), json.dumps(old).encode())
+
+    resumed, fresh = CheckpointStore(run_location), _app_state(seed=2)
+    with caplog.at_level(logging.INFO, logger="storage.checkpoints"):
+        assert resumed.latest_verified() == 1
+        assert resumed.load(1, fresh).step == 1
+    assert "sizes only" in caplog.text
+    _assert_same_tensors(saved, fresh)
+
+
+def test_a_committed_record_naming_a_path_outside_its_folder_is_damaged(
+    run_location: Location,
+) -> None:
+    store = CheckpointStore(run_location)
+    _save(store, 1)
+    _save(store, 2)
+    folder = store.location.child(step_dirname(2))
+    record = json.loads(folder.fs.cat_file(folder.join(COMMITTED)))
+    record["files"]["../../stream/log/000000000000.json"] = {"size": 1, "xxh3": "0" * 32}
+    folder.fs.pipe_file(folder.join(COMMITTED), json.dumps(record).encode())
+    assert CheckpointStore(run_location).latest_verified() == 1
+    with pytest.raises(StorageError, match="not a file name of the checkpoint"):
+        CheckpointStore(run_location).read_state(2)
+
+
+class _Fence:
+    """A writer's lease as the store sees it: `check` returns the epoch held, or raises."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.lost, self.checks = epoch, False, 0
+
+    def check(self) -> int:
+        self.checks += 1
+        if self.lost:
+            raise RuntimeError(f"lease lost: epoch {self.epoch + 1} exists")
+        return self.epoch
+
+
+def test_the_fence_is_checked_before_commit_and_deletion_and_its_epoch_recorded(
+    run_location: Location,
+) -> None:
+    fence = _Fence(epoch=7)
+    store = CheckpointStore(run_location, fence=fence)
+    _save(store, 1)
+    folder = store.location.child(step_dirname(1))
+    assert json.loads(folder.fs.cat_file(folder.join(COMMITTED)))["epoch"] == 7
+    assert fence.checks >= 1
+    _save(store, 2)
+
+    fence.lost = True
+    with pytest.raises(RuntimeError, match="lease lost"):
+        _save(store, 3)
+    assert store.committed_steps() == [1, 2]  # step 3 was never committed
+    with pytest.raises(RuntimeError, match="lease lost"):
+        store.retain(keep=1)
+    assert store.committed_steps() == [1, 2]  # nothing deleted
+    fence.lost = False
+    assert store.retain(keep=1) == [1]  # step 3, newer than any committed, may be in progress
 
 
 def _torchrun(phase: str, uri: str, out: Path, env: dict[str, str]) -> None:

@@ -121,6 +121,34 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
         assert torch.equal(_full(a), _full(b)), name
 
 
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_from_the_previous_is_exact(
+    tmp_path, topology
+):
+    straight, damaged = tmp_path / "straight", tmp_path / "damaged"
+    _write_stream(straight)
+    shutil.copytree(straight, damaged)
+    uninterrupted = Learner(_config(straight, 6), open_location(str(straight)), topology)
+    uninterrupted.run()
+
+    Learner(_config(damaged, 4), open_location(str(damaged)), topology).run()
+    shard = sorted((damaged / "checkpoints" / "step-00000004").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit flipped: the size is unchanged
+    shard.write_bytes(bytes(data))
+
+    resumed = Learner(_config(damaged, 6), open_location(str(damaged)), topology)
+    assert (resumed.step, resumed.version) == (2, 2)  # checkpoint 4 reported and skipped
+    assert resumed.checkpoints.damaged == [4]
+    resumed.run()
+    for (name, a), (_, b) in zip(
+        uninterrupted.models.policy.model.state_dict().items(),
+        resumed.models.policy.model.state_dict().items(),
+        strict=True,
+    ):
+        assert torch.equal(_full(a), _full(b)), name
+    assert CheckpointStore(open_location(str(damaged))).latest_verified() == 6
+
+
 def _write_segments(writer: StreamWriter, versions: list[int], rng) -> list[str]:
     """One segment of 5 groups per entry of `versions`, sampled with that policy version."""
     return [
@@ -211,9 +239,9 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     assert (progress.waiting, progress.step, progress.accepted) == (False, 1, 12)
 
 
-def _learner_process(run_dir) -> subprocess.Popen[str]:
+def _learner_process(run_dir, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "streamrl", "learner", "--run", str(run_dir)],
+        [sys.executable, "-m", "streamrl", "learner", "--run", str(run_dir), *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.DEVNULL,
@@ -242,7 +270,7 @@ def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert max(checkpoints.committed_steps()) < 8
 
-    proc = _learner_process(killed)
+    proc = _learner_process(killed, "--take-over")  # the killed one's lease is still live
     _, errors = proc.communicate(timeout=300)
     assert proc.returncode == 0, errors
 
@@ -289,6 +317,7 @@ def test_vapo_learner_pretrains_the_critic_once_then_trains_both(tmp_path, topol
         assert torch.equal(_full(value), policy_at_start[name]), name
     assert CheckpointStore(run).committed_steps() == [0]
     assert WeightStore(run).versions() == []  # nothing to publish: the policy is unchanged
+    first.release()  # this learner ends here
 
     resumed = Learner(_vapo_config(run_dir, total_steps=1), run, topology)
     assert resumed.value_pretrained

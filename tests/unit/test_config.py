@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from streamrl.algorithms.config import (
     ALGORITHM_NAMES,
@@ -341,8 +344,6 @@ def test_cli_documents_every_field() -> None:
 
 def test_every_field_is_documented() -> None:
     """Each field of every config model carries a description."""
-    from pydantic import BaseModel
-
     from streamrl.algorithms.config import (
         ALGORITHM_CLASSES,
         ImportanceConfig,
@@ -367,3 +368,121 @@ def test_every_field_is_documented() -> None:
         if not field.description and name != "name"
     ]
     assert undocumented == []
+
+
+# --- bounds ----------------------------------------------------------------------------------
+
+
+def _sections() -> list[type[BaseModel]]:
+    """The models of streamrl.config (the algorithm union's live in streamrl.algorithms)."""
+    from streamrl import config as module
+
+    return [
+        model
+        for model in vars(module).values()
+        if isinstance(model, type) and issubclass(model, module._Component)
+        if model is not module._Component
+    ]
+
+
+def _upper_bound(field: FieldInfo) -> float | None:
+    bounds = [getattr(m, name) for m in field.metadata for name in ("le", "lt") if hasattr(m, name)]
+    return min(bounds) if bounds else None
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "learner.lr=.inf",
+        "learner.lr=inf",
+        "learner.eps=nan",
+        "learner.weight_decay=.nan",
+        "generator.temperature=1e400",  # overflows to inf
+        "health.kl_max=inf",
+        "placement.retry_window_s=inf",
+    ],
+)
+def test_non_finite_floats_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=r"finite number|less than or equal"):
+        load_config(overrides=[override])
+
+
+def test_every_float_field_must_be_finite() -> None:
+    """One mechanism, on the sections' shared base: `allow_inf_nan=False`."""
+    assert all(model.model_config.get("allow_inf_nan") is False for model in _sections())
+
+
+@pytest.mark.parametrize("betas", ["[0.9, 1.0]", "[1.0, 0.999]", "[-0.1, 0.999]", "[0.9, 1.5]"])
+def test_adam_betas_lie_in_zero_one(betas: str) -> None:
+    with pytest.raises(ConfigError, match=r"learner\.betas\.[01]"):
+        load_config(overrides=[f"learner.betas={betas}"])
+    assert load_config(overrides=["learner.betas=[0.0, 0.95]"]).learner.betas == (0.0, 0.95)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "learner.stream_timeout_s",
+        "learner.rendezvous_timeout_s",
+        "weights.publish_timeout_s",
+        "generator.reward.timeout_s",
+        "generator.weight_poll_s",
+    ],
+)
+def test_a_timeout_of_1e12_seconds_is_refused(field: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=[f"{field}=1e12"])
+    assert f"{field}: Input should be less than or equal to" in problems(excinfo)
+
+
+def test_every_duration_is_bounded_below_what_threading_accepts() -> None:
+    """A wait on a lock, event or queue refuses a timeout above threading.TIMEOUT_MAX."""
+    durations = {
+        f"{model.__name__}.{name}": _upper_bound(field)
+        for model in _sections()
+        for name, field in model.model_fields.items()
+        if name.endswith("_s") or name.endswith("_seconds")
+    }
+    assert "LearnerConfig.stream_timeout_s" in durations
+    unbounded = [name for name, bound in durations.items() if bound is None]
+    assert unbounded == []
+    assert all(bound < threading.TIMEOUT_MAX for bound in durations.values())
+
+
+def test_every_count_is_bounded() -> None:
+    unbounded = [
+        f"{model.__name__}.{name}"
+        for model in _sections()
+        for name, field in model.model_fields.items()
+        if field.annotation is int and _upper_bound(field) is None
+    ]
+    assert unbounded == []
+    with pytest.raises(ConfigError, match=r"learner\.total_steps"):
+        load_config(overrides=["learner.total_steps=1e30"])
+    with pytest.raises(ConfigError, match="a core count must be"):
+        load_config(overrides=["learner.cpu_cores=100000000"])
+
+
+# --- YAML errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "column"),
+    [
+        ("learner:\n  lr: 1e-6\n  stop: [hunter2, \n", 4, 1),
+        ("storage:\n  storage_options: {key: hunter2}\n  x: : hunter2\n", 3, 6),
+        ('learner:\n  name: "hunter2\\q"\n', 2, 18),
+        ("learner:\n\thunter2: 1\n", 2, 1),
+    ],
+)
+def test_a_yaml_error_names_file_line_and_column_not_the_text(
+    tmp_path: Path, text: str, line: int, column: int
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path=path)
+    message = str(excinfo.value)
+    assert f"{path}:{line}:{column}: not valid YAML" in message
+    assert "hunter2" not in message
+    assert excinfo.value.__cause__ is None  # nor in a chained exception's traceback

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from streamrl.rewards import (
     RewardResolutionError,
     RewardScorer,
     RewardValueError,
+    check_reward_name,
     check_score,
     format_reward,
     math_format_reward,
@@ -220,10 +222,25 @@ def test_check_score_accepts_scores(value: object, expected: float) -> None:
     assert check_score(value, "r") == expected
 
 
-@pytest.mark.parametrize("value", [1.5, -0.1, float("nan"), "1", None, np.array([1.0])])
+NOT_SCORES = [1.5, -0.1, float("nan"), float("inf"), -float("inf"), np.float64("inf"), 10**400]
+
+
+@pytest.mark.parametrize("value", [*NOT_SCORES, "1", None, np.array([1.0])])
 def test_check_score_rejects_other_values(value: object) -> None:
     with pytest.raises(RewardValueError, match=r"must return a score in \[0, 1\] or a bool"):
         check_score(value, "r")
+
+
+def test_check_reward_name_imports_no_user_code(tmp_path, monkeypatch) -> None:
+    (tmp_path / "loud_module.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_reward_name("math")
+    check_reward_name("loud_module:reward")  # found out by the workers, not here
+    assert "loud_module" not in sys.modules
+    with pytest.raises(RewardResolutionError, match="did you mean 'math'"):
+        check_reward_name("maht")
+    with pytest.raises(RewardResolutionError, match=r"must look like 'package\.module:function'"):
+        check_reward_name("loud_module:")
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,6 +264,23 @@ def test_scorer_checks_arguments_before_starting_workers() -> None:
         scorer.score(["a", "b"], ["a"])
     with pytest.raises(RuntimeError, match="not open"):
         scorer.score(["a"], ["a"])
+
+
+def test_a_reward_the_workers_cannot_resolve_fails_on_entry_in_resolve_rewards_words(
+    tmp_path, monkeypatch
+) -> None:
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('bad module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers inherit sys.path
+    cases = {
+        "no_such_pkg.rewards:score": "no module named 'no_such_pkg'",
+        "tests.reward_fns:scriptd": "did you mean 'tests.reward_fns:scripted'",
+        "raises_on_import:r": "RuntimeError: bad module",
+    }
+    for fn, message in cases.items():
+        scorer = RewardScorer(fn, workers=2, timeout_s=10.0)  # nothing imported yet
+        with pytest.raises(RewardResolutionError, match=message), scorer:
+            pass
+        assert "raises_on_import" not in sys.modules
 
 
 def test_math_scorer_scores_in_order_and_stops_its_workers_on_exit() -> None:
@@ -275,6 +309,7 @@ def test_failing_calls_score_zero_are_counted_and_logged(caplog: pytest.LogCaptu
         "return:1.5": ("7", 0.0, "error"),
         "return:text": ("7", 0.0, "error"),
         "return:nan": ("7", 0.0, "error"),
+        "return:inf": ("7", 0.0, "error"),
         "return:none": ("7", 0.0, "error"),
         "return:true": ("7", 1.0, None),
         "prompt": ("p", 1.0, None),
@@ -286,12 +321,13 @@ def test_failing_calls_score_zero_are_counted_and_logged(caplog: pytest.LogCaptu
         scores = scorer.score(responses, truths, prompts=["p"] * len(responses))
     assert scores.values == [expected for _, expected, _ in batch.values()]
     assert scores.failures == [failure for _, _, failure in batch.values()]
-    assert (scores.errors, scores.timeouts, scores.any_failed) == (5, 0, True)
-    assert (scorer.stats.errors, scorer.stats.timeouts, scorer.stats.pool_restarts) == (5, 0, 0)
+    assert (scores.errors, scores.timeouts, scores.any_failed) == (6, 0, True)
+    assert (scorer.stats.errors, scorer.stats.timeouts, scorer.stats.pool_restarts) == (6, 0, 0)
     assert "ValueError: boom" in caplog.text
     assert "returned 1.5 of type float" in caplog.text
     assert "returned 'yes' of type str" in caplog.text
     assert "returned None of type NoneType" in caplog.text
+    assert "returned inf of type float" in caplog.text
 
 
 def test_hung_call_is_killed_at_the_timeout_and_later_calls_run(

@@ -1,6 +1,7 @@
 """Stream retention on a local folder and on SeaweedFS: releasing consumed segments keeps their
 commit records, never releases a segment a cursor is inside, records the released point, is
-idempotent and finishes a release that stopped part-way; a reader refuses to start before it."""
+idempotent and finishes a release that stopped part-way; a reader refuses to start before it;
+the writer's fence is checked before anything is written or deleted."""
 
 from __future__ import annotations
 
@@ -122,3 +123,30 @@ def test_nothing_released_reads_as_zero_and_every_cursor_reads(tmp_path):
     _write_segments(run, 2)
     assert read_retention(run) == StreamRetention()
     assert len(_read(run, Cursor(0), 6)) == 6
+
+
+class _Fence:
+    """A writer's lease as retention sees it: `check` returns the epoch held, or raises."""
+
+    def __init__(self) -> None:
+        self.lost, self.checks = False, 0
+
+    def check(self) -> int:
+        self.checks += 1
+        if self.lost:
+            raise RuntimeError("lease lost: epoch 2 exists")
+        return 1
+
+
+def test_release_checks_the_fence_before_it_deletes_anything(run_location: Location):
+    names = [r.segment for r in _write_segments(run_location, 4)]
+    fence = _Fence()
+    fence.lost = True
+    with pytest.raises(RuntimeError, match="lease lost"):
+        release_consumed(run_location, Cursor(3), fence=fence)
+    assert _stored_segments(run_location) == set(names)
+    assert read_retention(run_location) == StreamRetention()
+
+    fence.lost = False
+    assert release_consumed(run_location, Cursor(3), fence=fence) == names[:3]
+    assert fence.checks >= 2

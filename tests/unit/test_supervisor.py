@@ -49,6 +49,24 @@ def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path
     assert log.count("reward exploded") == 3  # every attempt's output, in its log file
 
 
+def test_a_restarted_learner_takes_the_run_over_and_its_success_ends_the_run(tmp_path, monkeypatch):
+    started: list[bool] = []
+
+    def learner(config, node=None, *, take_over=False):
+        started.append(take_over)  # the first attempt crashes, the restart completes
+        return [sys.executable, "-c", f"import sys; sys.exit({0 if take_over else 1})"]
+
+    monkeypatch.setattr(core, "learner_command", learner)
+    monkeypatch.setattr(core, "generator_command", lambda config, index: [sys.executable, "-c", ""])
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
+    result = supervisor.run()
+    assert started == [False, True]  # only a restart takes the lease over
+    assert result == {
+        "learner": {"exit_code": 0, "restarts": 1},
+        "gen0": {"exit_code": 0, "restarts": 0},
+    }
+
+
 def test_the_terminal_shows_step_lines_and_streamrls_warnings_only():
     step = "2026-11-23 10:00:01,123 INFO streamrl.learner.reporting: step 3/16: reward 0.5"
     warning = "2026-11-23 10:00:01,123 WARNING storage.stream_reader: storage failed: retrying"

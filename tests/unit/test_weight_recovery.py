@@ -211,6 +211,45 @@ def test_retain_keeps_latest_and_what_kept_deltas_need(run_location):
         store.retain(keep=0)
 
 
+def test_a_reader_racing_retention_finds_versions_vanished_never_corrupt(
+    run_location: Location, monkeypatch
+):
+    """After each deletion `retain` makes, a reader that listed the versions before it began
+    builds each retired one: it is built or vanished (retried later, or passed over), never
+    corrupt (skipped for good) — whichever link of a delta chain is gone at that moment."""
+    store, states = WeightStore(run_location), {}
+    for version in range(1, 7):  # 1 full, 2-4 deltas on it, 5 full, 6 delta
+        _publish(store, states, version, full=version == 5)
+    reader = WeightStore(run_location)
+    seen: list[tuple[int, str]] = []
+
+    def probe() -> None:
+        for version in (2, 3, 4):
+            try:
+                reader.build(version)
+                seen.append((version, "built"))
+            except WeightVersionNotFoundError:
+                seen.append((version, "vanished"))
+            except WeightIntegrityError as exc:
+                seen.append((version, f"corrupt: {exc}"))
+        found = WeightFollower(reader).advance(skip={5, 6})
+        seen.extend((version, f"corrupt: {why}") for version, why in found.corrupt.items())
+
+    fs = run_location.fs
+    for method in ("rm", "rm_file"):
+        delete = getattr(fs, method)
+
+        def then_probe(*args, delete=delete, **kwargs):
+            delete(*args, **kwargs)
+            probe()
+
+        monkeypatch.setattr(fs, method, then_probe)
+    assert store.retain(keep=2) == [1, 2, 3, 4]
+    monkeypatch.undo()
+    assert {state for _, state in seen} == {"built", "vanished"}, seen
+    assert store.versions() == [5, 6]
+
+
 def test_a_new_full_version_is_built_into_the_memory_already_held(run_location: Location):
     store, states = WeightStore(run_location), {}
     _publish(store, states, 1)

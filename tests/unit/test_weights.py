@@ -207,6 +207,103 @@ def test_publisher_killed_before_manifest_is_invisible(run_uri_and_options, tmp_
     _assert_exact(store.load(1)[0], _state_dict(1))
 
 
+def _folder(location: Location, version: int) -> set[str]:
+    """The names of the objects in the folder of `version`."""
+    folder = location.join("weights", f"v{version:08d}")
+    return {path.rsplit("/", 1)[1] for path in location.fs.find(folder)}
+
+
+def test_a_dead_publishs_leftovers_in_a_committed_version_are_removed(run_location):
+    """A learner life died mid-publish of v2 (some files, one with its part record, another
+    without); the next life publishes v2 under its own id. Retention removes every object the
+    manifest does not name: the dead life's files and the part records, never the version."""
+    store = WeightStore(run_location)
+    store.publish(1, _state_dict(1))
+    shares = whole_shares(_state_dict(2))
+    store.write_share(2, shares, publish_id="dead1", rank=0, world=1, shard_bytes=4096)
+    dead_files = store.write_share(2, shares, publish_id="dead2", rank=0, world=2).files
+    run_location.fs.rm_file(_path(run_location, 2, "dead2-part-00000-of-00002.json"))
+    store.write_share(2, whole_shares(_state_dict(3)), publish_id="live", rank=0, world=1)
+    manifest = store.commit(2, publish_id="live", world=1)
+    named = {"manifest.json", *(entry.file for entry in manifest.files)}
+    assert {f.file for f in dead_files} < _folder(run_location, 2) - named
+
+    assert store.retain(keep=5) == []  # no version deleted, only what no manifest names
+    assert _folder(run_location, 2) == named
+    assert _folder(run_location, 1) == {"manifest.json", store.read_manifest(1).files[0].file}
+    _assert_exact(store.load(2)[0], _state_dict(3))
+    _assert_exact(store.load(1)[0], _state_dict(1))
+    with pytest.raises(WeightVersionExistsError, match="version 2 is already committed"):
+        store.commit(2, publish_id="dead1", world=1)  # its part is gone; refused at once
+    assert store.commit(2, publish_id="live", world=1) == manifest  # a retry needs no part
+
+
+class _LeaseLostError(RuntimeError):
+    pass
+
+
+class _Fence:
+    """A writer's lease that holds `epoch` for `checks` more checks, then is lost."""
+
+    def __init__(self, epoch: int, checks: int = 1_000) -> None:
+        self.epoch, self.left, self.checks = epoch, checks, 0
+
+    def check(self) -> int:
+        self.checks += 1
+        if self.checks > self.left:
+            raise _LeaseLostError(f"epoch {self.epoch} lost")
+        return self.epoch
+
+
+def _latest(location: Location) -> int:
+    return json.loads(location.fs.cat_file(location.join("weights", "LATEST")))["version"]
+
+
+def test_the_fence_guards_manifest_latest_and_retention(run_location):
+    fence = _Fence(epoch=7)
+    store = WeightStore(run_location, fence=fence)
+    assert store.publish(1, _state_dict(1)).epoch == 7
+    assert fence.checks == 2  # before the manifest, before LATEST
+    assert store.read_manifest(1).epoch == 7
+    assert WeightStore(run_location).publish(2, _state_dict(2)).epoch is None  # no lease
+    raw = json.loads(run_location.fs.cat_file(_path(run_location, 2, "manifest.json")))
+    assert "epoch" not in raw  # what a release before leases wrote, and still reads
+    assert store.read_manifest(2).epoch is None
+
+    lost = WeightStore(run_location, fence=_Fence(epoch=7, checks=0))
+    lost.write_share(3, whole_shares(_state_dict(3)), publish_id="p", rank=0, world=1)
+    with pytest.raises(_LeaseLostError):
+        lost.commit(3, publish_id="p", world=1)
+    assert not run_location.fs.exists(_path(run_location, 3, "manifest.json"))
+    assert (store.versions(), _latest(run_location)) == ([1, 2], 2)
+
+    lost_after_manifest = WeightStore(run_location, fence=_Fence(epoch=8, checks=1))
+    with pytest.raises(_LeaseLostError):
+        lost_after_manifest.commit(3, publish_id="p", world=1)
+    assert store.read_manifest(3).epoch == 8  # committed, but LATEST did not move
+    assert (store.versions(), _latest(run_location)) == ([1, 2, 3], 2)
+    with pytest.raises(_LeaseLostError):  # a retry by a learner that lost its lease moves nothing
+        WeightStore(run_location, fence=_Fence(epoch=8, checks=0)).commit(
+            3, publish_id="p", world=1
+        )
+    assert _latest(run_location) == 2
+
+    # retain(keep=1) deletes v1 (LATEST names v2) and v3's part record, each after a check.
+    before = {v: _folder(run_location, v) for v in (1, 2, 3)}
+    assert "p-part-00000-of-00001.json" in before[3]
+    with pytest.raises(_LeaseLostError):
+        WeightStore(run_location, fence=_Fence(epoch=9, checks=0)).retain(keep=1)
+    assert {v: _folder(run_location, v) for v in (1, 2, 3)} == before
+    with pytest.raises(_LeaseLostError):  # lost after v1 went
+        WeightStore(run_location, fence=_Fence(epoch=9, checks=1)).retain(keep=1)
+    assert store.versions() == [2, 3]
+    assert {v: _folder(run_location, v) for v in (2, 3)} == {v: before[v] for v in (2, 3)}
+    assert store.retain(keep=1) == []
+    assert "p-part-00000-of-00001.json" not in _folder(run_location, 3)
+    assert store.commit(3, publish_id="p", world=1).epoch == 8  # the retry that moves LATEST
+    assert _latest(run_location) == 3
+
+
 def test_tampered_or_truncated_file_raises_integrity_error(run_location):
     store = WeightStore(run_location)
     manifest = store.publish(1, _state_dict(), shard_bytes=4096)
@@ -304,9 +401,10 @@ def test_versions_are_immutable(run_location):
     with pytest.raises(WeightVersionExistsError, match="version 1 is already committed"):
         store.publish(1, _state_dict(2))
     store.write_share(2, whole_shares(_state_dict(2)), publish_id="p", rank=0, world=1)
-    store.commit(2, publish_id="p", world=1)
+    manifest = store.commit(2, publish_id="p", world=1)
+    assert store.commit(2, publish_id="p", world=1) == manifest  # a retry: nothing changes
     with pytest.raises(WeightVersionExistsError, match="publish a version > 2"):
-        store.commit(2, publish_id="p", world=1)
+        store.commit(2, publish_id="q", world=1)
     with pytest.raises(WeightVersionExistsError, match="version 2 is already committed"):
         store.write_share(2, whole_shares(_state_dict(3)), publish_id="q", rank=0, world=1)
     _assert_exact(store.load(1)[0], _state_dict(1))  # untouched
