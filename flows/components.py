@@ -18,9 +18,10 @@ import logging
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from streamrl.component_output import noteworthy
 from streamrl.config import RunConfig
 from streamrl.runs import open_existing_run
-from streamrl.supervisor import Component, Supervisor, noteworthy
+from streamrl.supervisor import Component, Supervisor
 
 __all__ = ["component_task", "open_run_config", "run_alone"]
 

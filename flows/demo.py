@@ -24,6 +24,7 @@ from typing import IO
 
 from flows.run import streamrl_run
 from storage.fs import open_location
+from streamrl.config import ConfigError, parse_overrides
 from streamrl.launch import format_summary, run_summary
 
 DEFAULT_STEPS = 16
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resume and not args.run_uri:
         parser.error("--resume needs --run-uri (the run to resume)")
+    try:  # before they become a flow run's parameters: a credential never gets that far
+        parse_overrides(args.overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
     run_uri = args.run_uri or time.strftime("./runs/demo-%Y%m%d-%H%M%S")
     logs = Path(run_uri) / "logs"
     terminal = _terminal_only_for_the_flow(logs / "demo.log")

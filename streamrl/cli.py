@@ -238,16 +238,12 @@ or ./streamrl-logs/; the console shows learner steps, warnings and errors.
 def _cmd_run(args: argparse.Namespace) -> int:
     import shlex
 
+    from streamrl.component_output import noteworthy
     from streamrl.launch import format_summary
     from streamrl.launch import run_summary as summarize
     from streamrl.placement import plan_placement
     from streamrl.runs import prepare_run
-    from streamrl.supervisor import (
-        ComponentFailedError,
-        RunInterruptedError,
-        Supervisor,
-        noteworthy,
-    )
+    from streamrl.supervisor import ComponentFailedError, RunInterruptedError, Supervisor
 
     config = _config_from(args)
     if config.placement.pools:

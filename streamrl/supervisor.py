@@ -2,27 +2,25 @@
 until the run is done — for `streamrl run`, the `streamrl` and `generator` Prefect flows and
 `make demo` alike (`Supervisor`). What follows each exit — a restart, the others finishing after
 the learner's success, the run stopping — is the restart policy's (`streamrl.supervision`, shared
-with runs on work pools). Each output line goes to the component's log file (`ComponentLogs`);
-`noteworthy(line)` picks what a terminal shows.
+with runs on work pools). Each output line goes to the component's log file, the few a terminal
+shows to the caller (`streamrl.component_output`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from storage.control import request_stop, stop_requested
-from storage.fs import Location
 from storage.lease import NOT_HOLDER_EXIT_CODE
+from streamrl.component_output import RESTART_NOTICE, ComponentLogs
 from streamrl.config import RunConfig
 from streamrl.launch import (
     evaluator_command,
@@ -59,10 +57,8 @@ from streamrl.supervision import (
 __all__ = [
     "Component",
     "ComponentFailedError",
-    "ComponentLogs",
     "RunInterruptedError",
     "Supervisor",
-    "noteworthy",
 ]
 
 log = logging.getLogger(__name__)
@@ -75,63 +71,6 @@ class ComponentFailedError(RuntimeError):
 
 class RunInterruptedError(RuntimeError):
     """The run was stopped from outside (Ctrl-C, SIGTERM) and every process of it has ended."""
-
-
-# What a user's terminal shows of a component's output: the learner's step lines, streamrl's
-# warnings and errors (as logged by `streamrl.cli`: "<date> <time> LEVEL logger: message"). The
-# rest (engine start-up, progress bars, third-party warnings) goes to the log files only.
-_OWN_LINE = re.compile(
-    r"^\S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?:streamrl|storage|flows)\.\S+: "
-    r"(?P<message>.*)$"
-)
-_RESTART = "exited with code"  # keep_running's notice, passed on with the component's lines
-_STEP = re.compile(r"^step \d+(/\d+)?:")
-
-
-def noteworthy(line: str) -> str | None:
-    """What a terminal shows of a component's output `line`: the learner's step line or one of
-    streamrl's warnings or errors, without the timestamp and logger, and the supervisor's
-    restart notices; None for the rest."""
-    if line.startswith(_RESTART):  # the supervisor's own notice of a restart
-        return f"WARNING: {line}"
-    own = _OWN_LINE.match(line)
-    if own is None:
-        return None
-    level, message = own["level"], own["message"]
-    if level == "INFO":
-        return message if _STEP.match(message) else None
-    return f"{level}: {message}"
-
-
-class ComponentLogs:
-    """Each component's output, appended line by line to `<folder>/<component>.log`."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._files: dict[str, IO[str]] = {}
-        self._lock = threading.Lock()
-
-    @classmethod
-    def for_run(cls, run: Location) -> ComponentLogs:
-        """`<run>/logs/` for a run on local disk, else `./streamrl-logs/<run name>/`."""
-        if run.is_local:
-            return cls(Path(run.path) / "logs")
-        return cls(Path("streamrl-logs") / run.path.rstrip("/").rsplit("/", 1)[-1])
-
-    def write(self, component: str, line: str) -> None:
-        with self._lock:
-            if component not in self._files:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                self._files[component] = open(  # noqa: SIM115 (closed by close())
-                    self.folder / f"{component}.log", "a", buffering=1
-                )
-            self._files[component].write(line + "\n")
-
-    def close(self) -> None:
-        with self._lock:
-            for file in self._files.values():
-                file.close()
-            self._files.clear()
 
 
 @dataclass
@@ -369,7 +308,7 @@ class Supervisor:
                             self.config, component.node, take_over=True
                         )
                     notice = (
-                        f"{_RESTART} {code}; restart {failure.restarts} of {failure.allowed} "
+                        f"{RESTART_NOTICE} {code}; restart {failure.restarts} of {failure.allowed} "
                         f"(log: {self.logs.folder / component.name}.log)"
                     )
                 case _:

@@ -49,7 +49,8 @@ __all__ = [
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Every float finite: an inf clip bound or coefficient is a typo, never a setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ImportanceConfig(_Strict):
@@ -91,6 +92,7 @@ class OverlongConfig(_Strict):
     cache_len: int | None = Field(
         None,
         gt=0,
+        le=2**20,
         description="L_cache, the soft buffer in tokens; default: generator.max_tokens / 5.",
     )
     filter: bool = Field(

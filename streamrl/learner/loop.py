@@ -44,12 +44,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
 from storage.control import request_stop
 from storage.fs import Location, StorageError
 from storage.learner_progress import LearnerProgress, write_learner_progress
@@ -57,7 +56,6 @@ from storage.lease import RunLease
 from storage.progress import read_all_progress
 from storage.records import Cursor
 from storage.stream import StreamReader, StreamTimeoutError, quarantined
-from storage.stream_retention import oldest_resume_cursor, release_consumed
 from storage.weights import WeightStore
 from streamrl.config import RunConfig
 from streamrl.health import HealthMonitor
@@ -68,17 +66,14 @@ from streamrl.learner.batching import (
     TrainBatch,
     make_mini_batches,
 )
+from streamrl.learner.checkpointing import IncompatibleCheckpointError, LearnerCheckpoints
 from streamrl.learner.loading import build_step_models
 from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.reporting import MetricsReporter, read_metrics
-from streamrl.learner.step import StepSettings, Trainable, train_on_batch
+from streamrl.learner.step import StepSettings, train_on_batch
 from streamrl.learner.topology import Topology
 
 __all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
-
-
-class IncompatibleCheckpointError(ValueError):
-    """A checkpoint whose models this learner cannot load; the message lists the differences."""
 
 
 class DivergedError(RuntimeError):
@@ -128,21 +123,14 @@ class Learner:
             config.weights,
             getattr(torch, config.weights.resolved_dtype(config.model)),
         )
-        self.checkpoints = CheckpointStore(run, fence=self.lease)
+        self.checkpoints = LearnerCheckpoints(config, run, topology, self.models, self.lease)
         self.settings = StepSettings.from_config(config)
         self.step, self.version, cursor, totals = 0, 0, Cursor(), FilterCounts()
         self.value_pretrained = not algorithm.uses_value_model
-        latest = self.checkpoints.latest_verified()
-        if latest is not None:
-            self._check_compatible(self.checkpoints.read_state(latest), latest)
-            state = self.checkpoints.load(latest, self._app_state())
-            self.step, self.version = state.step, state.policy_version
-            cursor = Cursor.from_dict(state.stream_cursor)
-            totals = FilterCounts(**state.extra.get("filter_totals", {}))
-            self.value_pretrained = state.extra.get("value_pretrained", True)
-            for name, (in_a_row, total) in state.extra.get("skipped_updates", {}).items():
-                part = self._trainables()[name]
-                part.skipped_in_a_row, part.skipped_total = in_a_row, total
+        if (resumed := self.checkpoints.resume()) is not None:
+            self.step, self.version = resumed.step, resumed.version
+            cursor, totals = resumed.cursor, resumed.totals
+            self.value_pretrained = resumed.value_pretrained
             log.info("resumed at step %d, version %d, stream %s", self.step, self.version, cursor)
         self.reporter = MetricsReporter(
             run,
@@ -198,55 +186,6 @@ class Learner:
             else:
                 monitor.seed(r for r in records if r.get("step", 0) <= self.step)
         return monitor
-
-    def _trainables(self) -> dict[str, Trainable]:
-        """The models that learn, by metric prefix."""
-        parts = {"actor": self.models.policy}
-        if self.models.critic is not None:
-            parts["critic"] = self.models.critic
-        return parts
-
-    def _app_state(self) -> dict[str, ModelState]:
-        models = self.models
-        state = {"policy": ModelState(models.policy.model, models.policy.optimizer)}
-        if models.critic is not None:
-            state["critic"] = ModelState(models.critic.model, models.critic.optimizer)
-        kl = self.config.algorithm.reference_kl
-        if models.reference is not None and kl.reference == "ema":  # a frozen one is reloaded
-            state["reference"] = ModelState(models.reference)
-        return state
-
-    def _layout(self) -> dict[str, object]:
-        """What decides the shapes of the checkpointed state: it must match to resume."""
-        model = self.models.policy.model.config
-        kl = self.config.algorithm.reference_kl
-        return {
-            "architecture": (model.architectures or [type(self.models.policy.model).__name__])[0],
-            "vocab_size": model.vocab_size,
-            "hidden_size": model.hidden_size,
-            "num_hidden_layers": model.num_hidden_layers,
-            "critic": self.models.critic is not None,
-            "reference": None if kl is None else kl.reference,
-            "checkpointed_models": sorted(self._app_state()),
-        }
-
-    def _check_compatible(self, state: LearnerState, step: int) -> None:
-        saved = state.extra.get("layout")
-        if saved is None:
-            return  # written before layouts were recorded: DCP itself checks names and shapes
-        mine = self._layout()
-        differences = [
-            f"{key}: checkpoint {saved.get(key)!r}, this learner {mine[key]!r}"
-            for key in mine
-            if saved.get(key) != mine[key]
-        ]
-        if differences:
-            where = self.checkpoints.location.child(step_dirname(step)).uri
-            raise IncompatibleCheckpointError(
-                f"checkpoint {where} was written for other models ({'; '.join(differences)}). "
-                "Nothing was loaded or written. Resume it with the configuration it was "
-                "written with, or start a new run (another storage.run_uri)"
-            )
 
     def run(self) -> int:
         """Train until `total_steps`, then checkpoint, publish and stop the generators; the
@@ -449,7 +388,7 @@ class Learner:
     def _check_skipped_updates(self, metrics: dict[str, float]) -> None:
         """Warn about skipped updates; fail once `max_skipped_updates` came in a row."""
         limit = self.config.learner.max_skipped_updates
-        for name, part in self._trainables().items():
+        for name, part in self.models.trainables().items():
             skipped = int(metrics.get(f"{name}/skipped_updates", 0))
             if not skipped:
                 continue
@@ -475,33 +414,6 @@ class Learner:
         # A checkpoint at version v implies v is committed: flush raises if it was not.
         self.publisher.flush()
         self._guard()
-        state = LearnerState(
-            step=self.step,
-            policy_version=self.version,
-            stream_cursor=batch.cursor_after.to_dict(),
-            extra={
-                "filter_totals": asdict(batch.totals),
-                "value_pretrained": self.value_pretrained,
-                "skipped_updates": {
-                    name: [part.skipped_in_a_row, part.skipped_total]
-                    for name, part in self._trainables().items()
-                },
-                "layout": self._layout(),
-            },
+        self.checkpoints.save(
+            self.step, self.version, batch, value_pretrained=self.value_pretrained
         )
-        self.checkpoints.save(self._app_state(), state)
-        self.checkpoints.retain(self.config.learner.keep_checkpoints)
-        if self.config.storage.stream_retention == "consumed":
-            try:  # on every rank: reading the checkpoints' cursors is a collective
-                oldest = oldest_resume_cursor(self.checkpoints)
-                released = self.topology.main_only(
-                    lambda: release_consumed(self.run_location, oldest, fence=self.lease)
-                )
-            except (OSError, StorageError) as exc:  # the next checkpoint releases them
-                log.warning("could not release consumed stream segments: %r", exc)
-            else:
-                if released:
-                    log.info(
-                        "released %d consumed stream segments (log numbers below %d)",
-                        len(released), oldest.seq,
-                    )  # fmt: skip

@@ -88,3 +88,10 @@ class StepModels:
     policy: Trainable
     critic: Trainable | None = None
     reference: nn.Module | None = None
+
+    def trainables(self) -> dict[str, Trainable]:
+        """The models that learn, by metric prefix (`actor`, `critic`)."""
+        parts = {"actor": self.policy}
+        if self.critic is not None:
+            parts["critic"] = self.critic
+        return parts

@@ -26,7 +26,7 @@ from prefect.client.schemas.filters import (
     TaskRunFilter,
     TaskRunFilterFlowRunId,
 )
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
 from storage.fs import open_location
@@ -65,7 +65,8 @@ def stack(tmp_path_factory):
         "STREAMRL_PREFECT_PROFILE": "",
         "PREFECT_HOME": str(home / "prefect-home"),
     }
-    for inherited in ("PREFECT_API_URL", "PREFECT_PROFILE", "STREAMRL_ROOT", "S3"):
+    inherited_names = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILE")
+    for inherited in (*inherited_names, "STREAMRL_ROOT", "S3"):
         env.pop(inherited, None)
 
     def stack_sh(action: str) -> None:
@@ -78,8 +79,9 @@ def stack(tmp_path_factory):
     api = f"http://127.0.0.1:{port}/api"
     try:
         stack_sh("up")
-        with temporary_settings({PREFECT_API_URL: api}):
-            yield {**env, "PREFECT_API_URL": api}
+        auth = (home / "stack" / "auth").read_text().strip()  # the server's own credential
+        with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
+            yield {**env, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth}
     finally:
         stack_sh("down")
 

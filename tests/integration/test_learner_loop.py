@@ -138,7 +138,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_from_the_previous
 
     resumed = Learner(_config(damaged, 6), open_location(str(damaged)), topology)
     assert (resumed.step, resumed.version) == (2, 2)  # checkpoint 4 reported and skipped
-    assert resumed.checkpoints.damaged == [4]
+    assert resumed.checkpoints.store.damaged == [4]
     resumed.run()
     for (name, a), (_, b) in zip(
         uninterrupted.models.policy.model.state_dict().items(),

@@ -400,6 +400,8 @@ def _upper_bound(field: FieldInfo) -> float | None:
         "generator.temperature=1e400",  # overflows to inf
         "health.kl_max=inf",
         "placement.retry_window_s=inf",
+        "algorithm.clip_high=inf",
+        "algorithm.kl.coef=nan",
     ],
 )
 def test_non_finite_floats_are_refused(override: str) -> None:

@@ -1,0 +1,158 @@
+"""The learner's checkpoints: what one holds, resuming from one, and what a new one lets go.
+
+A checkpoint (`storage.checkpoints`) holds the models that learn with their optimisers (the
+policy; a critic; an EMA reference policy — a frozen one is rebuilt from the model path) and
+the learner's state: step, policy version, stream cursor, filter totals, whether the critic was
+pre-trained, the skipped-update counts, and the layout of the models (what decides the shapes
+of the saved state: it must match to resume). The newest checkpoint that passes its checks is
+resumed from (`CheckpointStore.latest_verified`); one written for other models is refused
+before anything is loaded or written. After each save, older checkpoints beyond
+`keep_checkpoints` are deleted and, with `stream_retention=consumed`, the stream segments no
+kept checkpoint can resume before.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
+from storage.fencing import Fence
+from storage.fs import Location, StorageError
+from storage.records import Cursor
+from storage.stream_retention import oldest_resume_cursor, release_consumed
+from streamrl.config import RunConfig
+from streamrl.learner.batching import FilterCounts, StreamBatch
+from streamrl.learner.step_inputs import StepModels
+from streamrl.learner.topology import Topology
+
+__all__ = ["IncompatibleCheckpointError", "LearnerCheckpoints", "Resumed"]
+
+log = logging.getLogger(__name__)
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint whose models this learner cannot load; the message lists the differences."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed learner stands (its models and optimisers are loaded in place)."""
+
+    step: int
+    version: int
+    cursor: Cursor
+    totals: FilterCounts
+    value_pretrained: bool
+
+
+class LearnerCheckpoints:
+    """Saving and resuming one learner's state (see the module docstring). Every method is a
+    collective: every rank calls it."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run: Location,
+        topology: Topology,
+        models: StepModels,
+        fence: Fence | None,
+    ) -> None:
+        self.config, self.run, self.topology, self.models = config, run, topology, models
+        self.store, self.fence = CheckpointStore(run, fence=fence), fence
+
+    def resume(self) -> Resumed | None:
+        """Load the newest verified checkpoint into the models; None for a fresh run."""
+        latest = self.store.latest_verified()
+        if latest is None:
+            return None
+        self._check_compatible(self.store.read_state(latest), latest)
+        state = self.store.load(latest, self._app_state())
+        for name, (in_a_row, total) in state.extra.get("skipped_updates", {}).items():
+            part = self.models.trainables()[name]
+            part.skipped_in_a_row, part.skipped_total = in_a_row, total
+        return Resumed(
+            step=state.step,
+            version=state.policy_version,
+            cursor=Cursor.from_dict(state.stream_cursor),
+            totals=FilterCounts(**state.extra.get("filter_totals", {})),
+            value_pretrained=state.extra.get("value_pretrained", True),
+        )
+
+    def save(self, step: int, version: int, batch: StreamBatch, *, value_pretrained: bool) -> None:
+        """Checkpoint the learner after `batch` (`version`: committed), then retain."""
+        state = LearnerState(
+            step=step,
+            policy_version=version,
+            stream_cursor=batch.cursor_after.to_dict(),
+            extra={
+                "filter_totals": asdict(batch.totals),
+                "value_pretrained": value_pretrained,
+                "skipped_updates": {
+                    name: [part.skipped_in_a_row, part.skipped_total]
+                    for name, part in self.models.trainables().items()
+                },
+                "layout": self._layout(),
+            },
+        )
+        self.store.save(self._app_state(), state)
+        self.store.retain(self.config.learner.keep_checkpoints)
+        if self.config.storage.stream_retention == "consumed":
+            self._release_consumed()
+
+    def _release_consumed(self) -> None:
+        try:  # on every rank: reading the checkpoints' cursors is a collective
+            oldest = oldest_resume_cursor(self.store)
+            released = self.topology.main_only(
+                lambda: release_consumed(self.run, oldest, fence=self.fence)
+            )
+        except (OSError, StorageError) as exc:  # the next checkpoint releases them
+            log.warning("could not release consumed stream segments: %r", exc)
+            return
+        if released:
+            log.info(
+                "released %d consumed stream segments (log numbers below %d)",
+                len(released), oldest.seq,
+            )  # fmt: skip
+
+    def _app_state(self) -> dict[str, ModelState]:
+        models = self.models
+        state = {"policy": ModelState(models.policy.model, models.policy.optimizer)}
+        if models.critic is not None:
+            state["critic"] = ModelState(models.critic.model, models.critic.optimizer)
+        kl = self.config.algorithm.reference_kl
+        if models.reference is not None and kl.reference == "ema":  # a frozen one is reloaded
+            state["reference"] = ModelState(models.reference)
+        return state
+
+    def _layout(self) -> dict[str, object]:
+        """What decides the shapes of the checkpointed state: it must match to resume."""
+        model = self.models.policy.model.config
+        kl = self.config.algorithm.reference_kl
+        return {
+            "architecture": (model.architectures or [type(self.models.policy.model).__name__])[0],
+            "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size,
+            "num_hidden_layers": model.num_hidden_layers,
+            "critic": self.models.critic is not None,
+            "reference": None if kl is None else kl.reference,
+            "checkpointed_models": sorted(self._app_state()),
+        }
+
+    def _check_compatible(self, state: LearnerState, step: int) -> None:
+        saved = state.extra.get("layout")
+        if saved is None:
+            return  # written before layouts were recorded: DCP itself checks names and shapes
+        mine = self._layout()
+        differences = [
+            f"{key}: checkpoint {saved.get(key)!r}, this learner {mine[key]!r}"
+            for key in mine
+            if saved.get(key) != mine[key]
+        ]
+        if differences:
+            where = self.store.location.child(step_dirname(step)).uri
+            raise IncompatibleCheckpointError(
+                f"checkpoint {where} was written for other models ({'; '.join(differences)}). "
+                "Nothing was loaded or written. Resume it with the configuration it was "
+                "written with, or start a new run (another storage.run_uri)"
+            )
