@@ -37,7 +37,10 @@ class VAPOConfig(ClippedAlgorithmBase):
     nll_coef: float = Field(0.1, ge=0.0, description="μ: weight of the positive-example LM loss.")
     value_clip: float = Field(0.5, gt=0.0, description="ε_v of the clipped value loss.")
     value_pretrain_steps: int = Field(
-        50, ge=0, le=10**6, description="Critic-only steps on the frozen initial policy before training."
+        50,
+        ge=0,
+        le=10**6,
+        description="Critic-only steps on the frozen initial policy before training.",
     )
     value_pretrain_target_ev: float = Field(
         0.9,
