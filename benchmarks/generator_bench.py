@@ -66,7 +66,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run = open_location(tmp)
-        with RewardScorer(cfg.reward.fn, workers=cfg.reward.workers, timeout_s=10) as scorer:
+        with RewardScorer.from_config(cfg.reward) as scorer:
             loop = GeneratorLoop(
                 config=config,
                 run=run,

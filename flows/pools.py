@@ -400,7 +400,7 @@ class PoolSupervisor:
         """The run's stop marker, then every child still running cancelled."""
         try:
             request_stop(self.run, reason)
-        except OSError as exc:
+        except Exception as exc:  # storage unreachable (any backend's error): cancel anyway
             self.log.warning("could not write the run's stop marker: %r", exc)
         self._refresh()
         self._cancel(self.live(), reason)

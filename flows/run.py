@@ -35,7 +35,7 @@ from pydantic import Field
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
-from storage.manifest import CREDENTIAL_NAME
+from storage.credentials import CREDENTIAL_NAME
 from streamrl.config import RunConfig, StorageConfig, load_config
 from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.runs import open_run_location, prepare_run

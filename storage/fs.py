@@ -7,8 +7,11 @@ The local filesystem is also the test backend; S3 is exercised against a real S3
 Credentials and endpoints come from the standard places only — AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY / AWS_PROFILE / AWS_ENDPOINT_URL in the environment, or fsspec/s3fs
 options — and are never logged or written into a run. Transient S3 errors are retried by
-s3fs/botocore themselves for a few seconds; what still fails reaches the caller (the stream
-reader then retries for as long as it waits: `storage.stream_reader`).
+s3fs/botocore themselves; a call that cannot reach the endpoint at all (refused, timed out:
+the store restarting, a network cut) is retried for about a minute (`S3_RETRIES`, the
+storage option `retries`), so every process of a run waits out a short outage instead of
+failing. What still fails reaches the caller (the stream reader then retries for as long as
+it waits: `storage.stream_reader`).
 
 `put_if_absent` is the one coordination primitive the run layout needs: create an object
 only if no object of that name exists (S3 `If-None-Match: *`; locally a complete temporary
@@ -30,12 +33,18 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 __all__ = [
+    "S3_RETRIES",
     "Location",
     "StorageError",
     "open_location",
     "put_if_absent",
     "replace_object",
 ]
+
+
+S3_RETRIES = 12
+"""Attempts of an S3 call that cannot reach the endpoint (each with botocore's own few
+retries); s3fs waits 0.1 * 1.7**i s (at most 15 s) after failure i: about 59 s in all."""
 
 
 class StorageError(RuntimeError):
@@ -94,7 +103,8 @@ def open_location(
     Args:
         endpoint_url: S3 endpoint of an S3-compatible store (SeaweedFS, MinIO); default: AWS,
             or AWS_ENDPOINT_URL from the environment.
-        storage_options: extra fsspec/s3fs options.
+        storage_options: extra fsspec/s3fs options; on S3 also `retries`, the attempts of a
+            call that cannot reach the endpoint (default `S3_RETRIES`).
         check: make sure the location is reachable now (bucket exists, credentials work, local
             folder creatable), so a mistake fails before anything starts.
 
@@ -116,12 +126,15 @@ def open_location(
         # must not share another's event loop: fresh instance, no listing cache.
         options.setdefault("use_listings_cache", False)
         options.setdefault("skip_instance_cache", True)
+    retries = options.pop("retries", S3_RETRIES) if protocol in {"s3", "s3a"} else None
     try:
         fs = fsspec.filesystem(protocol, **options)
     except (ValueError, ImportError) as exc:
         raise StorageError(
             f"cannot open run URI {uri!r}: {exc}. Use a local path or s3://bucket/prefix"
         ) from None
+    if retries is not None:
+        _retry_unreachable(fs, retries)
     path = fs._strip_protocol(rest if protocol != "file" else os.path.abspath(rest))
     path = path.rstrip("/") or "/"
     shown = path if _is_local(fs) else f"{protocol}://{path}"
@@ -129,6 +142,17 @@ def open_location(
     if check:
         _check_reachable(location)
     return location
+
+
+def _retry_unreachable(fs: AbstractFileSystem, retries: int) -> None:
+    """Have s3fs retry a call that could not reach the endpoint `retries` times in all (s3fs
+    keeps its list of retryable errors module-wide; botocore's connection errors join it)."""
+    import botocore.exceptions
+    import s3fs.core
+
+    if botocore.exceptions.ConnectionError not in s3fs.core.S3_RETRYABLE_ERRORS:
+        s3fs.core.add_retryable_error(botocore.exceptions.ConnectionError)
+    fs.retries = retries
 
 
 def _check_reachable(location: Location) -> None:

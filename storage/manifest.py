@@ -10,7 +10,7 @@ Layout (one JSON object, UTF-8):
 Invariants:
 - run.json is created with `put_if_absent` and never modified: the first creator wins, a
   second `create_run` behaves like `open_run` (it checks its config against the stored one).
-- It never holds credentials: keys that name one (`is_credential_name`: `key`, `secret`,
+- It never holds credentials: keys that name one (`storage.credentials`: `key`, `secret`,
   `token`, `AWS_*`, `*_KEY`, `*TOKEN*`, ...) are removed from the config at any depth before
   writing (and before comparing), whatever the caller passed.
 - A resumed run must use a compatible config: every field must equal the stored one except
@@ -24,26 +24,22 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
+from storage.credentials import without_credentials
 from storage.fs import Location, StorageError, describe_error, put_if_absent
 
 __all__ = [
-    "CREDENTIAL_NAME",
     "MANIFEST_NAME",
     "RESUME_SAFE_FIELDS",
     "RunManifest",
     "config_differences",
     "create_run",
-    "credential_paths",
-    "is_credential_name",
     "open_run",
-    "without_credentials",
 ]
 
 MANIFEST_NAME = "run.json"
@@ -72,6 +68,8 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "placement",  # which machines or pools run the processes, never what they compute
     "generator.enforce_eager",
     "generator.reward.workers",
+    "generator.reward.startup_timeout_s",
+    "generator.reward.memory_mb",  # the workers' limit, never what a score is
     "generator.flow_control",  # pacing: how much is generated ahead, not how it is learned
     # Where metrics go, and held-out evaluation (it never touches training).
     "logging",
@@ -91,22 +89,6 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "storage.stream_retention",  # what is kept of consumed segments (never what a resume needs)
 )
 """Dotted config paths that may differ when a run is resumed; an entry covers its subtree."""
-
-CREDENTIAL_NAME = (
-    r"(?:aws_[\w-]*"
-    r"|[\w-]*(?:secret|passw(?:or)?d|credential|auth_string|connection_string"
-    r"|api_?key|private_?key|access_?key)[\w-]*"
-    r"|[\w-]*token(?!s(?![a-z])|iz)[\w-]*"
-    r"|(?:[\w-]*[_-])?key)"
-)
-"""A name (case-insensitive) that holds a credential: `AWS_*`, `*SECRET*`, `*PASSWORD*`,
-`*TOKEN*` (not `max_tokens` nor `TOKENIZERS_*`), `*_KEY`, `key`, API / private / access keys
-(`WANDB_API_KEY`, `HF_TOKEN`, `PREFECT_API_KEY`, `PREFECT_API_AUTH_STRING`, s3fs's `key`,
-`secret`, `token`). No field of the typed run configuration matches it, so it is checked on
-every key of a configuration, at any depth. A regular expression, for JSON schemas too."""
-
-_CREDENTIAL_NAME = re.compile(CREDENTIAL_NAME, re.IGNORECASE)
-_URL_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@", re.IGNORECASE)
 
 _RECORDED_PACKAGES = (
     "streamrl",
@@ -231,41 +213,6 @@ def _resume_safe(path: str) -> bool:
 
 def _show(value: Any) -> str:
     return "(absent)" if value is _ABSENT else json.dumps(value, default=repr)
-
-
-def is_credential_name(name: object) -> bool:
-    """Whether a configuration key or environment variable name holds a credential."""
-    return bool(_CREDENTIAL_NAME.fullmatch(str(name)))
-
-
-def credential_paths(value: Any, path: str = "") -> list[str]:
-    """Dotted paths in `value` (mappings and lists, any depth) of credentials: keys that
-    `is_credential_name`, and URLs with a password (`https://user:password@host`)."""
-    found: list[str] = []
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
-            if is_credential_name(key):
-                found.append(where)
-            else:
-                found.extend(credential_paths(item, where))
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            found.extend(credential_paths(item, f"{path}.{index}" if path else str(index)))
-    elif isinstance(value, str) and _URL_PASSWORD.match(value.strip()):
-        found.append(path or "value")
-    return found
-
-
-def without_credentials(value: Any) -> Any:
-    """A deep copy of `value` without the keys that `is_credential_name`, at any depth."""
-    if isinstance(value, Mapping):
-        return {
-            str(k): without_credentials(v) for k, v in value.items() if not is_credential_name(k)
-        }
-    if isinstance(value, list | tuple):
-        return [without_credentials(v) for v in value]
-    return value
 
 
 def _ensure_json(config: dict[str, Any]) -> None:

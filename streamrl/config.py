@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from storage.manifest import credential_paths
+from storage.credentials import credential_paths
 from storage.stream_sweep import min_sweep_grace_s
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import (

@@ -104,13 +104,13 @@ class Evaluator:
     ) -> None:
         from streamrl.data import PromptSource
         from streamrl.models import resolve_model_path
-        from streamrl.rewards import RewardScorer, resolve_reward
+        from streamrl.rewards import RewardScorer, check_reward_name
 
         self.run, self.config = run, config
         self.sampling = evaluation_sampling(config, k, temperature)
         self.dataset, self.held_out = validation_dataset(config, dataset)
         model_path = resolve_model_path(config.model.path)
-        resolve_reward(config.generator.reward.fn)
+        check_reward_name(config.generator.reward.fn)  # user code runs in the workers only
         source = PromptSource(self.dataset, tokenizer_path=config.model.tokenizer or model_path)
         self.prompts = source.prompts[: max_prompts or config.eval.max_prompts]
         if engine is None:

@@ -19,10 +19,11 @@ The rules:
   they write nothing more). The end of a node of an earlier attempt changes nothing else, so an
   attempt fails once however many of its nodes end together. When every node of the current
   attempt has completed, the run is finishing.
-- **Generators and the evaluator**: one that ends in failure is restarted while its budget lasts
-  (a generator: `generator_retries` within `generator_window_s`; the evaluator:
-  `evaluator_retries`); one that completed, or ended after it was asked to stop (scaled in, the
-  run's stop marker), is not. `TargetGenerators` scales out (new indexes) or in (the newest stop).
+- **Generators and the evaluator**: one that ends in failure is restarted (taking its index
+  over) while its budget lasts (a generator: `generator_retries` within `generator_window_s`;
+  the evaluator: `evaluator_retries`); one that completed, ended after it was asked to stop
+  (scaled in, the run's stop marker), or was displaced (another generator holds its index),
+  is not. `TargetGenerators` scales out (new indexes) or in (the newest stop).
 - **Finishing**: nothing is restarted or scaled; the others flush; what still runs
   `finish_grace_s` after the learner completed is cancelled. `done` then.
 - **Aborting**: a budget spent, or `Interrupted`: the run stops; later events are ignored.
@@ -157,7 +158,9 @@ Event = Ended | Tick | TargetGenerators | Interrupted
 @dataclass(frozen=True)
 class Start:
     """Start `units`: the first ones, a restart (`restart`: the failure it replaces), or every
-    node of a new learner attempt (`take_over`: it takes the run's lease over)."""
+    node of a new learner attempt. `take_over`: the previous process of the unit has ended, so
+    it takes that one's lease over at once (the learner's on the run, a generator's on its
+    index) instead of waiting for it to lapse."""
 
     units: tuple[Unit, ...]
     take_over: bool = False
@@ -302,12 +305,14 @@ class SupervisionPolicy:
         self._stopping.discard(unit)
         if unit.kind == "learner":
             return self._learner_node_ended(event)
+        if event.displaced:  # another generator holds its index: that one serves it
+            return []
         if event.completed or asked or event.stop_requested or self.finish_deadline is not None:
             return []
         spent, failure = self._spend(self.budgets[unit.name], event)
         if not spent:
             return self._abort(f"{unit.name} failed for good", failure)
-        return [Start((self._live(unit),), restart=failure)]
+        return [Start((self._live(unit),), take_over=True, restart=failure)]
 
     def _learner_node_ended(self, event: Ended) -> list[Action]:
         node = event.unit

@@ -159,11 +159,12 @@ class Supervisor:
 
         def component(unit: Unit) -> Component:
             if unit.kind == "learner":
-                return Component(unit, learner_command(config), plan.learner)
-            if unit.kind == "generator":
-                argv = generator_command(config, unit.index)
-                return Component(unit, argv, plan.generators[unit.index])
-            return Component(unit, evaluator_command(config), plan.evaluator)
+                placement = plan.learner
+            elif unit.kind == "generator":
+                placement = plan.generators[unit.index]
+            else:
+                placement = plan.evaluator
+            return Component(unit, _command(config, unit), placement)
 
         components = [component(unit) for start in policy.start() for unit in start.units]
         return cls(config, policy, components, plan=plan, on_line=on_line, owner=owner)
@@ -182,9 +183,9 @@ class Supervisor:
         owner: str = "",
     ) -> Supervisor:
         """One process of a run supervised elsewhere, alone on this machine (`place_alone`):
-        a learner node (`node` for one of several; `take_over`: a new attempt, which takes the
-        run's lease over), generator `index` (a generator joining, or one of a run placed on
-        work pools) or the evaluator. Its failure stops only itself."""
+        a learner node (`node` for one of several), generator `index` (a generator joining, or
+        one of a run placed on work pools) or the evaluator. Its failure stops only itself.
+        `take_over`: its previous process is known to have ended (see `_command`)."""
         policy = SupervisionPolicy(
             learner_nodes=int(kind == "learner"),
             generators=[index] if kind == "generator" else [],
@@ -194,12 +195,7 @@ class Supervisor:
             evaluator_retries=max_restarts,
         )
         (unit,) = policy.live
-        if kind == "learner":
-            argv = learner_command(config, node, take_over=take_over)
-        elif kind == "generator":
-            argv = generator_command(config, index)
-        else:
-            argv = evaluator_command(config)
+        argv = _command(config, unit, node, take_over=take_over)
         component = Component(unit, argv, place_alone(config, kind, index), node)
         return cls(config, policy, [component], owns_run=False, on_line=on_line, owner=owner)
 
@@ -294,7 +290,7 @@ class Supervisor:
         restart notice when the component runs again, else None. Here an exit can only
         restart its own component: one learner node, no scaling."""
         code = component.exit_code
-        displaced = component.unit.kind == "learner" and code == NOT_HOLDER_EXIT_CODE
+        displaced = code == NOT_HOLDER_EXIT_CODE and component.unit.kind != "evaluator"
         event = Ended(
             component.unit, code == 0, time.monotonic(), f"exit code {code}", displaced=displaced
         )
@@ -303,10 +299,8 @@ class Supervisor:
             match action:
                 case Start(units=(unit,), take_over=take_over, restart=Failure() as failure):
                     component.unit, component.restarts = unit, failure.restarts
-                    if take_over:  # a new learner attempt: the previous one's process has ended
-                        component.argv = learner_command(
-                            self.config, component.node, take_over=True
-                        )
+                    if take_over:  # its previous process has ended: take its lease over
+                        component.argv = _command(self.config, unit, component.node, take_over=True)
                     notice = (
                         f"{RESTART_NOTICE} {code}; restart {failure.restarts} of {failure.allowed} "
                         f"(log: {self.logs.folder / component.name}.log)"
@@ -347,10 +341,22 @@ class Supervisor:
         try:
             if self.owns_run and not stop_requested(self.run_location):
                 request_stop(self.run_location, reason)
-        except OSError as exc:  # storage unreachable: the processes are stopped all the same
+        except Exception as exc:  # storage unreachable (any backend's error): stop them anyway
             log.warning("could not write the run's stop marker: %r", exc)
         for component in self.components:
             component.stop.set()
+
+
+def _command(
+    config: RunConfig, unit: Unit, node: LearnerNode | None = None, *, take_over: bool = False
+) -> list[str]:
+    """The command line of `unit`; `take_over`: its previous process has ended, so it takes
+    that one's lease over at once (the learner's on the run, a generator's on its index)."""
+    if unit.kind == "learner":
+        return learner_command(config, node, take_over=take_over)
+    if unit.kind == "generator":
+        return generator_command(config, unit.index, take_over=take_over)
+    return evaluator_command(config)
 
 
 @contextlib.contextmanager

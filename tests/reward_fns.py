@@ -7,7 +7,7 @@ import os
 import resource
 import time
 
-from streamrl.secrets import is_secret_name, is_storage_setting
+from storage.credentials import is_credential_name, is_storage_setting
 
 NOT_CALLABLE = 42
 
@@ -98,7 +98,7 @@ def describes_its_box(response: str, ground_truth: str, *, prompt: str | None = 
     elif response == "memory_mb":
         measured = "/".join(str(v // 1024**2) for v in resource.getrlimit(resource.RLIMIT_AS))
     else:
-        visible = (n for n in os.environ if is_secret_name(n) or is_storage_setting(n))
+        visible = (n for n in os.environ if is_credential_name(n) or is_storage_setting(n))
         measured = ",".join(sorted(visible))
     if measured != ground_truth:
         raise ValueError(f"{response} is {measured!r}, expected {ground_truth!r}")

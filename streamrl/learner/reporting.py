@@ -30,8 +30,8 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from storage.credentials import without_credentials
 from storage.fs import Location, put_if_absent
-from storage.manifest import without_credentials
 from streamrl.config import LoggingConfig
 from streamrl.models import cache_root
 

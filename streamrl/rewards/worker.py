@@ -5,7 +5,7 @@ the worker in before any user code runs, then imports the reward — the only pl
 module is ever imported:
 
 * it dies with its parent, even a SIGKILLed one;
-* its environment loses every credential and storage setting (`streamrl.secrets`): spawned
+* its environment loses every credential and storage setting (`storage.credentials`): spawned
   workers start with a copy of the generator's environment, so they are removed here, in the
   child, before anything reads them;
 * its address space is capped at `memory_mb` (RLIMIT_AS, soft and hard: the reward cannot
@@ -29,9 +29,9 @@ import os
 import resource
 from typing import TYPE_CHECKING
 
+from storage.credentials import remove_credentials
 from streamrl.processes import die_with_parent
 from streamrl.rewards.registry import RewardFn, RewardResolutionError, resolve_reward
-from streamrl.secrets import remove_credentials
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier

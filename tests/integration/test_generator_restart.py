@@ -22,11 +22,12 @@ from streamrl.models import resolve_model_path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(run_dir: Path, log: Path) -> tuple[subprocess.Popen, int]:
+def _start(run_dir: Path, log: Path, *args: str) -> tuple[subprocess.Popen, int]:
     """A generator process (output to `log`) once it generates, and the seed it reported."""
+    argv = ["generator", "--run", str(run_dir), "--index", "0", *args]
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "streamrl", "generator", "--run", str(run_dir), "--index", "0"],
+            [sys.executable, "-m", "streamrl", *argv],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=out,
@@ -64,7 +65,8 @@ def test_a_restarted_generator_continues_after_the_committed_prompts(tmp_path):
         first.send_signal(signal.SIGKILL)
         first.wait()
     committed_first = len(list(read_log(run)))
-    second, second_seed = _start(run_dir, tmp_path / "second.log")
+    # The first one is known to be dead: its index is taken over without waiting for its lease.
+    second, second_seed = _start(run_dir, tmp_path / "second.log", "--take-over")
     try:
         _wait_for_commits(run, committed_first + 2, second)
     finally:

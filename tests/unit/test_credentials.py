@@ -1,6 +1,6 @@
 """Credentials never enter a run's configuration: refused wherever they appear (nested
 storage_options, placement.env, overrides, URLs with a password), by one name rule
-(`storage.manifest.is_credential_name`) that no typed config field matches, with a message that
+(`storage.credentials.is_credential_name`) that no typed config field matches, with a message that
 names the path and the fix and never the value; and refused by the deployments' parameter
 schema before a flow run stores them."""
 
@@ -12,7 +12,7 @@ from prefect.utilities.schema_tools.validation import ValidationError, validate
 from pydantic import BaseModel
 
 from flows.run import streamrl_run
-from storage.manifest import credential_paths, is_credential_name, without_credentials
+from storage.credentials import credential_paths, is_credential_name, without_credentials
 from streamrl.algorithms.config import (
     ALGORITHM_CLASSES,
     ImportanceConfig,

@@ -67,6 +67,7 @@ def test_unreachable_endpoint():
                 "key": "k",
                 "secret": "s",
                 "config_kwargs": {"retries": {"max_attempts": 1}},
+                "retries": 1,  # s3fs's own attempts at an unreachable endpoint (default ~1 min)
             },
         )
 

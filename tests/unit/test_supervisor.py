@@ -27,9 +27,15 @@ def _config(tmp_path: Path):
 
 
 def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path, monkeypatch):
-    failing = [sys.executable, "-c", "import sys; print('reward exploded'); sys.exit(3)"]
-    monkeypatch.setattr(core, "learner_command", lambda config: SLEEPER)
-    monkeypatch.setattr(core, "generator_command", lambda config, index: failing)
+    failing = [sys.executable, "-c", "import sys; print('reward exploded'); sys.exit(1)"]
+    taken_over: list[bool] = []
+
+    def generator(config, index, *, take_over=False):
+        taken_over.append(take_over)
+        return failing
+
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: SLEEPER)
+    monkeypatch.setattr(core, "generator_command", generator)
     shown: list[tuple[str, str]] = []
     supervisor = Supervisor.for_run(
         _config(tmp_path),
@@ -38,14 +44,15 @@ def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path
         on_line=lambda c, text: shown.append((c, text)),
     )
     started = time.monotonic()
-    with pytest.raises(ComponentFailedError, match=r"gen0 failed for good \(exit code 3 after 2"):
+    with pytest.raises(ComponentFailedError, match=r"gen0 failed for good \(exit code 1 after 2"):
         supervisor.run()
     assert time.monotonic() - started < 60  # the learner was stopped, not waited for
     result = supervisor.result()
-    assert result["gen0"] == {"exit_code": 3, "restarts": 2}
+    assert result["gen0"] == {"exit_code": 1, "restarts": 2}
+    assert taken_over == [False, True, True]  # a restart takes the crashed one's index over
     assert result["learner"]["exit_code"] == -signal.SIGTERM
     assert stop_requested(supervisor.run_location)
-    assert sum(line.startswith("exited with code 3; restart") for _, line in shown) == 2
+    assert sum(line.startswith("exited with code 1; restart") for _, line in shown) == 2
     log = (tmp_path / "run" / "logs" / "gen0.log").read_text()
     assert log.count("reward exploded") == 3  # every attempt's output, in its log file
 
@@ -58,7 +65,9 @@ def test_a_restarted_learner_takes_the_run_over_and_its_success_ends_the_run(tmp
         return [sys.executable, "-c", f"import sys; sys.exit({0 if take_over else 1})"]
 
     monkeypatch.setattr(core, "learner_command", learner)
-    monkeypatch.setattr(core, "generator_command", lambda config, index: [sys.executable, "-c", ""])
+    monkeypatch.setattr(
+        core, "generator_command", lambda config, index, **kw: [sys.executable, "-c", ""]
+    )
     supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
     result = supervisor.run()
     assert started == [False, True]  # only a restart takes the lease over
@@ -114,3 +123,42 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_learner_displaced_by_another_learner_ends_the_run_without_a_take_over(
+    tmp_path, monkeypatch
+):
+    started: list[bool] = []
+    refused = "print('error: another learner holds run x'); import sys; sys.exit(3)"
+
+    def learner(config, node=None, *, take_over=False):
+        started.append(take_over)
+        return [sys.executable, "-c", refused]
+
+    monkeypatch.setattr(core, "learner_command", learner)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: SLEEPER)
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
+    with pytest.raises(ComponentFailedError, match="another learner holds the run's lease"):
+        supervisor.run()
+    assert started == [False]  # never restarted: a take-over would displace the holder
+    assert supervisor.result()["gen0"]["exit_code"] == -signal.SIGTERM
+
+
+def test_an_unreachable_store_does_not_keep_the_run_from_stopping(tmp_path, monkeypatch):
+    """Writing the stop marker fails with the S3 client's own error (not an OSError): the
+    processes are stopped all the same."""
+    from botocore.exceptions import EndpointConnectionError
+
+    def unreachable(*args, **kwargs):
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    failing = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: SLEEPER)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: failing)
+    monkeypatch.setattr(core, "request_stop", unreachable)
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, max_restarts=0)
+    started = time.monotonic()
+    with pytest.raises(ComponentFailedError, match="gen0 failed for good"):
+        supervisor.run()
+    assert time.monotonic() - started < 60
+    assert supervisor.result()["learner"]["exit_code"] == -signal.SIGTERM

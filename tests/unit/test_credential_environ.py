@@ -1,10 +1,11 @@
-"""`streamrl.secrets`: which names are credentials or storage settings, by name alone."""
+"""`storage.credentials` in an environment: which variables are credentials or storage settings,
+by name alone, and what a reward worker's environment loses."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamrl.secrets import is_secret_name, is_storage_setting, remove_credentials
+from storage.credentials import is_credential_name, is_storage_setting, remove_credentials
 
 SECRETS = [
     "AWS_SECRET_ACCESS_KEY",
@@ -41,12 +42,12 @@ NOT_SECRETS = [
 
 @pytest.mark.parametrize("name", SECRETS)
 def test_credentials_are_secret_names(name: str) -> None:
-    assert is_secret_name(name)
+    assert is_credential_name(name)
 
 
 @pytest.mark.parametrize("name", NOT_SECRETS)
 def test_other_names_are_not(name: str) -> None:
-    assert not is_secret_name(name)
+    assert not is_credential_name(name)
 
 
 @pytest.mark.parametrize(
