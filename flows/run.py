@@ -22,48 +22,27 @@ of the run before it ends. Artifacts: progress (steps / total), a table of the l
 refreshed as steps arrive, and the wandb link.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: the flow's parameter annotations must be objects,
+# not strings, for Prefect to validate a deployment run's parameters (`Override`'s schema).
 import time
-from typing import Annotated, Any
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
-from pydantic import Field
 
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
-from storage.credentials import CREDENTIAL_NAME
-from streamrl.config import RunConfig, StorageConfig, load_config
+
+from streamrl.config import Override, RunConfig, StorageConfig, load_config
 from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.runs import open_run_location, prepare_run
 from streamrl.supervisor import ComponentFailedError, Supervisor
 
-__all__ = ["CREDENTIAL_OVERRIDE", "Override", "streamrl_run", "supervise", "supervise_on_pools"]
+__all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
 REFRESH_S = 5.0
-
-CREDENTIAL_OVERRIDE = (
-    rf"(?i)^(?:[^=]*\.)?\s*{CREDENTIAL_NAME}\s*[.=]"
-    rf"|^\s*(?:storage|placement)\b[^=]*=.*?(?<![\w-])[\"']?{CREDENTIAL_NAME}[\"']?\s*:"
-)
-"""An override that sets a credential: one whose dotted key names one
-(`placement.env.HF_TOKEN=...`), or a storage/placement mapping with such a key
-(`storage.storage_options={secret: ...}`). The deployments' parameter schema refuses it, so the
-Prefect server refuses the flow run before storing its parameters; in the flow,
-`parse_overrides` refuses every credential, naming its path."""
-
-Override = Annotated[
-    str,
-    Field(
-        description="A dotted override, section.field=value (learner.lr=1e-6); never a "
-        "credential: those are refused (give them to the workers as environment variables or a "
-        "Kubernetes secret).",
-        json_schema_extra={"not": {"pattern": CREDENTIAL_OVERRIDE}},
-    ),
-]
 
 
 def _failed(future: PrefectFuture[Any]) -> bool:

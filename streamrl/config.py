@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from storage.credentials import credential_paths
+from storage.credentials import CREDENTIAL_NAME, credential_paths
 from storage.stream_sweep import min_sweep_grace_s
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import (
@@ -44,6 +44,7 @@ from streamrl.algorithms.config import (
 from streamrl.placement import parse_cores
 
 __all__ = [
+    "CREDENTIAL_OVERRIDE",
     "ConfigError",
     "CriticConfig",
     "DataConfig",
@@ -53,6 +54,7 @@ __all__ = [
     "LearnerConfig",
     "LoggingConfig",
     "ModelConfig",
+    "Override",
     "PlacementConfig",
     "RewardConfig",
     "RunConfig",
@@ -1036,6 +1038,27 @@ def _load_layer(ref: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     for parent in parents:
         merged = deep_merge(merged, _load_layer(parent, (*seen, ref)))
     return deep_merge(merged, data)
+
+
+CREDENTIAL_OVERRIDE = (
+    rf"(?i)^(?:[^=]*\.)?\s*{CREDENTIAL_NAME}\s*[.=]"
+    rf"|^\s*(?:storage|placement)\b[^=]*=.*?(?<![\w-])[\"']?{CREDENTIAL_NAME}[\"']?\s*:"
+)
+"""An override that sets a credential: one whose dotted key names one
+(`placement.env.HF_TOKEN=...`), or a storage/placement mapping with such a key
+(`storage.storage_options={secret: ...}`). The deployments' parameter schema refuses it, so the
+Prefect server refuses the flow run before storing its parameters; in the flow,
+`parse_overrides` refuses every credential, naming its path."""
+
+Override = Annotated[
+    str,
+    Field(
+        description="A dotted override, section.field=value (learner.lr=1e-6); never a "
+        "credential: those are refused (give them to the workers as environment variables or a "
+        "Kubernetes secret).",
+        json_schema_extra={"not": {"pattern": CREDENTIAL_OVERRIDE}},
+    ),
+]
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
