@@ -34,7 +34,6 @@ from prefect.futures import PrefectFuture
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
-
 from streamrl.config import Override, RunConfig, StorageConfig, load_config
 from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.runs import open_run_location, prepare_run
