@@ -25,8 +25,8 @@ REPORT = (
 @pytest.mark.skipif(len(machine_cpus()) < 2, reason="needs two cores to tell affinity apart")
 def test_local_run_starts_every_process_on_its_planned_cores(tmp_path, monkeypatch):
     reporter = [sys.executable, "-c", REPORT]
-    monkeypatch.setattr(supervisor, "learner_command", lambda config: reporter)
-    monkeypatch.setattr(supervisor, "generator_command", lambda config, index: reporter)
+    monkeypatch.setattr(supervisor, "learner_command", lambda config, node=None, **kw: reporter)
+    monkeypatch.setattr(supervisor, "generator_command", lambda config, index, **kw: reporter)
     # Set in the supervisor (e.g. by a vLLM engine it ran): the plan's values win, and a
     # variable the plan leaves unset for a process (the learner's vLLM binding) is not inherited.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-63")

@@ -26,9 +26,9 @@ from tests.stream_data import random_group
 
 def test_reader_rides_out_an_s3_server_restart_without_quarantining(tmp_path):
     with SeaweedFS(data_dir=tmp_path / "seaweedfs") as server:
-        run = open_location(
-            f"s3://{server.bucket}/runs/restart", storage_options=server.storage_options
-        )
+        # s3fs's own retries would ride out the outage unseen: the reader's are tested here.
+        options = {**server.storage_options, "retries": 1}
+        run = open_location(f"s3://{server.bucket}/runs/restart", storage_options=options)
         writer = StreamWriter(run, "gen0")
         rng = np.random.default_rng(0)
         for s in range(12):
@@ -50,6 +50,23 @@ def test_reader_rides_out_an_s3_server_restart_without_quarantining(tmp_path):
         assert reader.stats.transient_errors > 0  # the outage was met, and retried
         assert reader.stats.quarantined == []
         assert quarantined(run) == []
+
+
+def test_an_s3_call_waits_out_a_short_outage(tmp_path):
+    """A call that cannot reach the endpoint is retried (s3fs, about a minute in all), so
+    every process of a run rides out a store restarting."""
+    with SeaweedFS(data_dir=tmp_path / "seaweedfs") as server:
+        run = open_location(
+            f"s3://{server.bucket}/runs/outage", storage_options=server.storage_options
+        )
+        run.fs.pipe_file(run.join("x"), b"still here")
+        server.kill()
+        restart = threading.Timer(8.0, server.start)
+        restart.start()
+        try:
+            assert run.fs.cat_file(run.join("x")) == b"still here"  # issued while it is down
+        finally:
+            restart.join()
 
 
 def _take(reader: StreamReader, n: int):

@@ -121,7 +121,7 @@ def test_a_learner_releasing_consumed_segments_keeps_what_its_checkpoints_resume
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
     records = _write_segments(run, 20, groups_per_segment=2)
-    with caplog.at_level(logging.INFO, logger="streamrl.learner.loop"):
+    with caplog.at_level(logging.INFO, logger="streamrl.learner.checkpointing"):
         Learner(_config(run_dir, 3, "consumed"), run, topology).run()
 
     store = CheckpointStore(run)
