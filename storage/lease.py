@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 # A learner process that refused to start (another learner holds the run) or stopped because
 # another took the run over exits with this code: supervisors do not restart it.
 NOT_HOLDER_EXIT_CODE = 3
-# How a supervisor says so when it stops the run for that reason (a flow run's state message
-# carries it to the supervisor of a run on work pools).
+# How the learner says so (under torchrun a rank's exit code is lost), and a supervisor when
+# it stops the run for that reason (a flow run's state message carries it to the supervisor
+# of a run on work pools).
 DISPLACED = "another learner holds the run's lease"
 
 _RECORD = re.compile(r"^(\d{8})\.json$")
@@ -196,14 +197,15 @@ class RunLease:
 
     def check(self) -> int:
         """The epoch held, right before a write; raises `LeaseLostError` if it is not held."""
+        if self._lost is None and (newer := self._newer_epoch()) is not None:
+            self._lose(f"another learner took the run over (lease epoch {newer})")
+        # After the storage call, which may have waited out an outage.
         if self._lost is None and time.monotonic() >= self._trusted_until:
             self._lose(
                 f"its lease (epoch {self.epoch}) was last renewed more than "
                 f"{self.ttl_s * _SAFETY:.0f} s ago (process stopped or storage unreachable); "
                 "another learner may hold the run"
             )
-        if self._lost is None and (newer := self._newer_epoch()) is not None:
-            self._lose(f"another learner took the run over (lease epoch {newer})")
         if self._lost is not None:
             raise LeaseLostError(
                 f"this learner no longer holds run {self.run.uri}: {self._lost}. It stops "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.control import request_stop, stop_requested
-from storage.lease import NOT_HOLDER_EXIT_CODE
+from storage.lease import DISPLACED, NOT_HOLDER_EXIT_CODE
 from streamrl.component_output import RESTART_NOTICE, ComponentLogs
 from streamrl.config import RunConfig
 from streamrl.launch import (
@@ -290,7 +290,9 @@ class Supervisor:
         restart notice when the component runs again, else None. Here an exit can only
         restart its own component: one learner node, no scaling."""
         code = component.exit_code
-        displaced = code == NOT_HOLDER_EXIT_CODE and component.unit.kind != "evaluator"
+        # Under torchrun a rank's exit code is lost; the learner's own line says it too.
+        said = any(DISPLACED in line for line in component.tail)
+        displaced = component.unit.kind != "evaluator" and (code == NOT_HOLDER_EXIT_CODE or said)
         event = Ended(
             component.unit, code == 0, time.monotonic(), f"exit code {code}", displaced=displaced
         )
