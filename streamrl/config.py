@@ -437,8 +437,8 @@ class LearnerConfig(_Component):
         ge=1.0,
         le=3600.0,
         description="The learner's lease on the run (one learner per run) lasts this long "
-        "without renewal: a learner stopped or cut off from storage that long stops writing, "
-        "and a new learner may take the run over after it (or at once with --take-over).",
+        "without renewal: a new learner may take the run over once it lapsed (or at once with "
+        "--take-over), and the old one then writes nothing more.",
     )
     max_skipped_updates: int = Field(
         5,

@@ -1,7 +1,7 @@
 """One learner per run, with real learner processes on a local folder and on SeaweedFS: a second
 learner refuses a live run; a learner stopped past its lease (SIGSTOP) is taken over, and once
 it runs again it writes nothing more — the run's checkpoints and versions are the successor's
-alone, and the successor's resume is exact. (The take-over on SeaweedFS is `slow`: 90 s.)"""
+alone, and the successor's resume is exact. (The SeaweedFS variants are `slow`: ~2 min.)"""
 
 from __future__ import annotations
 
@@ -102,6 +102,7 @@ def _epochs_of_writes(run: Location) -> tuple[dict[int, int | None], dict[int, i
     return steps, {v: store.read_manifest(v).epoch for v in store.versions()}
 
 
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_second_learner_on_a_live_run_refuses_naming_the_holder(
     backend, run_uri_and_options, request
 ):
