@@ -176,7 +176,7 @@ class RunLease:
         now = time.time()
         if current is not None and current.live(now) and not take_over:
             raise LeaseHeldError(
-                f"another learner holds run {run.uri}: {current.holder} (lease epoch "
+                f"{DISPLACED} ({run.uri}): {current.holder} (lease epoch "
                 f"{current.epoch}, renewed until {time.ctime(current.expires_at)}, "
                 f"{current.expires_at - now:.0f} s from now). Two learners must never write one "
                 "run. If that learner is gone (its process or pod ended), wait until the lease "
@@ -187,7 +187,7 @@ class RunLease:
         record = LeaseRecord(epoch, holder, time.time() + ttl_s)
         if not put_if_absent(run.fs, _record_path(run, epoch), record.to_json()):
             raise LeaseHeldError(
-                f"another learner took run {run.uri} at the same moment (lease epoch {epoch}); "
+                f"{DISPLACED} ({run.uri}): it took the run at the same moment (epoch {epoch}); "
                 "this one wrote nothing. Two learners must never write one run"
             )
         if current is not None and current.live(now):
@@ -200,7 +200,7 @@ class RunLease:
             self._lose(f"another learner took the run over (lease epoch {newer})")
         if self._lost is not None:
             raise LeaseLostError(
-                f"this learner no longer holds run {self.run.uri}: {self._lost}. It stops "
+                f"{DISPLACED} ({self.run.uri}) now: {self._lost}. This one stops "
                 "without writing anything more"
             )
         return self.epoch

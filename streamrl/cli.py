@@ -203,7 +203,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def _cmd_learner(args: argparse.Namespace) -> int:
-    from storage.lease import DISPLACED, NOT_HOLDER_EXIT_CODE, LeaseHeldError, LeaseLostError
+    from storage.lease import NOT_HOLDER_EXIT_CODE, LeaseHeldError, LeaseLostError
     from streamrl.learner import run_learner
     from streamrl.learner.topology import exit_process
 
@@ -213,7 +213,7 @@ def _cmd_learner(args: argparse.Namespace) -> int:
         print(f"learner: trained to step {run_learner(args.run, take_over=args.take_over)}")
         code = 0
     except (LeaseHeldError, LeaseLostError) as exc:  # another learner writes this run
-        print(f"error: {DISPLACED}: {exc}", file=sys.stderr)  # torchrun loses the exit code
+        print(f"error: {exc}", file=sys.stderr)  # says DISPLACED: torchrun loses the exit code
         code = NOT_HOLDER_EXIT_CODE
     except SystemExit as exc:  # SIGTERM
         code = exc.code if isinstance(exc.code, int) else 1

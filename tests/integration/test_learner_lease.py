@@ -114,7 +114,7 @@ def test_a_second_learner_on_a_live_run_refuses_naming_the_holder(
         second = _learner(uri, env)
         _, errors = second.communicate(timeout=120)
         assert second.returncode == NOT_HOLDER_EXIT_CODE, errors
-        assert "another learner holds run" in errors
+        assert "another learner holds the run's lease" in errors
         assert "--take-over" in errors
         assert f"pid {first.pid}" in errors
         _write_stream(run, 0, 4 * STEPS + 8)
@@ -149,7 +149,7 @@ def test_a_stopped_learner_taken_over_writes_nothing_more_and_the_resume_is_exac
         os.kill(a.pid, signal.SIGCONT)
     _, a_errors = a.communicate(timeout=120)
     assert a.returncode == NOT_HOLDER_EXIT_CODE, a_errors
-    assert "no longer holds run" in a_errors
+    assert "took the run over" in a_errors
     _, b_errors = b.communicate(timeout=300)
     assert b.returncode == 0, b_errors
 
