@@ -198,10 +198,10 @@ class WeightPublisher:
         self._committed = report.version
         self._deltas_since_full = 0 if full else self._deltas_since_full + 1
 
-    def _failure(self, report: PublishReport) -> PublishFailedError:
+    def _failure(self, report: PublishReport) -> Exception:
         cause = report.error
         if isinstance(cause, LeaseLostError):
-            return cause  # type: ignore[return-value]  (the learner stops: not a storage error)
+            return cause  # the learner stops as displaced: not a storage error
         return PublishFailedError(
             f"weights v{report.version} could not be committed to {self.store.root.uri} after "
             f"{report.attempts} attempt(s) (weights.publish_attempts="
@@ -282,7 +282,8 @@ class WeightPublisher:
                 self.store.abandon_share(version, error=repr(error), **where)
             except Exception as again:  # rank 0 then gives up after weights.publish_timeout_s
                 log.warning("could not record that failure either: %r", again)
-            return PublishReport(version, False, False, True, 0, elapsed, attempts, error)
+            committed = False if topology.is_main else None  # only rank 0 ever knows
+            return PublishReport(version, False, committed, True, 0, elapsed, attempts, error)
         stored, full = sum(f.size for f in part.files), part.base is None
         if not topology.is_main:
             return PublishReport(version, True, None, full, stored, elapsed, attempt)
