@@ -12,8 +12,8 @@ groups (`tests.stream_data.random_group`) and a `FlowGate` deciding admission fr
 learner's progress record and the commit log. The learner is one process reading with a
 `StreamReader` into a `BatchCollector` (staleness filter; dynamic sampling off unless
 `--dynamic-sampling`: random groups have all-equal scores 1 time in 8, a rejection no pacing
-can avoid) and writing its progress with the real `Learner`'s own methods, after each step and
-while it waits mid-step (the reader's `on_idle` hook). Settings are `dapo` + `tiny-cpu`
+can avoid) and writing its progress with the real `StreamSource`'s own methods, after each step
+and while it waits mid-step (the reader's `on_idle` hook). Settings are `dapo` + `tiny-cpu`
 (max_staleness S = 4, publish_every K = 1, G = 4, segments of 4 groups or 2 s, weights polled
 every 1 s) with batch_groups B = 8. With the default 2 s step, the segment deadline is one
 learner step and the weight poll and flow control's refresh (`REFRESH_S`) half a step each:
@@ -73,18 +73,20 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.storage_bench import _table
+from benchmarks.storage_bench import markdown_table
 from storage.control import request_stop, stop_requested
 from storage.fs import Location, open_location
 from storage.learner_progress import read_learner_progress
 from storage.records import Cursor
 from storage.seaweedfs import SeaweedFS
 from storage.stream import StreamReader, StreamTimeoutError, StreamWriter, read_log
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
 from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.loop import PAUSED_SLEEP_S
 from streamrl.learner.batching import BatchCollector, FilterCounts
-from streamrl.learner.loop import Learner
+from streamrl.learner.checkpointing import TrainingState
+from streamrl.learner.stream_source import StreamSource
 from tests.stream_data import random_group
 
 BATCH_GROUPS = 8
@@ -222,16 +224,17 @@ class SimulatedLearner:
 
     # The real learner's own progress writers (after a step; mid-step, from the reader's idle
     # hook), so flow control sees exactly what it would see; they use the attributes below.
-    _write_progress = Learner._write_progress
-    _report_waiting = Learner._report_waiting
-    _write_waiting = Learner._write_waiting
-    _progress_record = Learner._progress_record
+    write_progress = StreamSource.write_progress
+    _report_waiting = StreamSource._report_waiting
+    _write_waiting = StreamSource._write_waiting
+    _progress_record = StreamSource._progress_record
+    _check_lease = StreamSource._check_lease
 
     def __init__(self, case: FleetCase) -> None:
         learner = case.config.learner
         self.run_location, self.learner = case.open(), learner
-        self.topology = _RankZero()
-        self.step, self.version = 0, 0
+        self.run, self.topology = self.run_location, _RankZero()
+        self.state, self.lease, self._while_waiting = TrainingState(), None, lambda: None
         self._progress = None
         self._progress_lock = threading.Lock()
         collector = BatchCollector(
@@ -245,7 +248,7 @@ class SimulatedLearner:
         self.reader = StreamReader(
             self.run_location,
             Cursor(),
-            oldest_usable_version=lambda: collector.oldest_usable(self.version),
+            oldest_usable_version=lambda: collector.oldest_usable(self.state.version),
             on_idle=self._report_waiting,
         )
         self.groups = self.reader.groups(timeout_s=case.stall_timeout_s)
@@ -253,13 +256,14 @@ class SimulatedLearner:
     def train_step(self, train_s: float) -> tuple[np.ndarray, float]:
         """One step: the trained groups' staleness and the seconds spent waiting for them."""
         started = time.monotonic()
-        batch = self.collector.collect(self.groups, lambda: self.reader.cursor, self.version)
+        state = self.state
+        batch = self.collector.collect(self.groups, lambda: self.reader.cursor, state.version)
         waited = time.monotonic() - started
         time.sleep(train_s)
-        self.step += 1
-        if self.step % self.learner.publish_every == 0:
-            self.version += 1
-        self._write_progress(batch)
+        state.step += 1
+        if state.step % self.learner.publish_every == 0:
+            state.version += 1
+        self.write_progress(batch)
         return batch.staleness, waited
 
 
@@ -271,7 +275,7 @@ def run_learner(case: FleetCase, barrier: Any) -> dict[str, Any]:
     barrier.wait(BARRIER_TIMEOUT_S)
     started = time.monotonic()
     try:
-        while learner.step < case.steps:
+        while learner.state.step < case.steps:
             step_staleness, step_wait = learner.train_step(case.train_s)
             staleness.append(step_staleness)
             waited += step_wait
@@ -284,7 +288,7 @@ def run_learner(case: FleetCase, barrier: Any) -> dict[str, Any]:
         learner.groups.close()
     totals: FilterCounts = learner.collector.totals
     return {
-        "steps": learner.step,
+        "steps": learner.state.step,
         "stalled": stalled,
         "wait_s": waited,
         "first_wait_s": first_wait,
@@ -473,13 +477,14 @@ def main() -> None:
                 backend_rows.append(run_case(pool, manager, case))
                 row = backend_rows[-1]
                 # The whole row at once, so a run cut short still shows what it measured.
-                print(f"  P={case.prompts_in_flight} {_table([row]).splitlines()[-1]}", flush=True)
+                line = markdown_table([row]).splitlines()[-1]
+                print(f"  P={case.prompts_in_flight} {line}", flush=True)
             print(f"\n## {backend}: per configuration\n")
-            print(_table(backend_rows))
+            print(markdown_table(backend_rows))
             rows += backend_rows
     if compared := side_by_side(rows):
         print("\n## Flow control off vs on\n")
-        print(_table(compared))
+        print(markdown_table(compared))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import torch
 
 from storage.fs import open_location
 from storage.stream import StreamReader, StreamWriter
-from storage.weights import WeightStore
-from streamrl.config import load_config
+from storage.weight_publish import WeightWriter
+from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
@@ -96,7 +96,7 @@ def main() -> None:
 
         dtype = getattr(torch, config.weights.resolved_dtype(config.model))
         state = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).state_dict()
-        store, weights = WeightStore(run), WeightSource.of(run, config.weights)
+        store, weights = WeightWriter(run), WeightSource.of(run, config.weights)
         publish_start = time.perf_counter()
         store.publish(1, state)
         publish_s = time.perf_counter() - publish_start

@@ -83,11 +83,13 @@ from storage.fs import Location, open_location
 from storage.manifest import create_run, open_run
 from storage.records import ScoredGroup
 from storage.stream import StreamReader, StreamWriter
+from storage.weight_publish import WeightWriter
 from storage.weights import WeightStore
-from streamrl.config import RunConfig, load_config, validate_config
-from streamrl.learner.batching import MiniBatch, TrainBatch, make_mini_batches
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config, validate_config
 from streamrl.learner.forward import use_hidden_states_head
 from streamrl.learner.loop import Learner
+from streamrl.learner.mini_batches import MiniBatch, TrainBatch, make_mini_batches
 from streamrl.learner.model import full_state_dict, load_policy, shard_model
 from streamrl.learner.optim import build_optimizer
 from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
@@ -331,15 +333,15 @@ class BarePhase:
         state = full_state_dict(self.model, self.topology)
         gather_s = time.perf_counter() - started
         started = time.perf_counter()
-        store = WeightStore(self.run.child("bare"))
-        store.publish(1, state, shard_bytes=self.config.weights.shard_bytes)
+        writer = WeightWriter(self.run.child("bare"))
+        writer.publish(1, state, shard_bytes=self.config.weights.shard_bytes)
         write_s = time.perf_counter() - started
         self.groups.close()
         self.topology.destroy()
         return {
             "gather_s": gather_s,
             "write_s": write_s,
-            "bare_weights_MB": store.read_manifest(1).stored_bytes / MB,
+            "bare_weights_MB": writer.reader.read_manifest(1).stored_bytes / MB,
             **self.memory.figures(warmup),
         }
 
@@ -521,7 +523,7 @@ def report(
     bare = results["bare"]
     print(
         f"publish from the bare phase's model: full_state_dict (device → host) "
-        f"{bare['gather_s']:.3g} s + WeightStore.publish {bare['write_s']:.3g} s for "
+        f"{bare['gather_s']:.3g} s + WeightWriter.publish {bare['write_s']:.3g} s for "
         f"{bare['bare_weights_MB']:.0f} MB"
     )
     if "learner" in results:

@@ -75,7 +75,7 @@ from typing import Any
 from storage.fs import open_location
 from storage.manifest import create_run
 from storage.stream_log import read_log
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.reporting import read_metrics
 from streamrl.placement import (
     PLACED_VARIABLES,

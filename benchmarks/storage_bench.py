@@ -26,7 +26,7 @@ from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
 from storage.segments import encode_segment
 from storage.stream import StreamReader, StreamWriter
-from storage.weights import WeightStore
+from storage.weight_publish import WeightWriter
 from tests.stream_data import random_group
 
 MB = 1e6
@@ -135,10 +135,11 @@ def bench_weights(name: str, run: Location, size_mib: int) -> dict:
         f"layers.{i}.weight": torch.randn(2048, 2048, generator=generator).bfloat16()
         for i in range(count)
     }
-    store = WeightStore(run.child(f"weights-{uuid.uuid4().hex[:8]}"))
+    writer = WeightWriter(run.child(f"weights-{uuid.uuid4().hex[:8]}"))
+    store = writer.reader
     shard_bytes = 64 * 1024**2
     versions = iter(range(1, 100))
-    t_publish = _best_of(3, lambda: store.publish(next(versions), state, shard_bytes=shard_bytes))
+    t_publish = _best_of(3, lambda: writer.publish(next(versions), state, shard_bytes=shard_bytes))
     latest = store.latest_version()
     t_load = _best_of(3, lambda: store.load(latest))
     manifest = store.read_manifest(latest)

@@ -60,13 +60,15 @@ from storage.seaweedfs import SeaweedFS
 from storage.weight_follower import WeightFollower
 from storage.weight_manifest import checksum
 from storage.weight_pieces import encode_share
+from storage.weight_publish import WeightWriter
 from storage.weight_shares import TensorShare, check_finite, new_publish_id
 from storage.weights import WeightStore
-from streamrl.config import ModelConfig, WeightsConfig
+from streamrl.learner.config import WeightsConfig
 from streamrl.learner.model import load_policy, shard_model
 from streamrl.learner.optim import build_optimizer
 from streamrl.learner.publish import WeightPublisher, local_shares
 from streamrl.learner.topology import Topology
+from streamrl.models.config import ModelConfig
 
 MB = 1e6
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # short name → `weights.dtype`
@@ -166,7 +168,7 @@ def _publish_case(topology, policy, run: Location, backend, dtype_name, repeats)
     store = WeightStore(run)
     config = WeightsConfig(dtype=DTYPES[dtype_name], full_every=1, keep_versions=2)
     dtype = getattr(torch, DTYPES[dtype_name])
-    publisher = WeightPublisher(store, topology, config, dtype)
+    publisher = WeightPublisher(WeightWriter(run), topology, config, dtype)
     publish_s, sync_s = [], []
     for version in range(1, repeats + 1):
         topology.barrier()
@@ -233,7 +235,7 @@ def _publish_case(topology, policy, run: Location, backend, dtype_name, repeats)
 
 def _profile_write(store: WeightStore, policy: torch.nn.Module, dtype: torch.dtype) -> dict:
     """Where one rank's full version spends its time, step by step: the publisher's snapshot
-    (state dict, finiteness, copy + cast), then the steps `WeightStore.write_share` runs."""
+    (state dict, finiteness, copy + cast), then the steps `WeightWriter.write_share` runs."""
     out: dict[str, float] = {}
     out["state dict (local_shares)"], local = _timed(lambda: local_shares(policy, True))
     floats = [t for t, _, _ in local.values() if t.is_floating_point() and t.numel()]
@@ -300,8 +302,9 @@ def _step_rank(topology: Topology, model: str, run_uri: str, options: dict, args
         (-logp.mean()).backward()  # divided by every predicted token of the batch
         optimizer.step()
 
-    store = WeightStore(open_location(run_uri, storage_options=options))
-    publisher = WeightPublisher(store, topology, WeightsConfig(dtype="bfloat16"), torch.bfloat16)
+    writer = WeightWriter(open_location(run_uri, storage_options=options))
+    store = writer.reader
+    publisher = WeightPublisher(writer, topology, WeightsConfig(dtype="bfloat16"), torch.bfloat16)
     for _ in range(args["warmup"]):
         train()
     publisher.publish(policy, 1)  # allocates the snapshot buffers
@@ -357,11 +360,11 @@ def _delta_rank(topology: Topology, model: str, run_uri: str, options: dict, arg
             generator=torch.Generator().manual_seed(0),
         )
         run = open_location(f"{run_uri}/lr{lr:g}-{uuid.uuid4().hex[:6]}", storage_options=options)
-        stores = {kind: WeightStore(run.child(kind)) for kind in ("delta", "full")}
+        stores = {kind: WeightWriter(run.child(kind)) for kind in ("delta", "full")}
         previous = _bf16_state(policy)
         for store in stores.values():
             _write(store, 1, previous, shapes, None)
-        holder = WeightFollower(stores["delta"], hold=True)
+        holder = WeightFollower(stores["delta"].reader, hold=True)
         first_build_s = _timed(holder.advance, exactly=1)[0]
         for version in range(2, args["steps"] + 2):
             optimizer.zero_grad(set_to_none=True)
@@ -381,7 +384,7 @@ def _delta_rank(topology: Topology, model: str, run_uri: str, options: dict, arg
             delta_s, delta = _timed(_write, stores["delta"], version, current, shapes, previous)
             full_s, full = _timed(_write, stores["full"], version, current, shapes, None)
             apply_s = _timed(holder.advance, exactly=version)[0]
-            fresh = WeightFollower(stores["full"], hold=False)
+            fresh = WeightFollower(stores["full"].reader, hold=False)
             build_s = _timed(fresh.advance, exactly=version)[0]
             rebuilt, whole = holder.tensors(), fresh.tensors()
             for name in current:  # correctness, not timing: the delta path is exact
@@ -418,7 +421,7 @@ def _share(state: dict[str, torch.Tensor], shapes: dict, name: str) -> TensorSha
     return TensorShare(state[name], 0, shapes[name])
 
 
-def _write(store: WeightStore, version: int, state: dict, shapes: dict, base: dict | None):
+def _write(store: WeightWriter, version: int, state: dict, shapes: dict, base: dict | None):
     """What the publisher's upload thread does for one rank: `write_share` + `commit`."""
     publish_id = new_publish_id()
     shares = {n: _share(state, shapes, n) for n in state}
@@ -447,7 +450,7 @@ def _changed(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
 def _load_main(model: str, locations: list, fraction: float, repeats: int, results) -> None:
     from transformers import AutoModelForCausalLM
 
-    from streamrl.config import load_config
+    from streamrl.config_loading import load_config
     from streamrl.generator.engine import Engine
     from streamrl.generator.weight_worker import WeightSource
     from streamrl.models import resolve_model_path
@@ -464,9 +467,10 @@ def _load_main(model: str, locations: list, fraction: float, repeats: int, resul
     rows = []
     for backend, uri, options in locations:
         run = open_location(f"{uri}/load-{uuid.uuid4().hex[:6]}", storage_options=options)
-        store = WeightStore(run)
-        store.publish(1, state)
-        store.publish(2, nudged, base=(1, state))
+        writer = WeightWriter(run)
+        store = writer.reader
+        writer.publish(1, state)
+        writer.publish(2, nudged, base=(1, state))
         source = WeightSource(run.uri, run.storage_options(), hold=True)
         full_s, delta_s, raw_full_s, raw_delta_s = [], [], [], []
         for _ in range(repeats):

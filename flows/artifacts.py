@@ -37,7 +37,7 @@ from prefect.events import emit_event
 from storage.fs import Location
 from streamrl.config import RunConfig
 from streamrl.curves import Curves, RunCurves, render_png
-from streamrl.evaluation import read_eval_records
+from streamrl.evaluation.records import read_eval_records
 from streamrl.learner.reporting import read_wandb_link
 from streamrl.status import StreamStatus, read_stream
 

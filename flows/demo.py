@@ -24,7 +24,8 @@ from typing import IO
 
 from flows.run import streamrl_run
 from storage.fs import open_location
-from streamrl.config import ConfigError, parse_overrides
+from streamrl.config_base import ConfigError
+from streamrl.config_loading import parse_overrides
 from streamrl.launch import format_summary, run_summary
 
 DEFAULT_STEPS = 16

@@ -34,8 +34,9 @@ from prefect.futures import PrefectFuture
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
-from streamrl.config import Override, RunConfig, StorageConfig, load_config
-from streamrl.placement import PlacementPlan, plan_placement
+from streamrl.config import RunConfig, StorageConfig
+from streamrl.config_loading import Override, load_config
+from streamrl.placement import PlacementPlan, PoolsPlacement, plan_placement
 from streamrl.runs import open_run_location, prepare_run
 from streamrl.supervisor import ComponentFailedError, Supervisor
 
@@ -190,7 +191,7 @@ def streamrl_run(
     if config.storage.run_uri == StorageConfig().run_uri and not resume:  # a fresh run each time
         config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     count = generators if generators is not None else config.generator.count
-    if config.placement.pools:
+    if isinstance(config.placement, PoolsPlacement):
         config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
         return supervise_on_pools(
             config, generators=count, retries=generator_retries, learner_retries=learner_retries

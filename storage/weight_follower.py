@@ -26,8 +26,8 @@ class Advance:
     whose chain passes through a corrupt link is corrupt itself: it can never be built (versions
     are immutable), so a reader skips it for good. A version retention removed while it was
     being read — its own files or any link of its chain — is vanished, never corrupt:
-    `WeightStore.retain` deletes versions newest first, so a missing link means a missing
-    version."""
+    retention deletes versions newest first (`storage.weight_retention`), so a missing link
+    means a missing version."""
 
     version: int | None
     corrupt: dict[int, str] = field(default_factory=dict)

@@ -16,15 +16,11 @@ from importlib import resources
 
 from pydantic import BaseModel
 
-from streamrl.algorithms.config import ALGORITHM_CLASSES
-from streamrl.config import (
-    ConfigError,
-    CriticConfig,
-    RewardConfig,
-    RunConfig,
-    available_presets,
-    load_config,
-)
+from streamrl.config import RunConfig
+from streamrl.config_base import ConfigError
+from streamrl.config_loading import UNIONS, available_presets, load_config
+from streamrl.models.config import CriticConfig
+from streamrl.rewards.config import RewardConfig
 
 EXAMPLES_SHOW = """\
 examples:
@@ -106,7 +102,8 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 def _describe_model(model: type[BaseModel], prefix: str) -> list[str]:
     lines = []
-    instance = model() if prefix.startswith("algorithm") else None
+    # A union member's defaults are its own (each algorithm's paper values).
+    instance = model() if prefix.split(".")[0] in UNIONS else None
     for name, field in model.model_fields.items():
         default = (
             getattr(instance, name)
@@ -124,8 +121,8 @@ def _describe_model(model: type[BaseModel], prefix: str) -> list[str]:
 def _cmd_fields(args: argparse.Namespace) -> int:
     sections: dict[str, type[BaseModel]] = {}
     for name, field in RunConfig.model_fields.items():
-        if name == "algorithm":
-            sections.update({f"algorithm.{k}": v for k, v in ALGORITHM_CLASSES.items()})
+        if name in UNIONS:
+            sections.update({f"{name}.{k}": v for k, v in UNIONS[name][1].items()})
         else:
             sections[name] = field.annotation  # type: ignore[assignment]
     sections["generator.reward"] = RewardConfig
@@ -175,7 +172,7 @@ nothing more, if another takes its index over (--take-over; exit code 3).
 
 def _cmd_generator(args: argparse.Namespace) -> int:
     from storage.lease import NOT_HOLDER_EXIT_CODE
-    from streamrl.generator import run_generator
+    from streamrl.generator.main import run_generator
     from streamrl.launch import GeneratorIndexHeldError, GeneratorIndexLostError
 
     try:
@@ -246,12 +243,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from streamrl.supervisor import ComponentFailedError, RunInterruptedError, Supervisor
 
     config = _config_from(args)
-    if config.placement.pools:
-        raise ConfigError(
-            ["placement.mode=pools places each process on a Prefect work pool, which only the "
-             "streamrl flow does (prefect deployment run streamrl/dapo ...); `streamrl run` runs "
-             "them on this machine: leave placement.mode=local"]
-        )  # fmt: skip
     count = args.generators or config.generator.count
     placement = plan_placement(config, generators=count)  # refused before anything starts
     config, run = prepare_run(

@@ -50,8 +50,8 @@ def _open_run(run_uri: str) -> Any:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from streamrl.config import ConfigError
-    from streamrl.evaluation import evaluate, run_evaluator
+    from streamrl.config_base import ConfigError
+    from streamrl.evaluation.evaluator import evaluate, run_evaluator
     from streamrl.runs import load_run_config
 
     if args.follow:
@@ -88,7 +88,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _dataset_config(args: argparse.Namespace, config: Any) -> Any:
     """--dataset and its field options over the run's eval.dataset (else data) section,
     validated as eval.dataset so a mistake names the option's field."""
-    from streamrl.config import validate_config
+    from streamrl.config_loading import validate_config
 
     base = (config.eval.dataset or config.data).model_dump()
     fields = {"path": args.dataset, "val_path": None}

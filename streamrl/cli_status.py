@@ -1,5 +1,6 @@
-"""`streamrl status`: where a run stands, read from its storage (see `streamrl.status`);
-`streamrl scale`: how many generators a run placed on work pools has (`flows.pools`).
+"""`streamrl status`: where a run stands, read from its storage (`streamrl.status`) and shown
+as a table or a JSON line (`streamrl.status_format`); `streamrl scale`: how many generators a
+run placed on work pools has (`flows.pools`).
 
 `add_commands(commands)` registers them on the subparsers of `streamrl.cli.build_parser`.
 """
@@ -66,7 +67,8 @@ def _open_run(run_uri: str) -> Any:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from streamrl.curves import RunCurves
-    from streamrl.status import FINISHED, format_status, read_status, to_json
+    from streamrl.status import FINISHED, read_status
+    from streamrl.status_format import format_status, to_json
 
     run = _open_run(args.run)
     redraw = args.watch is not None and not args.json and sys.stdout.isatty()

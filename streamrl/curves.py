@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.fs import Location
-from streamrl.evaluation import read_eval_records
+from streamrl.evaluation.records import read_eval_records
 from streamrl.learner.reporting import MetricsFollower
 
 __all__ = [

@@ -38,9 +38,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from streamrl.config import HealthConfig
+from pydantic import Field
 
-__all__ = ["CONDITIONS", "HealthEvent", "HealthMonitor"]
+from streamrl.config_base import MAX_STEPS, Section
+
+__all__ = ["CONDITIONS", "HealthConfig", "HealthEvent", "HealthMonitor"]
 
 CONDITIONS = (
     "entropy-collapse",
@@ -55,6 +57,76 @@ CONDITIONS = (
 
 MIN_GRAD_NORM_HISTORY = 5
 """Previous finite gradient norms grad-norm-spike needs before it is checked."""
+
+
+class HealthConfig(Section):
+    """Training-health conditions checked on every learner step (`streamrl.health`): one that
+    becomes true logs a warning and is recorded in the step's metrics (the flow turns it into a
+    Prefect event). The defaults are alarm levels, not limits: nothing is stopped.
+    non-finite-update (any skipped update) and staleness-at-bound (learner.max_staleness) have
+    no threshold of their own."""
+
+    enabled: bool = Field(
+        True, description="Check the conditions each step; false: no health warnings or events."
+    )
+    baseline_steps: int = Field(
+        5,
+        ge=1,
+        le=MAX_STEPS,
+        description="entropy-collapse: the run's first this-many steps give the entropy "
+        "baseline (their mean actor/entropy).",
+    )
+    entropy_collapse_ratio: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="entropy-collapse: actor/entropy below this fraction of its baseline. A "
+        "drop by 5x means the policy has nearly stopped exploring (what DAPO's clip-higher "
+        "guards against); some fall is normal as it learns.",
+    )
+    entropy_min: float = Field(
+        0.02,
+        ge=0.0,
+        description="entropy-collapse: actor/entropy (nats per token) below this, whatever the "
+        "baseline: a near-deterministic policy; 0 keeps only the ratio rule.",
+    )
+    kl_max: float = Field(
+        0.1,
+        gt=0.0,
+        description="kl-high: actor/ref_kl (the behaviour policy's token-mean KL to the "
+        "reference, logged when algorithm.kl is set) above this many nats: the policy has "
+        "drifted far from the reference.",
+    )
+    grad_norm_spike: float = Field(
+        5.0,
+        gt=1.0,
+        description="grad-norm-spike: actor/grad_norm above this multiple of the median of "
+        "the previous grad_norm_window steps (checked once 5 are known): one batch pushed "
+        "far harder than usual, a common first sign of instability.",
+    )
+    grad_norm_window: int = Field(
+        20,
+        ge=5,
+        le=1_000_000,
+        description="grad-norm-spike: how many previous steps' gradient norms the median "
+        "is taken over.",
+    )
+    length_frac: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="length-runaway: rollout/response_len_mean at or above this fraction of "
+        "generator.max_tokens: responses are running into the length limit (truncation, "
+        "overlong penalties).",
+    )
+    waste_max: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="waste-high: stream/waste_frac (of every group consumed so far, the share "
+        "not trained on: stale, or without signal under dynamic sampling) above this; 1 never "
+        "fires.",
+    )
 
 
 @dataclass(frozen=True)

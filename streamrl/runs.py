@@ -24,13 +24,15 @@ import json
 import signal
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from storage.control import clear_stop, requested_generators, set_requested_generators
 from storage.fs import Location, StorageError, open_location
 from storage.manifest import create_run, open_run
-from streamrl.config import RunConfig, validate_config
+from streamrl.config import RunConfig
+from streamrl.config_loading import validate_config
+from streamrl.placement.config import placement_of_older_run
 
 __all__ = [
     "ALLOW_FLAG",
@@ -148,7 +150,7 @@ def prepare_run(
     run = open_run_location(config)
     wanted = config.model_dump(mode="json")
     if resume:
-        stored = open_run(run).config
+        stored = _stored_config(run)
         trusted, wanted_trusted = _trusted_values(stored), _trusted_values(wanted)
         # Judged against what the run uses now: checked, so a file changed outside a resume
         # is refused too.
@@ -205,7 +207,7 @@ def read_current_config(run: Location) -> dict[str, Any]:
     may change a field (`storage.manifest.RESUME_SAFE_FIELDS`) and, for `TRUSTED_FIELDS`, only
     to the values a resume allowed with `allow_trusted_changes`. Raises `StorageError` (a
     `TrustedChangeError` for trusted fields) naming every other difference and the fix."""
-    stored = open_run(run).config
+    stored = _stored_config(run)
     current = _read_current(run)
     if current is None:
         return stored
@@ -234,13 +236,19 @@ def read_current_config(run: Location) -> dict[str, Any]:
     return current.config
 
 
+def _stored_config(run: Location) -> dict[str, Any]:
+    """run.json's configuration, as this version of streamrl reads it."""
+    return placement_of_older_run(open_run(run).config)
+
+
 def _read_current(run: Location) -> CurrentConfig | None:
     path = run.join(*CURRENT_CONFIG)
     try:
         data = run.fs.cat_file(path)
     except FileNotFoundError:
         return None
-    return CurrentConfig.from_json(data, f"{run.uri}/{'/'.join(CURRENT_CONFIG)}")
+    current = CurrentConfig.from_json(data, f"{run.uri}/{'/'.join(CURRENT_CONFIG)}")
+    return replace(current, config=placement_of_older_run(current.config))
 
 
 def _trusted_values(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -299,16 +307,11 @@ def stop_on_sigterm(stop: threading.Event | None = None) -> threading.Event:
 def scale_generators(run_uri: str, count: int) -> int | None:
     """Ask the run at `run_uri`, placed on work pools, for `count` generators (the `streamrl`
     flow supervising it starts or stops generator flow runs to match within seconds); the
-    count asked for before, None when never asked. Raises `StorageError` for a run whose
-    processes run on one machine (`placement.mode=local`)."""
+    count asked for before, None when never asked. Raises `PlacementError` for a run whose
+    processes run on one machine (`placement.mode=local`), `StorageError` for more than
+    `placement.max_generators`."""
     config, run = open_existing_run(run_uri)
-    if not config.placement.pools:
-        raise StorageError(
-            f"the run at {run.uri} runs its processes on one machine (placement.mode=local): "
-            "only a run placed on work pools (placement.mode=pools) is scaled this way; add a "
-            f"generator to it with: prefect deployment run generator/default -p run_uri={run_uri}"
-        )
-    maximum = config.placement.max_generators
+    maximum = config.placement.scaling_limit(run.uri)
     if count > maximum:
         raise StorageError(
             f"{count} generators is more than placement.max_generators ({maximum}) of the run "

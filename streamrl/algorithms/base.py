@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from streamrl._dicts import deep_merge
@@ -38,6 +38,7 @@ from streamrl.algorithms.losses import (
     ppo_policy_loss,
 )
 from streamrl.algorithms.shaping import RewardScale
+from streamrl.config_base import Section
 
 __all__ = [
     "AlgorithmBase",
@@ -48,12 +49,7 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
-    # Every float finite: an inf clip bound or coefficient is a typo, never a setting.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-class ImportanceConfig(_Strict):
+class ImportanceConfig(Section):
     """Correction for the mismatch between the behaviour policy (generator) and the learner."""
 
     mode: ImportanceMode = Field(
@@ -65,7 +61,7 @@ class ImportanceConfig(_Strict):
     cap: float = Field(2.0, ge=1.0, description="Truncation / rejection threshold C (≥ 1).")
 
 
-class KLConfig(_Strict):
+class KLConfig(Section):
     """KL regularisation against a reference policy."""
 
     estimator: KLEstimator = Field("k3", description="Per-token estimator: k1, k2 or k3.")
@@ -83,7 +79,7 @@ class KLConfig(_Strict):
     )
 
 
-class OverlongConfig(_Strict):
+class OverlongConfig(Section):
     """DAPO's treatment of responses that approach or hit the length limit."""
 
     shaping: bool = Field(
@@ -100,7 +96,7 @@ class OverlongConfig(_Strict):
     )
 
 
-class AlgorithmBase(_Strict):
+class AlgorithmBase(Section):
     """Fields every algorithm shares, and what a learner step asks of an algorithm (see the
     module docstring): the outcome family's behaviour by default, overridden where a family
     departs from it.

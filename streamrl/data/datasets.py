@@ -30,7 +30,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streamrl.config import DataConfig
+from streamrl.data.config import DataConfig
 from streamrl.data.rows import (
     DatasetError,
     MissingFieldError,

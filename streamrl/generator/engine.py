@@ -44,8 +44,9 @@ import torch
 
 from storage.weight_follower import Advance
 from storage.weights import WeightIntegrityError, WeightVersionNotFoundError
-from streamrl.config import GeneratorConfig, ModelConfig
+from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.weight_worker import WeightReloadExtension, WeightSource
+from streamrl.models.config import ModelConfig
 
 __all__ = [
     "Completion",

@@ -48,7 +48,7 @@ from storage.fs import Location
 from storage.learner_progress import LearnerProgress, read_learner_progress
 from storage.records import Cursor
 from storage.stream_log import fetch_records, first_free
-from streamrl.config import LearnerConfig
+from streamrl.learner.config import LearnerConfig
 
 __all__ = ["MIN_ACCEPT_RATE", "REFRESH_S", "FlowGate", "accept_rate", "admission_capacity"]
 

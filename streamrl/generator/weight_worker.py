@@ -25,7 +25,7 @@ import torch
 from storage.fs import Location, open_location
 from storage.weight_follower import Advance, WeightFollower
 from storage.weights import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
-from streamrl.config import WeightsConfig
+from streamrl.learner.config import WeightsConfig
 
 __all__ = ["WeightReloadExtension", "WeightSource"]
 

@@ -1,14 +1,17 @@
 """The learner: consumes the replay stream, trains the policy with FSDP2, publishes weights and
 checkpoints through `storage/`.
 
-- `batching`: stream groups → filtered training batches → token-budget micro-batches, whose
-  forward rows (`packing`) compute each group's prompt once.
+- `batching`: which stream groups form a batch (staleness, dynamic sampling); `mini_batches`:
+  the batch as tensors → token-budget micro-batches, whose forward rows (`packing`) compute
+  each group's prompt once.
 - `topology`, `model`, `optim`: the process group, FSDP2-sharded models, AdamW and schedules.
 - `forward`: the models' forward passes, the LM head only where a loss needs it.
 - `step`: one optimiser update per mini-batch — `scoring` (advantages and what the losses
   compare against), `objective` (the losses), `step_metrics` (their reduction over ranks),
   `step_inputs` (models, settings).
 - `reporting`: each step's metrics to the run's JSONL, wandb and a console progress bar.
+- `stream_source`: rank 0 reads the stream, chooses each batch, records the learner's progress.
+- `checkpointing`: saves and restores the models and the learner's `TrainingState`.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
 
 `run_learner` is what `streamrl learner --run RUN_URI` runs on every rank of a torchrun job.

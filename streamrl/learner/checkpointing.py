@@ -1,20 +1,22 @@
-"""The learner's checkpoints: what one holds, resuming from one, and what a new one lets go.
+"""The learner's checkpoints: what one holds, restoring from one, and what a new one lets go.
 
 A checkpoint (`storage.checkpoints`) holds the models that learn with their optimisers (the
-policy; a critic; an EMA reference policy — a frozen one is rebuilt from the model path) and
-the learner's state: step, policy version, stream cursor, filter totals, whether the critic was
-pre-trained, the skipped-update counts, and the layout of the models (what decides the shapes
-of the saved state: it must match to resume). The newest checkpoint that passes its checks is
-resumed from (`CheckpointStore.latest_verified`); one written for other models is refused
-before anything is loaded or written. After each save, older checkpoints beyond
-`keep_checkpoints` are deleted and, with `stream_retention=consumed`, the stream segments no
-kept checkpoint can resume before.
+policy; a critic; an EMA reference policy — a frozen one is rebuilt from the model path), each
+rank's RNG states, and the learner state record (`LearnerState`): the `TrainingState` (step,
+policy version, stream cursor, filter totals, whether the critic was pre-trained), the
+skipped-update counts, and the layout of the models (what decides the shapes of the saved
+state: it must match to resume). `LearnerCheckpoints` writes that record and reads it back
+(`_record` and `_restored`, side by side). The newest checkpoint that passes its checks is
+restored (`CheckpointStore.latest_verified`); one written for other models is refused before
+anything is loaded or written. After each save, older checkpoints beyond `keep_checkpoints` are
+deleted and, with `stream_retention=consumed`, the stream segments no kept checkpoint can resume
+before.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
 from storage.fencing import Fence
@@ -26,7 +28,7 @@ from streamrl.learner.batching import FilterCounts, StreamBatch
 from streamrl.learner.step_inputs import StepModels
 from streamrl.learner.topology import Topology
 
-__all__ = ["IncompatibleCheckpointError", "LearnerCheckpoints", "Resumed"]
+__all__ = ["IncompatibleCheckpointError", "LearnerCheckpoints", "TrainingState"]
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +37,28 @@ class IncompatibleCheckpointError(ValueError):
     """A checkpoint whose models this learner cannot load; the message lists the differences."""
 
 
-@dataclass(frozen=True)
-class Resumed:
-    """Where a resumed learner stands (its models and optimisers are loaded in place)."""
+@dataclass
+class TrainingState:
+    """Where the learner stands, besides its models: what a checkpoint records and a restore
+    gives back. `version` is the newest policy version published (a checkpoint is written only
+    once it is committed); `cursor` and `totals` are the stream position and filter totals after
+    the last batch trained on; `value_pretrained` is false only before VAPO's critic
+    pre-training. The loop advances it; the stream source reads `step` and `version` live."""
 
-    step: int
-    version: int
-    cursor: Cursor
-    totals: FilterCounts
-    value_pretrained: bool
+    step: int = 0
+    version: int = 0
+    cursor: Cursor = field(default_factory=Cursor)
+    totals: FilterCounts = field(default_factory=FilterCounts)
+    value_pretrained: bool = True
+
+    def trained_on(self, batch: StreamBatch) -> None:
+        """Move the stream position past `batch`."""
+        self.cursor, self.totals = batch.cursor_after, batch.totals
 
 
 class LearnerCheckpoints:
-    """Saving and resuming one learner's state (see the module docstring). Every method is a
-    collective: every rank calls it."""
+    """Saving and restoring one learner: its models and its `TrainingState` (see the module
+    docstring). Every method is a collective: every rank calls it."""
 
     def __init__(
         self,
@@ -61,33 +71,35 @@ class LearnerCheckpoints:
         self.config, self.run, self.topology, self.models = config, run, topology, models
         self.store, self.fence = CheckpointStore(run, fence=fence), fence
 
-    def resume(self) -> Resumed | None:
-        """Load the newest verified checkpoint into the models; None for a fresh run."""
+    def restore(self) -> TrainingState:
+        """Load the newest verified checkpoint into the models (and each rank's RNG states) and
+        return the state it recorded; a fresh state at step 0 for a run without one."""
         latest = self.store.latest_verified()
         if latest is None:
-            return None
+            return TrainingState(value_pretrained=not self.config.algorithm.uses_value_model)
         self._check_compatible(self.store.read_state(latest), latest)
-        state = self.store.load(latest, self._app_state())
-        for name, (in_a_row, total) in state.extra.get("skipped_updates", {}).items():
-            part = self.models.trainables()[name]
-            part.skipped_in_a_row, part.skipped_total = in_a_row, total
-        return Resumed(
-            step=state.step,
-            version=state.policy_version,
-            cursor=Cursor.from_dict(state.stream_cursor),
-            totals=FilterCounts(**state.extra.get("filter_totals", {})),
-            value_pretrained=state.extra.get("value_pretrained", True),
+        state = self._restored(self.store.load(latest, self._app_state()))
+        log.info(
+            "resumed at step %d, version %d, stream %s", state.step, state.version, state.cursor
         )
+        return state
 
-    def save(self, step: int, version: int, batch: StreamBatch, *, value_pretrained: bool) -> None:
-        """Checkpoint the learner after `batch` (`version`: committed), then retain."""
-        state = LearnerState(
-            step=step,
-            policy_version=version,
-            stream_cursor=batch.cursor_after.to_dict(),
+    def save(self, state: TrainingState) -> None:
+        """Checkpoint the models and `state` (its `version`: committed), then retain."""
+        self.store.save(self._app_state(), self._record(state))
+        self.store.retain(self.config.learner.keep_checkpoints)
+        if self.config.storage.stream_retention == "consumed":
+            self._release_consumed()
+
+    def _record(self, state: TrainingState) -> LearnerState:
+        """The learner state record of a checkpoint; `_restored` reads it back."""
+        return LearnerState(
+            step=state.step,
+            policy_version=state.version,
+            stream_cursor=state.cursor.to_dict(),
             extra={
-                "filter_totals": asdict(batch.totals),
-                "value_pretrained": value_pretrained,
+                "filter_totals": asdict(state.totals),
+                "value_pretrained": state.value_pretrained,
                 "skipped_updates": {
                     name: [part.skipped_in_a_row, part.skipped_total]
                     for name, part in self.models.trainables().items()
@@ -95,10 +107,20 @@ class LearnerCheckpoints:
                 "layout": self._layout(),
             },
         )
-        self.store.save(self._app_state(), state)
-        self.store.retain(self.config.learner.keep_checkpoints)
-        if self.config.storage.stream_retention == "consumed":
-            self._release_consumed()
+
+    def _restored(self, record: LearnerState) -> TrainingState:
+        """What `_record` wrote: the skipped-update counts go back into the models (a key that
+        older checkpoints lack takes its default)."""
+        for name, (in_a_row, total) in record.extra.get("skipped_updates", {}).items():
+            part = self.models.trainables()[name]
+            part.skipped_in_a_row, part.skipped_total = in_a_row, total
+        return TrainingState(
+            step=record.step,
+            version=record.policy_version,
+            cursor=Cursor.from_dict(record.stream_cursor),
+            totals=FilterCounts(**record.extra.get("filter_totals", {})),
+            value_pretrained=record.extra.get("value_pretrained", True),
+        )
 
     def _release_consumed(self) -> None:
         try:  # on every rank: reading the checkpoints' cursors is a collective

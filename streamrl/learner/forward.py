@@ -25,7 +25,7 @@ from streamrl.algorithms.logits import (
     head_logprobs_and_entropy,
     token_logprobs_and_entropy,
 )
-from streamrl.learner.batching import MicroBatch
+from streamrl.learner.mini_batches import MicroBatch
 
 __all__ = [
     "HiddenStatesHead",

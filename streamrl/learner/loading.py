@@ -48,7 +48,7 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
-from streamrl.config import ModelConfig, RunConfig
+from streamrl.config import RunConfig
 from streamrl.learner.forward import shares_prompts, use_hidden_states_head
 from streamrl.learner.model import (
     ValueModel,
@@ -64,6 +64,7 @@ from streamrl.learner.optim import build_optimizer, build_scheduler
 from streamrl.learner.step_inputs import StepModels, Trainable
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
+from streamrl.models.config import ModelConfig
 
 __all__ = [
     "MetaModel",

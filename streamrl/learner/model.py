@@ -35,9 +35,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from streamrl.config import ModelConfig
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
+from streamrl.models.config import ModelConfig
 
 __all__ = [
     "ValueModel",

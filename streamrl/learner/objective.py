@@ -22,8 +22,8 @@ from streamrl.algorithms.losses import (
     positive_nll_loss,
 )
 from streamrl.algorithms.masked import masked_mean
-from streamrl.learner.batching import MicroBatch, MiniBatch
 from streamrl.learner.forward import token_scores
+from streamrl.learner.mini_batches import MicroBatch, MiniBatch
 from streamrl.learner.scoring import MicroTargets, _values
 from streamrl.learner.step_inputs import StepSettings
 

@@ -10,7 +10,7 @@ step (a collective). It
    when this life committed the previous version);
 3. snapshots this rank's FSDP2 shard of every parameter into host buffers in
    `weights.dtype` (refusing NaN/inf on any rank before anything is written);
-4. hands the upload to a background thread: `WeightStore.write_share` of this rank's pieces,
+4. hands the upload to a background thread: `WeightWriter.write_share` of this rank's pieces,
    then, on rank 0, `commit` (waits for every rank's part, writes the manifest, moves LATEST)
    and `retain`. Training goes on meanwhile.
 
@@ -51,6 +51,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from storage.fs import StorageError
 from storage.lease import LeaseLostError
 from storage.weight_manifest import SharePart
+from storage.weight_publish import PublishAbandonedError, WeightWriter
 from storage.weight_shares import (
     NonFiniteWeightsError,
     TensorShare,
@@ -58,8 +59,7 @@ from storage.weight_shares import (
     non_finite,
     non_finite_message,
 )
-from storage.weights import PublishAbandonedError, WeightStore
-from streamrl.config import WeightsConfig
+from streamrl.learner.config import WeightsConfig
 from streamrl.learner.topology import Topology
 
 __all__ = ["PublishFailedError", "PublishReport", "WeightPublisher", "local_shares"]
@@ -120,7 +120,7 @@ class WeightPublisher:
 
     def __init__(
         self,
-        store: WeightStore,
+        store: WeightWriter,
         topology: Topology,
         config: WeightsConfig,
         dtype: torch.dtype,
@@ -212,7 +212,7 @@ class WeightPublisher:
 
     def _plan(self, version: int) -> str:
         """On rank 0: skip, full or delta for `version`."""
-        if version in self.store.versions():  # an earlier life of this run published it
+        if version in self.store.reader.versions():  # an earlier life of this run published it
             return "skip"
         previous_ok = self._committed == version - 1
         if previous_ok and self._deltas_since_full + 1 < self.config.full_every:

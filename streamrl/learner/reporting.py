@@ -32,7 +32,7 @@ from typing import Any
 
 from storage.credentials import without_credentials
 from storage.fs import Location, put_if_absent
-from streamrl.config import LoggingConfig
+from streamrl.learner.config import LoggingConfig
 from streamrl.models import cache_root
 
 __all__ = [

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from streamrl.algorithms.config import AlgorithmConfig
 from streamrl.algorithms.kl import kl_estimate
-from streamrl.learner.batching import MicroBatch, TrainBatch
 from streamrl.learner.forward import token_scores, values
+from streamrl.learner.mini_batches import MicroBatch, TrainBatch
 from streamrl.learner.step_inputs import StepModels, StepSettings
 from streamrl.learner.topology import Topology
 

@@ -1,6 +1,6 @@
 """One learner step: score a training batch, then one optimiser update per mini-batch.
 
-Consumes a `TrainBatch` and its `MiniBatch`es (`streamrl.learner.batching`); produces updated
+Consumes a `TrainBatch` and its `MiniBatch`es (`streamrl.learner.mini_batches`); produces updated
 parameters (policy, and critic for an algorithm with a value model) and the step's metrics
 (names as in ALGORITHMS.md).
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from streamrl.algorithms.config import AlgorithmConfig
 from streamrl.algorithms.kl import ema_update_
-from streamrl.learner.batching import MiniBatch, TrainBatch, shard_for_rank
+from streamrl.learner.mini_batches import MiniBatch, TrainBatch, shard_for_rank
 from streamrl.learner.objective import critic_loss, policy_loss
 from streamrl.learner.scoring import score_batch
 from streamrl.learner.step_inputs import StepModels, StepSettings, Trainable

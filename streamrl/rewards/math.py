@@ -25,12 +25,24 @@ import logging
 import re
 from typing import Any
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+__all__ = [
+    "format_reward",
+    "load_math_verify",
+    "math_format_reward",
+    "math_reward",
+    "parse_ground_truth",
+]
 
-__all__ = ["format_reward", "math_format_reward", "math_reward", "parse_ground_truth"]
 
-# LaTeX (boxed, "final answer is", "Answer:", $...$) first, then plain numbers/expressions.
-_EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+@functools.cache
+def load_math_verify() -> tuple[Any, tuple[Any, ...]]:
+    """math-verify and its extraction order: LaTeX (boxed, "final answer is", "Answer:",
+    $...$) first, then plain numbers/expressions. Imported on first use (it loads SymPy), so
+    importing the rewards package costs nothing where no reward is computed (the learner)."""
+    import math_verify
+
+    extraction = (math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig())
+    return math_verify, extraction
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -56,7 +68,8 @@ def _parse_ground_truth_cached(ground_truth: str) -> tuple[Any, ...]:
     text = ground_truth.strip()
     if "$" not in text and "\\boxed" not in text:
         text = f"\\boxed{{{text}}}"
-    return tuple(parse(text, extraction_config=_EXTRACTION, parsing_timeout=None))
+    math_verify, extraction = load_math_verify()
+    return tuple(math_verify.parse(text, extraction_config=extraction, parsing_timeout=None))
 
 
 def parse_ground_truth(ground_truth: str) -> list[Any]:
@@ -85,10 +98,11 @@ def math_reward(response: str, ground_truth: str, *, prompt: str | None = None) 
     """
     del prompt
     gold = parse_ground_truth(ground_truth)
-    answer = parse(response, extraction_config=_EXTRACTION, parsing_timeout=None)
+    math_verify, extraction = load_math_verify()
+    answer = math_verify.parse(response, extraction_config=extraction, parsing_timeout=None)
     if not answer:
         return 0.0
-    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+    return 1.0 if math_verify.verify(gold, answer, timeout_seconds=None) else 0.0
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
-from streamrl.rewards.math import format_reward, math_format_reward, math_reward
+from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -128,6 +128,7 @@ def _short_repr(value: object, limit: int = 60) -> str:
 
 def _registered(name: str) -> RewardFn:
     if name in REWARD_FUNCTIONS:
+        load_math_verify()  # at resolution (a worker's startup), not in its first call's time
         return REWARD_FUNCTIONS[name]
     names = registered_rewards()
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)

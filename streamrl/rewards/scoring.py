@@ -68,7 +68,7 @@ from streamrl.rewards.worker import (
 )
 
 if TYPE_CHECKING:
-    from streamrl.config import RewardConfig
+    from streamrl.rewards.config import RewardConfig
 
 __all__ = ["Failure", "RewardLoadError", "RewardScorer", "Scores", "ScoringStats"]
 

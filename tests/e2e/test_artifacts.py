@@ -24,7 +24,7 @@ from flows.artifacts import RunArtifacts
 from storage.fs import open_location
 from storage.manifest import create_run
 from storage.stream import StreamWriter
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from tests.stream_data import random_group
 
 pytestmark = pytest.mark.timeout(600)

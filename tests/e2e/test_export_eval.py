@@ -22,16 +22,13 @@ import torch
 from storage.control import request_stop
 from storage.fs import Location, StorageError, open_location
 from storage.manifest import create_run
+from storage.weight_publish import WeightWriter
 from storage.weights import WeightStore, WeightVersionNotFoundError
 from streamrl.cli_eval import add_commands
-from streamrl.config import RunConfig, load_config
-from streamrl.evaluation import (
-    EvaluationLoop,
-    Evaluator,
-    evaluate,
-    evaluation_sampling,
-    read_eval_records,
-)
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
+from streamrl.evaluation.evaluator import EvaluationLoop, Evaluator, evaluate, evaluation_sampling
+from streamrl.evaluation.records import read_eval_records
 from streamrl.export import OutputExistsError, export_version
 from streamrl.generator.engine import Engine
 from streamrl.models import resolve_model_path
@@ -98,7 +95,7 @@ def _new_run(config: RunConfig, path: Path) -> Location:
 @pytest.fixture(scope="module")
 def run(config: RunConfig, base_state) -> Location:
     location = _new_run(config, Path(config.storage.run_uri))
-    store = WeightStore(location)
+    store = WeightWriter(location)
     for version, (seed, scale) in PERTURBATIONS.items():
         store.publish(version, _perturbed(base_state, seed, scale))
     return location
@@ -281,7 +278,7 @@ def test_follow_evaluates_every_eth_and_the_last_version_then_resumes(
     config: RunConfig, engine: Engine, base_state, tmp_path
 ):
     run = _new_run(config, tmp_path / "run")
-    store = WeightStore(run)
+    store = WeightWriter(run)
     for version in range(1, 6):
         store.publish(version, _perturbed(base_state, version, 1.0))
     store.retain(3)  # v1, v2 are gone: v2 was due and is reported missed

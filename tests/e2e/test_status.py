@@ -23,18 +23,11 @@ from storage.manifest import create_run
 from storage.records import Cursor
 from storage.stream import StreamWriter, quarantined, read_log
 from storage.weights import WeightStore
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
-from streamrl.status import (
-    FINISHED,
-    NOT_STARTED,
-    RUNNING,
-    STOPPING,
-    format_status,
-    read_status,
-    to_json,
-)
+from streamrl.status import FINISHED, NOT_STARTED, RUNNING, STOPPING, read_status
+from streamrl.status_format import format_status, to_json
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +107,7 @@ def test_status_of_a_finished_run_equals_what_storage_holds(finished_run):
     assert status.state == FINISHED
     assert "learner reached 3 steps" in status.stop_reason
     assert (status.step, status.total_steps) == (3, 3)
-    assert status.policy_version == last["policy_version"] == learner.version == 3
+    assert status.policy_version == last["policy_version"] == learner.state.version == 3
     assert (status.checkpoint_step, status.checkpoint_version) == (3, 3)
     assert status.weight_version == WeightStore(run).latest_version() == 3
     assert (status.algorithm, status.model) == ("dapo", "tiny-qwen2")
@@ -125,7 +118,7 @@ def test_status_of_a_finished_run_equals_what_storage_holds(finished_run):
     # Consumed, three ways: the learner's own count, its last metrics line, its checkpoint
     # cursor counted in whole segments of SEGMENT_GROUPS.
     cursor = Cursor.from_dict(checkpoint.stream_cursor)
-    consumed = learner.collector.totals.consumed
+    consumed = learner.stream.collector.totals.consumed
     assert consumed == last["stream/consumed_total"] == SEGMENT_GROUPS * cursor.seq + cursor.offset
     assert status.consumed_groups == consumed
     assert status.consumed_source.startswith("learner metrics")
@@ -147,7 +140,7 @@ def test_status_of_a_finished_run_equals_what_storage_holds(finished_run):
 
 def test_status_command_prints_the_figures_and_json(finished_run):
     run_dir, learner = finished_run
-    consumed = learner.collector.totals.consumed
+    consumed = learner.stream.collector.totals.consumed
     shown = _status_cli(str(run_dir))
     assert shown.returncode == 0, shown.stderr
     assert "finished" in shown.stdout
@@ -195,7 +188,7 @@ def test_quarantined_segments_are_shown_and_left_out_of_the_lag(tmp_path):
 
     assert quarantined(run) == [1]
     status = read_status(run)
-    consumed = learner.collector.totals.consumed
+    consumed = learner.stream.collector.totals.consumed
     last = _metrics_lines(run_dir)[-1]
     assert consumed == last["stream/consumed_total"] == status.consumed_groups
     assert (status.stream.quarantined, status.stream.quarantined_groups) == (1, SEGMENT_GROUPS)

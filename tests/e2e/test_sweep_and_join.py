@@ -18,7 +18,7 @@ from storage.control import request_stop
 from storage.fs import open_location
 from storage.manifest import create_run
 from storage.stream import StreamWriter, read_log
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.launch import claim_generator_index, reserve_generator_indexes
 from tests.stream_data import random_group
 

@@ -38,7 +38,7 @@ _FLOW = textwrap.dedent(
     from flows.artifacts import RunArtifacts
     from storage.fs import open_location
     from storage.manifest import create_run
-    from streamrl.config import load_config
+    from streamrl.config_loading import load_config
 
     @task
     def learner(run_uri: str) -> None:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 
 from storage.fs import open_location
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.models import resolve_model_path
 

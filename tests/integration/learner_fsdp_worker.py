@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from streamrl.config import CriticConfig, ModelConfig
 from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
 from streamrl.learner.optim import build_optimizer, build_scheduler, clip_grad_norm
 from streamrl.learner.topology import Topology, exit_process
+from streamrl.models.config import CriticConfig, ModelConfig
 
 MODEL = "tiny-qwen2"
 MODEL_CFG = ModelConfig(path=MODEL, dtype="float32", critic=CriticConfig(init_from="policy"))

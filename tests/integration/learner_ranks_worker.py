@@ -64,7 +64,7 @@ def main() -> None:
             "rank": topology.rank,
             "batches": batches,
             "metrics": {k: v for k, v in recording.metrics.items() if k.startswith("stream/")},
-            "version": learner.version,
+            "version": learner.state.version,
         }
         (Path(args.out) / f"rank{topology.rank}.json").write_text(json.dumps(state))
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from streamrl.config import CriticConfig, ModelConfig
 from streamrl.learner.forward import use_hidden_states_head
 from streamrl.learner.loading import (
     SafetensorsCheckpoint,
@@ -31,6 +30,7 @@ from streamrl.learner.loading import (
 )
 from streamrl.learner.model import full_state_dict, load_policy, load_value_model, shard_model
 from streamrl.learner.topology import Topology, exit_process
+from streamrl.models.config import CriticConfig, ModelConfig
 
 SEED = 3  # the critic's fresh head
 

@@ -18,11 +18,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from storage.fs import open_location
-from storage.weights import WeightStore
-from streamrl.config import ModelConfig, WeightsConfig
+from storage.weight_publish import WeightWriter
+from streamrl.learner.config import WeightsConfig
 from streamrl.learner.model import load_policy, shard_model
 from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.topology import Topology, exit_process
+from streamrl.models.config import ModelConfig
 
 MODEL = "tiny-qwen2"
 MODEL_CFG = ModelConfig(path=MODEL, dtype="bfloat16")
@@ -47,7 +48,7 @@ def publish_versions(
     policy = load_policy(MODEL, MODEL_CFG)
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     shard_model(policy, topology, mixed_precision="fp32", activation_checkpointing=True)
-    store = WeightStore(open_location(run_dir))
+    store = WeightWriter(open_location(run_dir))
     publisher = WeightPublisher(store, topology, weights, torch.bfloat16)
     metrics = [publisher.publish(policy, 1)]
     for version, (fraction, seed) in ((2, (0.01, 1)), (3, (last_fraction, 2))):
@@ -62,7 +63,7 @@ def land_then_fail(version: int) -> None:
     """On this rank, writing `version`'s share lands and then raises (as a request that timed
     out after the server stored it), and recording the failure fails too: rank 0 commits the
     version from the share that landed, while this rank saw only errors."""
-    write_share = WeightStore.write_share
+    write_share = WeightWriter.write_share
 
     def landed_but_raised(self, v, *args, **kwargs):
         part = write_share(self, v, *args, **kwargs)
@@ -73,8 +74,8 @@ def land_then_fail(version: int) -> None:
     def unrecorded(self, *args, **kwargs):
         raise TimeoutError("injected: storage unreachable")
 
-    WeightStore.write_share = landed_but_raised
-    WeightStore.abandon_share = unrecorded
+    WeightWriter.write_share = landed_but_raised
+    WeightWriter.abandon_share = unrecorded
 
 
 def main() -> None:

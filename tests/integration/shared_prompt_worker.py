@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from streamrl.config import load_config
-from streamrl.learner.batching import TrainBatch, make_mini_batches
+from streamrl.config_loading import load_config
 from streamrl.learner.forward import use_hidden_states_head
+from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.model import load_policy, load_value_model, shard_model
 from streamrl.learner.step import (
     StepModels,

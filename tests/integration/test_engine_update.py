@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from storage.fs import open_location
-from storage.weights import WeightStore
+from storage.weight_publish import WeightWriter
 from streamrl.models import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_requests_in_flight_switch_cleanly_from_old_to_new_weights(tmp_path, eng
     newest = _nudged(state)
     new.load_state_dict(newest, strict=False)
     new.tie_weights()
-    store = WeightStore(open_location(str(tmp_path / "run")))
+    store = WeightWriter(open_location(str(tmp_path / "run")))
     store.publish(1, state)  # tiny-cpu publishes float32, the dtype of these tensors
     assert store.publish(2, newest, base=(1, state)).base == 1  # stored as a delta
 

@@ -18,7 +18,8 @@ from storage.fs import Location, open_location
 from storage.learner_progress import LearnerProgress, write_learner_progress
 from storage.records import Cursor
 from storage.stream import StreamWriter, read_log
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
 from streamrl.generator.engine import Engine
 from streamrl.generator.loop import GeneratorLoop

@@ -22,13 +22,14 @@ from storage.fs import Location, open_location
 from storage.manifest import create_run
 from storage.stream import StreamReader, StreamWriter, read_log
 from storage.weight_follower import Advance
-from storage.weights import WeightStore
-from streamrl.config import RunConfig, load_config
+from storage.weight_publish import WeightWriter
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
 from streamrl.data.rows import DatasetError
-from streamrl.generator import build_generator
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
+from streamrl.generator.main import build_generator
 from streamrl.models import ModelPathError, resolve_model_path
 from streamrl.rewards import RewardResolutionError, RewardScorer
 
@@ -95,7 +96,7 @@ def test_live_weight_update_matches_transformers_with_the_new_weights(
         for name, p in hf_model.named_parameters()
     }
     run = open_location(str(tmp_path / "run"))
-    WeightStore(run).publish(1, new_state)
+    WeightWriter(run).publish(1, new_state)
     found, seconds = engine.advance_weights(WeightSource.of(run, config.weights), newer_than=0)
     assert found == Advance(1)
     assert seconds > 0
@@ -137,7 +138,7 @@ def test_a_delta_applied_to_the_held_base_equals_the_same_weights_loaded_full(
 ):
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
-    store = WeightStore(run)
+    store = WeightWriter(run)
     dtype = getattr(torch, config.weights.resolved_dtype(config.model))
     base = {name: t.to(dtype) for name, t in _perturbed(hf_model, 5).items()}
     changed = _nudged(base)
@@ -289,7 +290,7 @@ def test_corrupt_weight_versions_are_skipped_at_start_and_when_polled(
 ):
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
-    store = WeightStore(run)
+    store = WeightWriter(run)
     states = {1: _perturbed(hf_model, 1)}
     store.publish(1, states[1])
     for version in (2, 3):  # deltas, each against the version before

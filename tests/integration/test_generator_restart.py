@@ -15,7 +15,7 @@ from storage.fs import Location, open_location
 from storage.manifest import create_run
 from storage.progress import read_progress
 from storage.stream import StreamReader, read_log
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
 from streamrl.models import resolve_model_path
 

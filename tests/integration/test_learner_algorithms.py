@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.config import load_config
-from streamrl.learner.batching import TrainBatch, make_mini_batches, shard_for_rank
+from streamrl.config_loading import load_config
+from streamrl.learner.mini_batches import TrainBatch, make_mini_batches, shard_for_rank
 from streamrl.learner.model import load_policy, load_value_model
 from streamrl.learner.optim import build_optimizer
 from streamrl.learner.scoring import score_batch

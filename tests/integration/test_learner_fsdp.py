@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2ForSequenceClassification
 
-from streamrl.config import CriticConfig, ModelConfig
 from streamrl.learner.model import load_policy, load_value_model
 from streamrl.learner.optim import build_optimizer, build_scheduler, clip_grad_norm
 from streamrl.learner.topology import Topology, TopologyError
 from streamrl.models import resolve_model_path
+from streamrl.models.config import CriticConfig, ModelConfig
 from tests.integration import learner_fsdp_worker as worker
 from tests.integration.torchrun import torchrun
 

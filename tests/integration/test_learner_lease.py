@@ -23,7 +23,7 @@ from storage.lease import NOT_HOLDER_EXIT_CODE, read_lease
 from storage.manifest import create_run
 from storage.stream import StreamWriter
 from storage.weights import WeightStore
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]

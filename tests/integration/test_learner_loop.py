@@ -27,7 +27,7 @@ from storage.progress import GeneratorProgress, write_progress
 from storage.records import ScoredGroup
 from storage.stream import StreamTimeoutError, StreamWriter
 from storage.weights import WeightStore
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.loop import DivergedError, IncompatibleCheckpointError, Learner
 from streamrl.learner.topology import Topology
 from tests.stream_data import RecordingFS, random_group
@@ -109,8 +109,8 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
     first = Learner(_config(resumed, 2), open_location(str(resumed)), topology)
     first.run()  # step 2 is checkpointed; the learner object is then thrown away
     second = Learner(_config(resumed, 4), open_location(str(resumed)), topology)
-    assert (second.step, second.version) == (2, 2)
-    assert second.reader.cursor == first.reader.cursor
+    assert (second.state.step, second.state.version) == (2, 2)
+    assert second.stream.reader.cursor == first.stream.reader.cursor
     second.run()
 
     for (name, a), (_, b) in zip(
@@ -137,7 +137,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_from_the_previous
     shard.write_bytes(bytes(data))
 
     resumed = Learner(_config(damaged, 6), open_location(str(damaged)), topology)
-    assert (resumed.step, resumed.version) == (2, 2)  # checkpoint 4 reported and skipped
+    assert (resumed.state.step, resumed.state.version) == (2, 2)  # checkpoint 4 skipped, reported
     assert resumed.checkpoints.store.damaged == [4]
     resumed.run()
     for (name, a), (_, b) in zip(
@@ -183,7 +183,7 @@ def test_learner_records_its_progress_after_each_step_and_skips_stale_segments(t
     first = learner.train_step()
     progress = read_learner_progress(run)
     assert (progress.step, progress.policy_version) == (1, 1)
-    assert progress.cursor == learner.reader.cursor
+    assert progress.cursor == learner.stream.reader.cursor
     assert (progress.consumed, progress.accepted, progress.dropped_stale) == (
         first["stream/consumed"],
         4,
@@ -196,7 +196,7 @@ def test_learner_records_its_progress_after_each_step_and_skips_stale_segments(t
     second = learner.train_step()
     progress = read_learner_progress(run)
     assert (progress.step, progress.policy_version) == (2, 2)
-    assert progress.cursor == learner.reader.cursor
+    assert progress.cursor == learner.stream.reader.cursor
     assert progress.dropped_stale == 20 - first["stream/consumed"] + 10
     assert progress.dropped_stale == second["stream/dropped_stale"]
     assert (progress.consumed, progress.accepted) == (second["stream/consumed"], 4)
@@ -229,7 +229,7 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
         assert time.monotonic() < deadline, f"no waiting record: {progress}"
         time.sleep(0.1)
     assert (progress.waiting, progress.step, progress.policy_version) == (True, 0, 0)
-    assert progress.cursor == learner.reader.cursor  # past all 10 groups, mid-step
+    assert progress.cursor == learner.stream.reader.cursor  # past all 10 groups, mid-step
     assert step.is_alive()
     _write_segments(writer, [0, 0, 0, 0], rng)
     step.join(timeout=120)
@@ -320,9 +320,9 @@ def test_vapo_learner_pretrains_the_critic_once_then_trains_both(tmp_path, topol
     first.release()  # this learner ends here
 
     resumed = Learner(_vapo_config(run_dir, total_steps=1), run, topology)
-    assert resumed.value_pretrained
-    assert resumed.step == 0
-    assert resumed.reader.cursor == first.reader.cursor  # three batches consumed
+    assert resumed.state.value_pretrained
+    assert resumed.state.step == 0
+    assert resumed.stream.reader.cursor == first.stream.reader.cursor  # three batches consumed
     resumed.run()  # no second pre-training: straight to the policy step
     assert WeightStore(run).versions() == [1]
     lines = [

@@ -16,7 +16,8 @@ from storage.fs import Location, open_location
 from storage.manifest import create_run
 from storage.stream import StreamWriter
 from storage.weights import WeightStore
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
 from streamrl.models import resolve_model_path
 from streamrl.placement import machine_cpus
 from streamrl.rendezvous import (

@@ -10,7 +10,7 @@ import numpy as np
 from storage.fs import open_location
 from storage.manifest import create_run
 from storage.stream import StreamWriter, quarantined
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.models import resolve_model_path
 from tests.integration import learner_ranks_worker as worker
 from tests.integration.torchrun import torchrun

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamrl.algorithms import broadcast_to_tokens, grpo_advantages
-from streamrl.config import load_config
-from streamrl.learner.batching import TrainBatch, make_mini_batches
+from streamrl.config_loading import load_config
+from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.model import load_policy
 from streamrl.learner.objective import policy_loss
 from streamrl.learner.optim import build_optimizer

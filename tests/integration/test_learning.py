@@ -24,7 +24,7 @@ import pytest
 
 from storage.fs import open_location
 from storage.manifest import create_run
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 32

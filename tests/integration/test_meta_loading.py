@@ -21,12 +21,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from streamrl.config import ModelConfig, load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.forward import use_hidden_states_head
 from streamrl.learner.loading import build_step_models, load_sharded, meta_policy
 from streamrl.learner.model import full_state_dict, load_policy, shard_model
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
+from streamrl.models.config import ModelConfig
 from tests.integration import meta_loading_worker as worker
 from tests.integration.torchrun import torchrun
 

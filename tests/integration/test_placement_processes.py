@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from streamrl import cli, supervisor
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.placement import machine_cpus, read_placement
 from streamrl.runs import open_run_location
 

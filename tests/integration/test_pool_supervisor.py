@@ -19,7 +19,7 @@ from prefect.workers.process import ProcessWorker
 
 from flows.pools import PoolError, PoolSupervisor, job_variables
 from storage.control import request_stop, set_requested_generators, stop_requested
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.runs import prepare_run
 from streamrl.supervision import FENCE_AFTER_S
 from streamrl.supervisor import ComponentFailedError

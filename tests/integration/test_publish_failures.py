@@ -13,8 +13,9 @@ import pytest
 from storage.checkpoints import CheckpointStore
 from storage.fs import open_location
 from storage.stream import StreamWriter
+from storage.weight_publish import WeightWriter
 from storage.weights import WeightStore
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.publish import PublishFailedError
 from streamrl.learner.topology import Topology
@@ -83,9 +84,9 @@ def _config(run_dir, max_staleness: int):
 
 
 def _failing_uploads(monkeypatch, fails: callable) -> list[int]:
-    """Make `WeightStore.write_share` raise for the calls `fails(version, call)` picks."""
+    """Make `WeightWriter.write_share` raise for the calls `fails(version, call)` picks."""
     calls: list[int] = []
-    real = WeightStore.write_share
+    real = WeightWriter.write_share
 
     def write_share(self, version, shares, **kwargs):
         calls.append(version)
@@ -93,7 +94,7 @@ def _failing_uploads(monkeypatch, fails: callable) -> list[int]:
             raise OSError(f"disk full (injected) writing v{version}")
         return real(self, version, shares, **kwargs)
 
-    monkeypatch.setattr(WeightStore, "write_share", write_share)
+    monkeypatch.setattr(WeightWriter, "write_share", write_share)
     return calls
 
 

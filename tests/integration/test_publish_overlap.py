@@ -13,7 +13,7 @@ import torch
 
 from storage.fs import open_location
 from storage.stream import StreamWriter
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group

@@ -26,15 +26,17 @@ from storage.fs import open_location
 from storage.manifest import create_run
 from storage.progress import read_progress
 from storage.stream import StreamReader, StreamWriter, read_log
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
-from streamrl.generator import build_generator
 from streamrl.generator.engine import Engine
 from streamrl.generator.loop import MAX_FAILED_GROUPS_IN_A_ROW, BrokenRewardError, GeneratorLoop
+from streamrl.generator.main import build_generator
 from streamrl.launch import hold_generator_index
 from streamrl.models import resolve_model_path
 from streamrl.rewards import RewardLoadError, RewardScorer
-from streamrl.status import format_status, read_status
+from streamrl.status import read_status
+from streamrl.status_format import format_status
 
 ROOT = Path(__file__).resolve().parents[2]
 RAISES_ON_ODD = "tests.reward_fns:raises_on_odd_answer"

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from streamrl.learner.batching import make_mini_batches
 from streamrl.learner.forward import shares_prompts
+from streamrl.learner.mini_batches import make_mini_batches
 from streamrl.learner.model import load_policy
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path

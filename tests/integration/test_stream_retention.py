@@ -24,7 +24,7 @@ from storage.stream_retention import (
     read_retention,
     release_consumed,
 )
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
 from tests.stream_data import random_group
@@ -134,7 +134,7 @@ def test_a_learner_releasing_consumed_segments_keeps_what_its_checkpoints_resume
     assert "consumed stream segments" in caplog.text
 
     resumed = Learner(_config(run_dir, 4, "consumed"), run, topology)
-    assert resumed.step == 3
+    assert resumed.state.step == 3
     assert resumed.run() == 4  # reads on from step 3's cursor, all of it still stored
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from storage.fs import open_location
+from storage.weight_publish import WeightWriter
 from storage.weights import WeightStore
 from streamrl.learner.publish import PublishFailedError
 from streamrl.learner.topology import Topology
@@ -51,7 +52,7 @@ def test_two_ranks_publish_exactly_what_one_rank_publishes(one_rank_run, tmp_pat
 
 
 def _flaky_uploads(monkeypatch, fails) -> None:
-    write_share = WeightStore.write_share
+    write_share = WeightWriter.write_share
     calls: list[int] = []
 
     def flaky(self, version, *args, **kwargs):
@@ -60,7 +61,7 @@ def _flaky_uploads(monkeypatch, fails) -> None:
             raise OSError(f"injected: the bucket refused v{version}'s upload")
         return write_share(self, version, *args, **kwargs)
 
-    monkeypatch.setattr(WeightStore, "write_share", flaky)
+    monkeypatch.setattr(WeightWriter, "write_share", flaky)
 
 
 def test_a_failed_upload_is_retried_with_the_same_bytes(tmp_path, monkeypatch):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from streamrl.algorithms.config import (
@@ -20,14 +19,16 @@ from streamrl.algorithms.config import (
     ReinforcePPConfig,
     VAPOConfig,
 )
-from streamrl.config import (
-    ConfigError,
-    RunConfig,
+from streamrl.config import RunConfig
+from streamrl.config_base import ConfigError
+from streamrl.config_loading import (
+    UNIONS,
     available_presets,
     load_config,
     parse_overrides,
     validate_config,
 )
+from tests.unit.sections import every_section
 
 ALGORITHM_PRESETS = ["grpo", "dr_grpo", "dapo", "vapo", "rloo", "reinforce_pp", "gpg"]
 SIZE_PRESETS = ["tiny-cpu", "smollm2-cpu", "qwen2.5-7b-dapo", "qwen2.5-32b-dapo"]
@@ -335,7 +336,12 @@ def test_cli_documents_every_field() -> None:
     result = run_cli("config", "fields")
     assert result.returncode == 0
     for name, field in RunConfig.model_fields.items():
-        if name != "algorithm":
+        if name in UNIONS:  # one section per member: [algorithm.dapo], [placement.pools]
+            for tag, member in UNIONS[name][1].items():
+                assert f"[{name}.{tag}]" in result.stdout
+                for sub in member.model_fields:
+                    assert f"{name}.{tag}.{sub} = " in result.stdout
+        else:
             for sub in field.annotation.model_fields:  # type: ignore[union-attr]
                 assert f"{name}.{sub} = " in result.stdout
     for alg in ALGORITHM_NAMES:
@@ -344,23 +350,7 @@ def test_cli_documents_every_field() -> None:
 
 def test_every_field_is_documented() -> None:
     """Each field of every config model carries a description."""
-    from streamrl.algorithms.config import (
-        ALGORITHM_CLASSES,
-        ImportanceConfig,
-        KLConfig,
-        OverlongConfig,
-    )
-    from streamrl.config import CriticConfig, RewardConfig
-
-    models: list[type[BaseModel]] = [
-        *(f.annotation for n, f in RunConfig.model_fields.items() if n != "algorithm"),  # type: ignore[misc]
-        *ALGORITHM_CLASSES.values(),
-        ImportanceConfig,
-        KLConfig,
-        OverlongConfig,
-        RewardConfig,
-        CriticConfig,
-    ]
+    models = every_section()
     undocumented = [
         f"{model.__name__}.{name}"
         for model in models
@@ -371,18 +361,6 @@ def test_every_field_is_documented() -> None:
 
 
 # --- bounds ----------------------------------------------------------------------------------
-
-
-def _sections() -> list[type[BaseModel]]:
-    """The models of streamrl.config (the algorithm union's live in streamrl.algorithms)."""
-    from streamrl import config as module
-
-    return [
-        model
-        for model in vars(module).values()
-        if isinstance(model, type) and issubclass(model, module._Component)
-        if model is not module._Component
-    ]
 
 
 def _upper_bound(field: FieldInfo) -> float | None:
@@ -399,19 +377,19 @@ def _upper_bound(field: FieldInfo) -> float | None:
         "learner.weight_decay=.nan",
         "generator.temperature=1e400",  # overflows to inf
         "health.kl_max=inf",
-        "placement.retry_window_s=inf",
+        "placement.mode=pools placement.retry_window_s=inf",
         "algorithm.clip_high=inf",
         "algorithm.kl.coef=nan",
     ],
 )
 def test_non_finite_floats_are_refused(override: str) -> None:
     with pytest.raises(ConfigError, match=r"finite number|less than or equal"):
-        load_config(overrides=[override])
+        load_config(overrides=override.split())
 
 
 def test_every_float_field_must_be_finite() -> None:
     """One mechanism, on the sections' shared base: `allow_inf_nan=False`."""
-    assert all(model.model_config.get("allow_inf_nan") is False for model in _sections())
+    assert all(model.model_config.get("allow_inf_nan") is False for model in every_section())
 
 
 @pytest.mark.parametrize("betas", ["[0.9, 1.0]", "[1.0, 0.999]", "[-0.1, 0.999]", "[0.9, 1.5]"])
@@ -441,7 +419,7 @@ def test_every_duration_is_bounded_below_what_threading_accepts() -> None:
     """A wait on a lock, event or queue refuses a timeout above threading.TIMEOUT_MAX."""
     durations = {
         f"{model.__name__}.{name}": _upper_bound(field)
-        for model in _sections()
+        for model in every_section()
         for name, field in model.model_fields.items()
         if name.endswith("_s") or name.endswith("_seconds")
     }
@@ -454,7 +432,7 @@ def test_every_duration_is_bounded_below_what_threading_accepts() -> None:
 def test_every_count_is_bounded() -> None:
     unbounded = [
         f"{model.__name__}.{name}"
-        for model in _sections()
+        for model in every_section()
         for name, field in model.model_fields.items()
         if field.annotation is int and _upper_bound(field) is None
     ]

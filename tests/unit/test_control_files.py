@@ -13,7 +13,7 @@ import pytest
 from storage.control import DEFAULT_MAX_GENERATORS, requested_generators
 from storage.fs import Location, open_location
 from streamrl.cli import main
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.runs import prepare_run
 
 

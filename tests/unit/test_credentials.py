@@ -9,25 +9,13 @@ from __future__ import annotations
 import pytest
 from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools.validation import ValidationError, validate
-from pydantic import BaseModel
 
 from flows.run import streamrl_run
 from storage.credentials import credential_paths, is_credential_name, without_credentials
-from streamrl.algorithms.config import (
-    ALGORITHM_CLASSES,
-    ImportanceConfig,
-    KLConfig,
-    OverlongConfig,
-)
-from streamrl.config import (
-    ConfigError,
-    CriticConfig,
-    PlacementConfig,
-    RewardConfig,
-    RunConfig,
-    load_config,
-    parse_overrides,
-)
+from streamrl.config_base import ConfigError
+from streamrl.config_loading import load_config, parse_overrides
+from streamrl.placement.config import PoolsPlacement
+from tests.unit.sections import every_section
 
 SECRET = "hunter2-s3cr3t"
 
@@ -84,21 +72,6 @@ ORDINARY_NAMES = [
 ]
 
 
-def _config_models() -> list[type[BaseModel]]:
-    """Every model of the run configuration, nested ones included."""
-    sections = [f.annotation for n, f in RunConfig.model_fields.items() if n != "algorithm"]
-    return [
-        RunConfig,
-        *sections,  # type: ignore[list-item]
-        *ALGORITHM_CLASSES.values(),
-        ImportanceConfig,
-        KLConfig,
-        OverlongConfig,
-        RewardConfig,
-        CriticConfig,
-    ]
-
-
 @pytest.mark.parametrize("name", CREDENTIAL_NAMES)
 def test_credential_names(name: str) -> None:
     assert is_credential_name(name)
@@ -112,7 +85,7 @@ def test_ordinary_names(name: str) -> None:
 
 def test_no_config_field_looks_like_a_credential() -> None:
     """Why the rule may run on every key of a configuration, at any depth."""
-    fields = {name for model in _config_models() for name in model.model_fields}
+    fields = {name for model in every_section() for name in model.model_fields}
     assert not [name for name in sorted(fields) if is_credential_name(name)]
 
 
@@ -197,6 +170,7 @@ def test_credentials_in_a_config_file_are_refused_naming_each_path(tmp_path) -> 
 def test_ordinary_env_and_options_are_kept() -> None:
     config = load_config(
         overrides=[
+            "placement.mode=pools",
             "placement.env={STREAMRL_TEST: 'yes', TOKENIZERS_PARALLELISM: 'false'}",
             "storage.storage_options={anon: false, client_kwargs: {region_name: eu-west-1}}",
         ]
@@ -206,11 +180,11 @@ def test_ordinary_env_and_options_are_kept() -> None:
 
 
 def test_a_credential_set_in_code_is_refused_too() -> None:
-    config = RunConfig()
+    placement = PoolsPlacement()
     with pytest.raises(ValueError, match=r"env\.HF_TOKEN"):
-        config.placement.env = {"HF_TOKEN": SECRET}
+        placement.env = {"HF_TOKEN": SECRET}
     with pytest.raises(ValueError, match=r"env\.AWS_SECRET_ACCESS_KEY"):
-        PlacementConfig(env={"AWS_SECRET_ACCESS_KEY": SECRET})
+        PoolsPlacement(env={"AWS_SECRET_ACCESS_KEY": SECRET})
 
 
 # --- the streamrl flow's parameter schema: refused by the Prefect server -------------------

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from storage.fs import open_location
-from streamrl.config import LoggingConfig
 from streamrl.curves import RunCurves, curve_data, render_png, sparkline, text_charts
+from streamrl.learner.config import LoggingConfig
 from streamrl.learner.reporting import MetricsFollower, MetricsReporter
 
 

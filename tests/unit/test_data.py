@@ -12,7 +12,6 @@ import pytest
 import sympy
 from math_verify import parse, verify
 
-from streamrl.config import DataConfig
 from streamrl.data import (
     DatasetError,
     PromptPosition,
@@ -21,6 +20,7 @@ from streamrl.data import (
     load_rows,
 )
 from streamrl.data.builtin import MATH_PROBLEMS
+from streamrl.data.config import DataConfig
 from streamrl.models.tiny import build_tokenizer
 
 

@@ -10,8 +10,9 @@ from storage.fs import Location
 from storage.learner_progress import LearnerProgress, write_learner_progress
 from storage.records import Cursor
 from storage.stream import StreamWriter
-from streamrl.config import LearnerConfig, load_config
+from streamrl.config_loading import load_config
 from streamrl.generator.flow_control import FlowGate, accept_rate, admission_capacity
+from streamrl.learner.config import LearnerConfig
 from tests.stream_data import random_group
 
 

@@ -16,7 +16,7 @@ from storage.fs import Location, open_location
 from storage.lease import NOT_HOLDER_EXIT_CODE
 from storage.manifest import create_run
 from storage.progress import read_progress
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.launch import (
     GeneratorIndexHeldError,
     GeneratorIndexLostError,

@@ -8,8 +8,9 @@ import statistics
 
 import pytest
 
-from streamrl.config import ConfigError, HealthConfig, load_config
-from streamrl.health import CONDITIONS, HealthEvent, HealthMonitor
+from streamrl.config_base import ConfigError
+from streamrl.config_loading import load_config
+from streamrl.health import CONDITIONS, HealthConfig, HealthEvent, HealthMonitor
 
 
 def monitor(max_tokens: int = 100, max_staleness: int = 4, **fields) -> HealthMonitor:

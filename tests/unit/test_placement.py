@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from storage.fs import open_location
-from streamrl.config import ConfigError, load_config
+from streamrl.config_base import ConfigError
+from streamrl.config_loading import load_config
 from streamrl.launch import run_process
 from streamrl.placement import (
     PlacementError,

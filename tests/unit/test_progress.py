@@ -15,8 +15,8 @@ from storage.learner_progress import (
 )
 from storage.progress import GeneratorProgress, read_all_progress, read_progress, write_progress
 from storage.records import Cursor
-from streamrl.config import DataConfig
 from streamrl.data import PromptPosition, PromptSource
+from streamrl.data.config import DataConfig
 from streamrl.generator.progress import PromptLedger, resume_prompts
 from streamrl.models.tiny import build_tokenizer
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from storage.fs import open_location
-from streamrl.config import LoggingConfig
+from streamrl.learner.config import LoggingConfig
 from streamrl.learner.reporting import (
     MetricsReporter,
     latest_metrics,

@@ -12,7 +12,8 @@ import pytest
 
 from storage.fs import Location, StorageError
 from streamrl.cli import main
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_loading import load_config
 from streamrl.runs import CURRENT_CONFIG, TRUSTED_FIELDS, load_run_config, prepare_run
 from streamrl.status import read_status
 
@@ -84,20 +85,20 @@ def test_a_reward_fn_change_on_resume_needs_the_flag_and_is_then_kept(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override",
+    "overrides",
     [
-        "storage.endpoint_url=http://127.0.0.1:1",
-        "placement.env={LD_PRELOAD: /tmp/x.so}",
-        "model.trust_remote_code=true",
-        "model.path=/elsewhere/model",
+        ["storage.endpoint_url=http://127.0.0.1:1"],
+        ["placement.mode=pools", "placement.env={LD_PRELOAD: /tmp/x.so}"],
+        ["model.trust_remote_code=true"],
+        ["model.path=/elsewhere/model"],
     ],
 )
-def test_every_trusted_field_needs_the_flag_on_resume(tmp_path, override):
+def test_every_trusted_field_needs_the_flag_on_resume(tmp_path, overrides):
     prepare_run(_config(tmp_path))
-    field = override.split("=", 1)[0]
+    field = overrides[-1].split("=", 1)[0]
     with pytest.raises(StorageError, match=field.replace(".", r"\.")):
-        prepare_run(_config(tmp_path, override), resume=True)
-    prepare_run(_config(tmp_path, override), resume=True, allow_trusted_changes=True)
+        prepare_run(_config(tmp_path, *overrides), resume=True)
+    prepare_run(_config(tmp_path, *overrides), resume=True, allow_trusted_changes=True)
 
 
 def test_other_fields_changed_in_the_stored_config_are_checked_too(tmp_path):
@@ -115,6 +116,27 @@ def test_a_config_recorded_before_the_check_still_loads(tmp_path):
     wanted = _config(tmp_path, "learner.total_steps=12").model_dump(mode="json")
     run.fs.makedirs(run.join("control"), exist_ok=True)
     run.fs.pipe_file(run.join(*CURRENT_CONFIG), json.dumps(wanted).encode())  # the old layout
+    assert load_run_config(run).learner.total_steps == 12
+
+
+def test_a_run_created_before_placement_modes_still_loads_and_resumes(tmp_path):
+    """Older run.json files hold every pool field under `placement.mode: local`; the local
+    placement class has none of them, so reading such a run drops them (they never applied)."""
+    run = prepare_run(_config(tmp_path))[1]
+    manifest = json.loads(run.fs.cat_file(run.join("run.json")))
+    manifest["config"]["placement"] = {
+        "mode": "local",
+        "learner_pool": "learner",
+        "generator_pool": "generators",
+        "eval_pool": None,
+        "image": None,
+        "env": {},
+        "retry_window_s": 3600.0,
+        "max_generators": 64,
+    }
+    run.fs.pipe_file(run.join("run.json"), json.dumps(manifest).encode())
+    assert load_run_config(run).placement.mode == "local"
+    prepare_run(_config(tmp_path, "learner.total_steps=12"), resume=True)
     assert load_run_config(run).learner.total_steps == 12
 
 

@@ -14,7 +14,7 @@ from storage.control import (
 )
 from storage.fs import open_location
 from streamrl.cli import main
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.runs import prepare_run
 
 

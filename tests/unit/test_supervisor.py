@@ -16,7 +16,7 @@ import pytest
 from storage.control import stop_requested
 from streamrl import supervisor as core
 from streamrl.component_output import noteworthy
-from streamrl.config import load_config
+from streamrl.config_loading import load_config
 from streamrl.supervisor import ComponentFailedError, Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]

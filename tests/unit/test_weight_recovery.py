@@ -1,16 +1,16 @@
 """Readers of weight versions on a local folder and on SeaweedFS: `WeightFollower` skips
-corrupt and vanished versions, detects a delta chain with a missing or corrupted link, applies
-a good delta to the version it holds in place, and `retain` keeps what kept deltas need."""
+corrupt and vanished versions, detects a delta chain with a missing or corrupted link and
+applies a good delta to the version it holds in place (retention under a reader:
+test_weight_retention.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from storage.fs import Location
 from storage.weight_follower import Advance, WeightFollower
+from storage.weight_publish import WeightWriter
 from storage.weights import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
 
 
@@ -26,11 +26,11 @@ def _next_state(state: dict[str, torch.Tensor], row: int) -> dict[str, torch.Ten
     return new
 
 
-def _publish(store: WeightStore, states: dict, version: int, *, full: bool = False) -> None:
+def _publish(writer: WeightWriter, states: dict, version: int, *, full: bool = False) -> None:
     """Publish `version` (state derived from the previous one), as a delta unless `full`."""
     states[version] = _next_state(states[version - 1], version) if version > 1 else _state(0)
     base = None if full or version == 1 else (version - 1, states[version - 1])
-    manifest = store.publish(version, states[version], base=base)
+    manifest = writer.publish(version, states[version], base=base)
     assert manifest.base == (None if base is None else version - 1)
 
 
@@ -53,11 +53,11 @@ def _data_file(store: WeightStore, version: int) -> str:
 
 
 def test_the_newest_intact_version_is_built_and_the_bad_ones_reported(run_location):
-    store = WeightStore(run_location)
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
     states: dict = {}
     assert WeightFollower(store).advance() == Advance(None)
     for version in range(1, 6):
-        _publish(store, states, version, full=True)
+        _publish(writer, states, version, full=True)
     _tamper(run_location, 5, _data_file(store, 5))
     _tamper(run_location, 4, "manifest.json")
 
@@ -71,7 +71,7 @@ def test_the_newest_intact_version_is_built_and_the_bad_ones_reported(run_locati
     # A reader at v3 that knows 4 and 5 are corrupt reads nothing until v6 arrives.
     assert follower.advance(skip={4, 5}) == Advance(None)
     _assert_holds(follower, 3, states)
-    _publish(store, states, 6, full=True)  # a delta on the corrupt v5 could not be built
+    _publish(writer, states, 6, full=True)  # a delta on the corrupt v5 could not be built
     assert follower.advance(skip={4, 5}) == Advance(6)
     _assert_holds(follower, 6, states)
     # Everything above `newer_than` corrupt: nothing built, the corrupt ones reported.
@@ -82,10 +82,10 @@ def test_the_newest_intact_version_is_built_and_the_bad_ones_reported(run_locati
 
 
 def test_a_version_deleted_while_being_read_is_reported_as_vanished(run_location):
-    store = WeightStore(run_location)
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
     states: dict = {}
     for version in (1, 2, 3):
-        _publish(store, states, version, full=True)
+        _publish(writer, states, version, full=True)
     run_location.fs.rm_file(run_location.join("weights", "v00000003", _data_file(store, 3)))
     follower = WeightFollower(store)
     assert follower.advance() == Advance(2, vanished=[3])
@@ -93,7 +93,7 @@ def test_a_version_deleted_while_being_read_is_reported_as_vanished(run_location
 
     manifest = store.read_manifest(2)  # a reader has the manifest; retention deletes v2
     run_location.fs.pipe_file(run_location.join("weights", "LATEST"), b'{"version": 1}')
-    assert store.retain(keep=1) == [2]
+    assert writer.retain(keep=1) == [2]
     with pytest.raises(WeightVersionNotFoundError, match="version 2 vanished while reading"):
         list(store.read_pieces(manifest))
     with pytest.raises(WeightVersionNotFoundError, match=r"available versions: \[1, 3\]"):
@@ -101,13 +101,13 @@ def test_a_version_deleted_while_being_read_is_reported_as_vanished(run_location
 
 
 def test_a_chain_with_a_missing_link_falls_back_to_the_full_version(run_location):
-    store = WeightStore(run_location)
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
     states: dict = {}
-    _publish(store, states, 1)
+    _publish(writer, states, 1)
     at_1 = WeightFollower(store)
     assert at_1.advance() == Advance(1)
     for version in (2, 3, 4):
-        _publish(store, states, version)
+        _publish(writer, states, version)
     run_location.fs.rm_file(run_location.join("weights", "v00000002", "manifest.json"))
 
     with pytest.raises(WeightIntegrityError, match="version 2, which 3 is a delta against"):
@@ -120,24 +120,24 @@ def test_a_chain_with_a_missing_link_falls_back_to_the_full_version(run_location
     assert at_1.advance().version is None  # holding the version before the link: stays
     _assert_holds(at_1, 1, states)
 
-    _publish(store, states, 5, full=True)
+    _publish(writer, states, 5, full=True)
     for follower in (fresh, at_1):
         assert follower.advance() == Advance(5)
         _assert_holds(follower, 5, states)
-    assert store.retain(keep=1) == [1, 2, 3, 4]  # v2's folder, manifest gone, is a dead one
+    assert writer.retain(keep=1) == [1, 2, 3, 4]  # v2's folder, manifest gone, is a dead one
 
 
 def test_a_corrupted_link_is_detected_and_good_deltas_apply_in_place(run_location):
-    store = WeightStore(run_location)
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
     states: dict = {}
     followers = {}
     for version in (1, 2, 3):
-        _publish(store, states, version)
+        _publish(writer, states, version)
         followers[version] = WeightFollower(store)
         assert followers[version].advance() == Advance(version)
     held_3 = followers[3].tensors()["embed.weight"]
     _tamper(run_location, 3, _data_file(store, 3))  # after the follower at 3 read it
-    _publish(store, states, 4)
+    _publish(writer, states, 4)
 
     # The follower at 3 applies v4's delta in place: it never reads v3's (now corrupt) file.
     assert followers[3].advance() == Advance(4)
@@ -157,7 +157,7 @@ def test_a_corrupted_link_is_detected_and_good_deltas_apply_in_place(run_locatio
     assert followers[1].advance().version == 2  # up to the link, in place
     _assert_holds(followers[1], 2, states)
 
-    _publish(store, states, 5, full=True)
+    _publish(writer, states, 5, full=True)
     for follower in (fresh, *followers.values()):
         assert follower.advance().version == 5
         _assert_holds(follower, 5, states)
@@ -166,97 +166,28 @@ def test_a_corrupted_link_is_detected_and_good_deltas_apply_in_place(run_locatio
 def test_a_follower_that_does_not_hold_rebuilds_each_version_from_its_full_version(
     run_location,
 ):
-    store = WeightStore(run_location)
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
     states: dict = {}
     for version in (1, 2):
-        _publish(store, states, version)
+        _publish(writer, states, version)
     follower = WeightFollower(store, hold=False)
     assert follower.advance() == Advance(2)
     _assert_holds(follower, 2, states)
     follower.release()
     with pytest.raises(RuntimeError, match="call advance"):
         follower.tensors()
-    _publish(store, states, 3)
+    _publish(writer, states, 3)
     assert follower.advance() == Advance(3)
     _assert_holds(follower, 3, states)
 
 
-def test_retain_keeps_latest_and_what_kept_deltas_need(run_location):
-    store = WeightStore(run_location)
-    states: dict = {}
-    for version in range(1, 7):  # 1 full, 2-4 deltas, 5 full, 6 delta
-        _publish(store, states, version, full=version == 5)
-    latest = run_location.join("weights", "LATEST")
-
-    assert store.retain(keep=3) == []  # 4 needs 3, 2 and 1
-    run_location.fs.pipe_file(latest, json.dumps({"version": 3}).encode())  # e.g. a rollback
-    assert store.retain(keep=1) == [4]  # 6 needs 5; LATEST (3) needs 2 and 1
-    assert store.versions() == [1, 2, 3, 5, 6]
-    for version in (3, 6):
-        tensors, _ = store.load(version)
-        assert all(torch.equal(tensors[n], t) for n, t in states[version].items())
-
-    chain_of_3 = store.chain(3)  # a reader of v3 has its manifests
-    run_location.fs.pipe_file(latest, json.dumps({"version": 6}).encode())
-    assert store.retain(keep=2) == [1, 2, 3]
-    assert store.versions() == [5, 6]
-    assert store.latest_version() == 6
-    with pytest.raises(WeightVersionNotFoundError, match="vanished while reading"):
-        list(store.read_pieces(chain_of_3[0]))
-    with pytest.raises(WeightVersionNotFoundError, match="version 3 has no manifest"):
-        store.load(3)
-    assert WeightFollower(store).advance(exactly=6) == Advance(6)
-    assert store.retain(keep=1) == []  # 6 needs 5
-    with pytest.raises(ValueError, match="keep must be an int >= 1"):
-        store.retain(keep=0)
-
-
-def test_a_reader_racing_retention_finds_versions_vanished_never_corrupt(
-    run_location: Location, monkeypatch
-):
-    """After each deletion `retain` makes, a reader that listed the versions before it began
-    builds each retired one: it is built or vanished (retried later, or passed over), never
-    corrupt (skipped for good) — whichever link of a delta chain is gone at that moment."""
-    store, states = WeightStore(run_location), {}
-    for version in range(1, 7):  # 1 full, 2-4 deltas on it, 5 full, 6 delta
-        _publish(store, states, version, full=version == 5)
-    reader = WeightStore(run_location)
-    seen: list[tuple[int, str]] = []
-
-    def probe() -> None:
-        for version in (2, 3, 4):
-            try:
-                reader.build(version)
-                seen.append((version, "built"))
-            except WeightVersionNotFoundError:
-                seen.append((version, "vanished"))
-            except WeightIntegrityError as exc:
-                seen.append((version, f"corrupt: {exc}"))
-        found = WeightFollower(reader).advance(skip={5, 6})
-        seen.extend((version, f"corrupt: {why}") for version, why in found.corrupt.items())
-
-    fs = run_location.fs
-    for method in ("rm", "rm_file"):
-        delete = getattr(fs, method)
-
-        def then_probe(*args, delete=delete, **kwargs):
-            delete(*args, **kwargs)
-            probe()
-
-        monkeypatch.setattr(fs, method, then_probe)
-    assert store.retain(keep=2) == [1, 2, 3, 4]
-    monkeypatch.undo()
-    assert {state for _, state in seen} == {"built", "vanished"}, seen
-    assert store.versions() == [5, 6]
-
-
 def test_a_new_full_version_is_built_into_the_memory_already_held(run_location: Location):
-    store, states = WeightStore(run_location), {}
-    _publish(store, states, 1)
+    writer, store, states = WeightWriter(run_location), WeightStore(run_location), {}
+    _publish(writer, states, 1)
     follower = WeightFollower(store)
     assert follower.advance() == Advance(1)
     held = {name: tensor.data_ptr() for name, tensor in follower.tensors().items()}
-    _publish(store, states, 2, full=True)  # not built from 1: the full version is read whole
+    _publish(writer, states, 2, full=True)  # not built from 1: the full version is read whole
     assert follower.advance() == Advance(2)
     assert {name: t.data_ptr() for name, t in follower.tensors().items()} == held
     for name, tensor in states[2].items():

@@ -16,8 +16,9 @@ import safetensors.torch
 import torch
 
 from storage.fs import open_location
+from storage.weight_publish import PublishAbandonedError, WeightWriter
 from storage.weight_shares import TensorShare
-from storage.weights import PublishAbandonedError, WeightStore, WeightVersionNotFoundError
+from storage.weights import WeightStore, WeightVersionNotFoundError
 from tests.unit.test_weights import REPO_ROOT, _assert_exact, _path, _state_dict, _xxh3
 
 
@@ -38,9 +39,9 @@ import json, sys
 import safetensors.torch
 from storage.fs import open_location
 from storage.weight_shares import TensorShare
-from storage.weights import WeightStore
+from storage.weight_publish import WeightWriter
 uri, options = json.loads(sys.stdin.readline())
-store = WeightStore(open_location(uri, storage_options=options))
+writer = WeightWriter(open_location(uri, storage_options=options))
 print("ready", flush=True)
 
 def shares(path):
@@ -52,8 +53,8 @@ for line in sys.stdin:  # one job a line: write rank 1's share of a version, say
     base = None
     if job["base"] is not None:
         base = (job["base"], {name: s.data for name, s in shares(job["base_file"]).items()})
-    part = store.write_share(job["version"], shares(job["file"]), publish_id=job["publish_id"],
-                             rank=1, world=2, base=base)
+    part = writer.write_share(job["version"], shares(job["file"]), publish_id=job["publish_id"],
+                              rank=1, world=2, base=base)
     print(len(part.files), flush=True)
 """
 
@@ -69,8 +70,10 @@ def test_two_ranks_publish_exactly_what_one_rank_publishes(run_uri_and_options, 
     """Rank 1 is another process. v1 (full): both ranks write at once. v2 (a delta on v1):
     rank 1 writes only after rank 0 is waiting in `commit`."""
     uri, options = run_uri_and_options
-    store = WeightStore(open_location(uri, storage_options=options))
-    single = WeightStore(open_location(f"{uri}-single", storage_options=options))
+    location = open_location(uri, storage_options=options)
+    writer, store = WeightWriter(location), WeightStore(location)
+    single_location = open_location(f"{uri}-single", storage_options=options)
+    single_writer, single = WeightWriter(single_location), WeightStore(single_location)
     states = {1: _state_dict(1), 2: _state_dict(1)}
     states[2]["embed.weight"][5] += 1.0
     states[2]["head.bias"][0, 2] = 9.0  # the one-row tensor: rank 0's piece only
@@ -105,15 +108,15 @@ def test_two_ranks_publish_exactly_what_one_rank_publishes(run_uri_and_options, 
         send([uri, options])  # keys never on argv
         assert rank_1.stdout.readline().strip() == "ready", (tmp_path / "stderr.txt").read_text()
         send(jobs[1])  # both ranks write now
-        store.write_share(1, shares[1][0], publish_id="pub1", rank=0, world=2)
-        store.commit(1, publish_id="pub1", world=2, timeout_s=60)
+        writer.write_share(1, shares[1][0], publish_id="pub1", rank=0, world=2)
+        writer.commit(1, publish_id="pub1", world=2, timeout_s=60)
         assert rank_1.stdout.readline().strip() == "1", (tmp_path / "stderr.txt").read_text()
 
         base = (1, {name: share.data for name, share in shares[1][0].items()})
-        store.write_share(2, shares[2][0], publish_id="pub2", rank=0, world=2, base=base)
+        writer.write_share(2, shares[2][0], publish_id="pub2", rank=0, world=2, base=base)
         threading.Timer(0.5, send, [jobs[2]]).start()
         started = time.monotonic()
-        manifest = store.commit(2, publish_id="pub2", world=2, timeout_s=60)
+        manifest = writer.commit(2, publish_id="pub2", world=2, timeout_s=60)
         assert time.monotonic() - started >= 0.5  # rank 0 waited for rank 1
         assert rank_1.stdout.readline().strip() == "1", (tmp_path / "stderr.txt").read_text()
     finally:
@@ -122,8 +125,8 @@ def test_two_ranks_publish_exactly_what_one_rank_publishes(run_uri_and_options, 
 
     assert manifest.base == 1
     assert (store.versions(), store.latest_version()) == ([1, 2], 2)
-    single.publish(1, states[1])
-    single.publish(2, states[2], base=(1, states[1]))
+    single_writer.publish(1, states[1])
+    single_writer.publish(2, states[2], base=(1, states[1]))
     for version, state in states.items():
         sharded, one = store.read_manifest(version), single.read_manifest(version)
         tensors = store.load(version)[0]
@@ -146,36 +149,36 @@ def test_two_ranks_publish_exactly_what_one_rank_publishes(run_uri_and_options, 
 
 @pytest.mark.parametrize("failure", ["error", "never"])
 def test_a_rank_that_fails_or_never_writes_abandons_the_version(run_location, failure):
-    store = WeightStore(run_location)
-    store.publish(1, _state_dict(0))
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
+    writer.publish(1, _state_dict(0))
     state = _state_dict(1)
-    store.write_share(2, _rank_shares(state, 0, 2), publish_id="p", rank=0, world=2)
+    writer.write_share(2, _rank_shares(state, 0, 2), publish_id="p", rank=0, world=2)
     if failure == "error":
-        store.abandon_share(2, publish_id="p", rank=1, world=2, error="CUDA out of memory")
+        writer.abandon_share(2, publish_id="p", rank=1, world=2, error="CUDA out of memory")
         match = "rank 1: CUDA out of memory"
     else:
         match = r"no part from 1 rank\(s\) after 0s \(p-part-00001-of-00002.json\)"
     started = time.monotonic()
     with pytest.raises(PublishAbandonedError, match=match):
-        store.commit(2, publish_id="p", world=2, timeout_s=0.3)
+        writer.commit(2, publish_id="p", world=2, timeout_s=0.3)
     assert time.monotonic() - started < 5
     assert (store.versions(), store.latest_version()) == ([1], 1)
     assert not run_location.fs.exists(_path(run_location, 2, "manifest.json"))
     with pytest.raises(WeightVersionNotFoundError):
         store.load(2)
 
-    store.publish(3, state)  # the next version commits; the abandoned folder is a dead publish
-    assert store.retain(keep=5) == [2]
+    writer.publish(3, state)  # the next version commits; the abandoned folder is a dead publish
+    assert writer.retain(keep=5) == [2]
     _assert_exact(store.load()[0], state)
 
 
 def test_an_error_part_ends_the_wait_while_another_rank_is_still_missing(run_location):
-    store = WeightStore(run_location)
+    writer, store = WeightWriter(run_location), WeightStore(run_location)
     state = _state_dict(0)
-    store.write_share(1, _rank_shares(state, 0, 3), publish_id="p", rank=0, world=3)
-    store.abandon_share(1, publish_id="p", rank=1, world=3, error="disk full")
+    writer.write_share(1, _rank_shares(state, 0, 3), publish_id="p", rank=0, world=3)
+    writer.abandon_share(1, publish_id="p", rank=1, world=3, error="disk full")
     started = time.monotonic()  # rank 2 never writes; the error alone must end the wait
     with pytest.raises(PublishAbandonedError, match="rank 1: disk full"):
-        store.commit(1, publish_id="p", world=3, timeout_s=60)
+        writer.commit(1, publish_id="p", world=3, timeout_s=60)
     assert time.monotonic() - started < 10
     assert store.versions() == []

@@ -4,9 +4,8 @@ evaluator, decided once before anything starts.
 `plan_placement(config, generators=N)` partitions what this process may use — the cores in its
 affinity (`os.sched_getaffinity(0)`) and the visible GPUs (`CUDA_VISIBLE_DEVICES`, else every
 GPU torch sees) — between the run's processes, and refuses a plan that does not fit with an
-error naming the numbers. Each process is then started from its `ProcessPlacement`: its
-affinity (`cpus`) and its environment (`env()`: `CUDA_VISIBLE_DEVICES`, OpenMP / MKL thread
-counts, vLLM's CPU thread binding, and OpenMP waits that sleep instead of spinning when idle).
+error naming the numbers. `place_alone` places one process on a machine of its own (a flow run
+on a work pool).
 
 Defaults (every choice can be pinned in the config: `learner.gpus`, `learner.cpu_cores`,
 `generator.cpu_cores`, `eval.cpu_cores`; GPUs per engine are `generator.tensor_parallel_size`):
@@ -19,231 +18,21 @@ Defaults (every choice can be pinned in the config: `learner.gpus`, `learner.cpu
   generators and the evaluator equal disjoint blocks of the rest. With fewer free cores than
   automatic engines (2 cores, 2 generators) engines share cores round-robin, marked `shared`;
   explicit settings that do not fit are refused instead.
-
-The plan is printed (`describe()`) and stored as `<run>/control/placement.json`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from streamrl.placement.config import PlacementError
+from streamrl.placement.cores import format_cores, machine_cpus, visible_gpus
+from streamrl.placement.records import Component, PlacementPlan, ProcessPlacement
 
 if TYPE_CHECKING:
-    from storage.fs import Location
     from streamrl.config import RunConfig
 
-__all__ = [
-    "PLACED_VARIABLES",
-    "PLACEMENT_FILE",
-    "RANK_CORES_VARIABLE",
-    "PlacementError",
-    "PlacementPlan",
-    "ProcessPlacement",
-    "bind_rank",
-    "format_cores",
-    "machine_cpus",
-    "parse_cores",
-    "place_alone",
-    "plan_placement",
-    "read_placement",
-    "visible_gpus",
-    "write_placement",
-]
-
-PLACEMENT_FILE = ("control", "placement.json")
-Component = Literal["learner", "generator", "evaluator"]
-
-# OpenMP threads that wait for work sleep instead of spinning on a core another process needs
-# (libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT, Intel's runtime KMP_BLOCKTIME).
-IDLE_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
-
-# A learner of several ranks: each rank's cores, ';'-separated in rank order (`bind_rank`).
-RANK_CORES_VARIABLE = "STREAMRL_RANK_CORES"
-
-# Every variable a placement decides: a planned process never inherits them from its supervisor.
-PLACED_VARIABLES = frozenset(
-    {"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"}
-    | {RANK_CORES_VARIABLE}
-    | set(IDLE_WAIT_ENV)
-)
-
-
-class PlacementError(ValueError):
-    """The configured processes do not fit on this machine; the message names the numbers."""
-
-
-# -- core lists ------------------------------------------------------------------------------
-
-
-def parse_cores(text: str) -> list[int]:
-    """'0-3,8' → [0, 1, 2, 3, 8] (sorted, each core once)."""
-    cores: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        low, sep, high = part.partition("-")
-        if not low.isdigit() or (sep and not high.isdigit()):
-            raise ValueError(f"{text!r} is not a core list like '0-3,8'")
-        first, last = int(low), int(high) if sep else int(low)
-        if last < first:
-            raise ValueError(f"core range {part!r} runs backwards; write {last}-{first}")
-        cores.update(range(first, last + 1))
-    if not cores:
-        raise ValueError(f"{text!r} names no core; write a core list like '0-3,8' or a count")
-    return sorted(cores)
-
-
-def format_cores(cores: Sequence[int]) -> str:
-    """[0, 1, 2, 3, 8] → '0-3,8' (the form taskset and VLLM_CPU_OMP_THREADS_BIND read)."""
-    ranges: list[str] = []
-    ordered = sorted(set(cores))
-    start = prev = ordered[0] if ordered else 0
-    for core in [*ordered[1:], None]:
-        if core is not None and core == prev + 1:
-            prev = core
-            continue
-        ranges.append(str(start) if start == prev else f"{start}-{prev}")
-        if core is not None:
-            start = prev = core
-    return ",".join(ranges) if ordered else ""
-
-
-def machine_cpus() -> list[int]:
-    """The cores this process may run on (its affinity), which the run's processes share."""
-    return sorted(os.sched_getaffinity(0))
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process sees, as `CUDA_VISIBLE_DEVICES` names them for a child: that
-    variable's entries when it is set (an empty value hides every GPU), else 0..N−1 for the N
-    devices torch counts."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d.strip() for d in listed.split(",") if d.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-# -- the plan --------------------------------------------------------------------------------
-
-
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ProcessPlacement(_Record):
-    """Where one process of the run (for the learner: its whole torchrun job) runs.
-
-    Invariants: `cpus` is non-empty and within the machine's affinity; `gpus` are entries of
-    the machine's visible GPU list (empty: on CPU); `threads` ≥ 1 OpenMP threads per process
-    (for a learner of several ranks, its cores divided between them)."""
-
-    name: str
-    component: Component
-    index: int = 0
-    ranks: int = 1
-    cpus: tuple[int, ...]
-    gpus: tuple[str, ...] = ()
-    threads: int = 1
-    shared: bool = False  # cores shared with another process (too few for disjoint blocks)
-
-    @property
-    def on_gpu(self) -> bool:
-        return bool(self.gpus)
-
-    def env(self) -> dict[str, str]:
-        """The environment variables this process starts with (over the supervisor's)."""
-        env = {
-            "CUDA_VISIBLE_DEVICES": ",".join(self.gpus),
-            "OMP_NUM_THREADS": str(self.threads),
-            "MKL_NUM_THREADS": str(self.threads),
-            **IDLE_WAIT_ENV,
-        }
-        if self.component != "learner" and not self.on_gpu:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cpus)
-        if self.ranks > 1:
-            env[RANK_CORES_VARIABLE] = ";".join(format_cores(c) for c in self.rank_cpus())
-        return env
-
-    def rank_cpus(self) -> list[tuple[int, ...]]:
-        """Each rank's own cores: `cpus` in `ranks` consecutive blocks of `threads` (the last
-        takes the remainder); all of `cpus` for every rank when there are fewer cores than
-        ranks."""
-        if len(self.cpus) < self.ranks:
-            return [self.cpus] * self.ranks
-        blocks = [self.cpus[r * self.threads : (r + 1) * self.threads] for r in range(self.ranks)]
-        blocks[-1] = self.cpus[(self.ranks - 1) * self.threads :]
-        return blocks
-
-
-class PlacementPlan(_Record):
-    """Every process of a run on this machine, and what the machine offered."""
-
-    machine_cpus: tuple[int, ...]
-    machine_gpus: tuple[str, ...]
-    learner: ProcessPlacement
-    generators: tuple[ProcessPlacement, ...]
-    evaluator: ProcessPlacement | None = None
-
-    @property
-    def processes(self) -> list[ProcessPlacement]:
-        evaluator = [self.evaluator] if self.evaluator is not None else []
-        return [self.learner, *self.generators, *evaluator]
-
-    def placement_of(self, component: Component, index: int = 0) -> ProcessPlacement:
-        """The placement of the learner, generator `index` or the evaluator."""
-        if component == "learner":
-            return self.learner
-        if component == "generator" and 0 <= index < len(self.generators):
-            return self.generators[index]
-        if component == "evaluator" and self.evaluator is not None:
-            return self.evaluator
-        raise KeyError(f"the plan has no {component} {index}")
-
-    def env_for(self, component: Component, index: int = 0) -> dict[str, str]:
-        return self.placement_of(component, index).env()
-
-    def cpus_for(self, component: Component, index: int = 0) -> tuple[int, ...]:
-        return self.placement_of(component, index).cpus
-
-    def describe(self) -> str:
-        """A compact table for the console."""
-        gpus = ",".join(self.machine_gpus) or "none"
-        lines = [
-            f"placement: {len(self.machine_cpus)} cores ({format_cores(self.machine_cpus)}), "
-            f"GPUs: {gpus}",
-            f"  {'process':<10} {'cores':<14} {'threads':>7}  gpus",
-        ]
-        for p in self.processes:
-            name = f"{p.name}×{p.ranks}" if p.ranks > 1 else p.name
-            cores = format_cores(p.cpus) + (" shared" if p.shared else "")
-            lines.append(f"  {name:<10} {cores:<14} {p.threads:>7}  {','.join(p.gpus) or 'cpu'}")
-        return "\n".join(lines)
-
-    def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> PlacementPlan:
-        return cls.model_validate_json(text)
-
-
-def write_placement(run: Location, plan: PlacementPlan) -> None:
-    """Store the plan as `<run>/control/placement.json` (each start of the run rewrites it)."""
-    if run.is_local:
-        run.fs.makedirs(run.join("control"), exist_ok=True)
-    run.fs.pipe_file(run.join(*PLACEMENT_FILE), plan.to_json().encode())
-
-
-def read_placement(run: Location) -> PlacementPlan:
-    return PlacementPlan.from_json(run.fs.cat_file(run.join(*PLACEMENT_FILE)))
-
-
-# -- planning --------------------------------------------------------------------------------
+__all__ = ["PlacementError", "place_alone", "plan_placement"]
 
 
 def plan_placement(
@@ -258,7 +47,9 @@ def plan_placement(
     `evaluator` and `eval.every_versions` > 0, the evaluator on this machine's `cpus` (default:
     this process's affinity) and `gpus` (default: `visible_gpus()`).
 
-    Raises `PlacementError` naming the numbers when the processes do not fit."""
+    Raises `PlacementError` naming the numbers when the processes do not fit, or when the run
+    is placed on work pools (`placement.mode=pools`)."""
+    config.placement.check_on_this_machine()
     cpus = sorted(set(machine_cpus() if cpus is None else cpus))
     gpus = list(visible_gpus() if gpus is None else gpus)
     count = config.generator.count if generators is None else generators
@@ -351,17 +142,6 @@ def _own_learner_cores(setting: int | list[int] | None, cpus: list[int]) -> list
             f"this process may not use (its affinity: {format_cores(cpus)})"
         )
     return sorted(setting)
-
-
-def bind_rank(local_rank: int) -> tuple[int, ...] | None:
-    """In a learner rank started from a placement of several ranks: move this process onto
-    its own cores (`RANK_CORES_VARIABLE`) and return them; None when there is no such plan."""
-    blocks = os.environ.get(RANK_CORES_VARIABLE)
-    if not blocks:
-        return None
-    cores = tuple(parse_cores(blocks.split(";")[local_rank]))
-    os.sched_setaffinity(0, cores)
-    return cores
 
 
 def _on_cuda(device: str, gpus: Sequence[str], field: str) -> bool:

@@ -17,14 +17,11 @@ datasets ship no split — the training prompts themselves. The last is no held-
 evaluator says so in a warning and in every record (`held_out: false`). The first
 `eval.max_prompts` prompts in file order are used, the same ones for every version.
 
-Records: one JSON object per evaluation in `<run>/metrics/eval.jsonl` (local runs); object
-stores cannot append, so there each record is an object `metrics/eval-v<version>-<ns>.json`.
-A record holds the metrics, `version`, `time`, `k`, `temperature`, `dataset` and `held_out`.
+Each evaluation appends one record to the run's evaluation log (`streamrl.evaluation.records`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -36,23 +33,23 @@ import numpy as np
 from storage.control import stop_requested
 from storage.fs import Location
 from storage.weights import WeightStore, WeightVersionNotFoundError
-from streamrl.config import ConfigError, DataConfig, GeneratorConfig, RunConfig
+from streamrl.config import RunConfig
+from streamrl.config_base import ConfigError
+from streamrl.data.config import DataConfig
+from streamrl.evaluation.records import append_eval_record, read_eval_records
+from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.engine import Engine, FinishedGroup, WeightSource
 
 __all__ = [
     "EvaluationLoop",
     "Evaluator",
-    "append_eval_record",
     "evaluate",
     "evaluation_sampling",
-    "read_eval_records",
     "run_evaluator",
     "validation_dataset",
 ]
 
 log = logging.getLogger(__name__)
-
-EVAL_LOG = ("metrics", "eval.jsonl")
 
 
 def evaluation_sampling(
@@ -183,32 +180,6 @@ class Evaluator:
             "dataset": self.dataset.path,
             "held_out": self.held_out,
         }
-
-
-def append_eval_record(run: Location, record: dict[str, Any]) -> None:
-    """Add one record to the run's evaluation log (module docstring)."""
-    line = json.dumps(record) + "\n"
-    fs = run.fs
-    if run.is_local:
-        fs.makedirs(run.join("metrics"), exist_ok=True)
-        with fs.open(run.join(*EVAL_LOG), "a") as f:
-            f.write(line)
-    else:  # object stores cannot append: one object per record
-        name = f"eval-v{int(record['version']):08d}-{time.time_ns()}.json"
-        fs.pipe_file(run.join("metrics", name), line.encode())
-
-
-def read_eval_records(run: Location) -> list[dict[str, Any]]:
-    """Every record of the run's evaluation log, oldest first."""
-    fs = run.fs
-    if run.is_local:
-        path = run.join(*EVAL_LOG)
-        texts = [fs.cat_file(path).decode()] if fs.exists(path) else []
-    else:
-        paths = sorted(fs.glob(run.join("metrics", "eval-v*.json")))
-        texts = [blob.decode() for blob in fs.cat(paths).values()] if paths else []
-    records = [json.loads(line) for text in texts for line in text.splitlines() if line.strip()]
-    return sorted(records, key=lambda r: r.get("time", 0.0))
 
 
 def evaluate(

@@ -1,0 +1,75 @@
+"""What every configuration section shares: the `Section` base class, the bounds of its
+fields, and `ConfigError`, the error a user must fix.
+
+Each component's section is defined beside its code (`streamrl.learner.config`,
+`streamrl.generator.config`, ...); `streamrl.config.RunConfig` joins them and holds the rules
+that span components; `streamrl.config_loading` builds one from presets, files and overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from storage.credentials import credential_paths
+
+__all__ = [
+    "MAX_SEED",
+    "MAX_SEQUENCE_TOKENS",
+    "MAX_STEPS",
+    "MAX_WAIT_S",
+    "AdamBeta",
+    "ConfigError",
+    "Section",
+    "credentials_problem",
+]
+
+MAX_WAIT_S = 30 * 24 * 3600.0
+"""The longest duration any `*_s` field takes (30 days): far below `threading.TIMEOUT_MAX`,
+the longest timeout a lock, event or queue wait accepts."""
+MAX_SEQUENCE_TOKENS = 2**20
+"""The longest prompt, response or sequence in tokens any length field takes."""
+MAX_SEED = 2**31 - 1
+"""The largest seed: every RNG streamrl seeds (Python, NumPy, torch, vLLM) takes it."""
+MAX_STEPS = 10**9
+"""The largest step, version or interval count."""
+
+# An Adam moment decay: 1 would never forget (and divide by zero in the bias correction).
+AdamBeta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix. `problems` holds one line per problem."""
+
+    def __init__(self, problems: Sequence[str], source: str = "configuration") -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid {source}:\n{lines}")
+
+
+class Section(BaseModel):
+    """A configuration section: unknown fields refused, every float finite (no inf or nan,
+    whatever its bounds), and no credentials anywhere in it (`_no_credentials`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and (found := credential_paths(data)):
+            raise ValueError(credentials_problem(found))
+        return data
+
+
+def credentials_problem(paths: Sequence[str]) -> str:
+    """What to do about credentials found in a configuration at `paths` (never their values)."""
+    return (
+        f"credentials do not belong in the configuration ({', '.join(paths)}): it is stored in "
+        "run.json and control/config.json and shown in wandb and in flow-run parameters. "
+        "Remove them and give them to the processes as environment variables (AWS_ACCESS_KEY_ID "
+        "/ AWS_SECRET_ACCESS_KEY or an AWS profile for S3, WANDB_API_KEY, HF_TOKEN) or, on "
+        "work pools, through the pool's Kubernetes secret (deploy/README.md); the S3 endpoint "
+        "is storage.endpoint_url"
+    )

@@ -1,0 +1,6 @@
+"""Held-out evaluation of published weight versions, in a process of its own (`streamrl eval`).
+
+- `config`: the `eval` section.
+- `evaluator`: greedy accuracy and avg@k of a version (`evaluate`, `run_evaluator`).
+- `records`: the evaluation log the evaluator appends to and status, curves and artifacts read.
+"""

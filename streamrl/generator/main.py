@@ -1,0 +1,148 @@
+"""One generator process: built from the run's configuration, run until the run stops.
+
+`run_generator` is what `streamrl generator --run RUN_URI --index I` and the Prefect flows
+call: it opens an existing run, holds index I (`streamrl.launch.hold_generator_index`: no
+other live generator may run it), builds one generator from the run's configuration and runs
+it until the run's stop marker appears or SIGTERM arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from storage.fs import Location
+from storage.stream import StreamWriter
+from streamrl.config import RunConfig
+from streamrl.generator.loop import GeneratorLoop, GeneratorStats
+
+__all__ = ["build_generator", "run_generator"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def build_generator(
+    config: RunConfig,
+    run: Location,
+    index: int,
+    *,
+    policy_version: int | None = None,
+    take_over: bool = False,
+) -> Iterator[GeneratorLoop]:
+    """Everything one generator needs, built from the run's configuration and released on exit.
+
+    First holds index `index` for this process (`hold_generator_index`; `take_over` for a
+    supervisor restarting it): raises `GeneratorIndexHeldError` while another generator runs
+    it, and every commit checks it is still held. Fails fast — before vLLM starts — on a bad
+    dataset field, model path or reward (its workers start first and load it). Each call is
+    one more start of generator `index` in the run: it continues the data shard after what
+    earlier starts committed and draws a seed of its own (`streamrl.generator.progress`).
+    Once the engine is up its workers load the weights from the run's store: the newest intact
+    version (corrupt ones are skipped and counted), exactly `policy_version` when given (its
+    manifest is checked before vLLM starts), or none with `policy_version=0` (the model's own).
+    """
+    from streamrl.launch import hold_generator_index
+
+    if index < 0:
+        raise ValueError(f"generator index must be ≥ 0, got {index}")
+    with (
+        hold_generator_index(run, index, take_over=take_over) as held,
+        _build(config, run, index, policy_version, before_commit=held.check) as loop,
+    ):
+        yield loop
+
+
+@contextlib.contextmanager
+def _build(
+    config: RunConfig,
+    run: Location,
+    index: int,
+    policy_version: int | None,
+    *,
+    before_commit: Callable[[], object],
+) -> Iterator[GeneratorLoop]:
+    from storage.weight_follower import Advance
+    from storage.weights import WeightStore
+    from streamrl.data import PromptPosition, PromptSource
+    from streamrl.generator.engine import Engine, WeightSource, generator_seed
+    from streamrl.generator.progress import PromptLedger, resume_prompts
+    from streamrl.models import resolve_model_path
+    from streamrl.rewards import RewardScorer
+
+    cfg = config.generator
+    model_path = resolve_model_path(config.model.path)
+    source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
+    # The reward's workers load it (the user's module is imported there, under their limits)
+    # before anything is counted or vLLM starts: a reward that cannot be loaded fails here.
+    with RewardScorer.from_config(cfg.reward) as scorer:
+        generator_id = f"gen{index}"
+        # The run's `count` generators split the data; one added later (index ≥ count) walks
+        # shard index mod count from another epoch, so its prompt order differs from the
+        # original's.
+        prompts, progress = resume_prompts(
+            run,
+            generator_id,
+            source,
+            shard=index % cfg.count,
+            num_shards=cfg.count,
+            first_start=PromptPosition(epoch=index // cfg.count),
+        )
+        if policy_version:  # a version that does not exist fails before vLLM starts
+            WeightStore(run).read_manifest(policy_version)
+        seed = generator_seed(cfg.seed, index, progress.starts)
+        engine = Engine(model_path, config.model, cfg, seed=seed)
+        weights, seconds = Advance(None), 0.0
+        if policy_version != 0:
+            weight_source = WeightSource.of(run, config.weights)
+            weights, seconds = engine.advance_weights(weight_source, exactly=policy_version)
+        log.info(
+            "generator %s: start %d, seed %d, prompts from %s (%d committed after it), weights "
+            "v%d (loaded in %.2fs)",
+            generator_id, progress.starts, seed, prompts.position, len(progress.committed_after),
+            engine.policy_version, seconds,
+        )  # fmt: skip
+        writer = StreamWriter(
+            run,
+            generator_id,
+            compression=config.storage.compression,
+            level=config.storage.compression_level,
+        )
+        loop = GeneratorLoop(
+            config=config,
+            run=run,
+            engine=engine,
+            prompts=prompts,
+            scorer=scorer,
+            writer=writer,
+            generator_id=generator_id,
+            ledger=PromptLedger(prompts, run=run, progress=progress),
+            before_commit=before_commit,
+        )
+        loop.skip_unusable_weights(weights)
+        yield loop
+
+
+def run_generator(
+    run_uri: str,
+    index: int,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    stop: threading.Event | None = None,
+    take_over: bool = False,
+) -> GeneratorStats:
+    """Run generator `index` of an existing run until it is told to stop.
+
+    SIGTERM (when called from the main thread) sets the stop event: the loop flushes its open
+    segment and this returns normally, so the process exits 0. `take_over`: see
+    `build_generator`.
+    """
+    from streamrl.runs import open_existing_run, stop_on_sigterm
+
+    config, run = open_existing_run(run_uri, storage_options)
+    stop = stop_on_sigterm(stop)
+    with build_generator(config, run, index, take_over=take_over) as loop:
+        return loop.run(stop)

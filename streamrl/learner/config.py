@@ -1,0 +1,268 @@
+"""The learner's sections: `learner` (batching, optimiser, staleness, checkpoints, ranks),
+`weights` (how it publishes versions: `streamrl.learner.publish`) and `logging` (where its
+metrics go: `streamrl.learner.reporting`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.config_base import (
+    MAX_SEED,
+    MAX_SEQUENCE_TOKENS,
+    MAX_STEPS,
+    MAX_WAIT_S,
+    AdamBeta,
+    Section,
+)
+from streamrl.models.config import ModelConfig
+from streamrl.placement.cores import CoreSetting
+
+__all__ = [
+    "LearnerConfig",
+    "LoggingConfig",
+    "WeightsConfig",
+]
+
+
+class LearnerConfig(Section):
+    """The FSDP2 learner: batching, optimiser, staleness, publishing and checkpoints."""
+
+    total_steps: int = Field(
+        100, ge=1, le=MAX_STEPS, description="Step budget; the run ends after it."
+    )
+    batch_groups: int = Field(
+        16, ge=1, le=1_000_000, description="B: accepted groups (prompts) per training batch."
+    )
+    mini_batch_groups: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description="Groups per optimiser update; batch_groups / mini_batch_groups updates "
+        "per batch.",
+    )
+    micro_batch_tokens: int = Field(
+        8192,
+        gt=0,
+        le=2**30,
+        description="Token budget of one forward/backward micro-batch per rank.",
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=MAX_STEPS,
+        description="Drop groups sampled more than this many weight versions ago; 0 is "
+        "synchronous on-policy RL.",
+    )
+    lr: float = Field(1e-6, gt=0.0, description="Actor peak learning rate (AdamW).")
+    critic_lr: float = Field(2e-6, gt=0.0, description="Critic peak learning rate (vapo).")
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[AdamBeta, AdamBeta] = Field(
+        (0.9, 0.999), description="AdamW β1, β2, each in [0, 1)."
+    )
+    eps: float = Field(1e-8, gt=0.0, description="AdamW ε.")
+    warmup_steps: int = Field(
+        10, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up steps."
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after warm-up."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of the peak lr."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this; null disables."
+    )
+    publish_every: int = Field(
+        1,
+        ge=1,
+        le=MAX_STEPS,
+        description="Publish weights every K steps (each publication is a version).",
+    )
+    checkpoint_every: int = Field(50, ge=1, le=MAX_STEPS, description="Checkpoint every M steps.")
+    keep_checkpoints: int = Field(2, ge=1, le=10_000, description="Committed checkpoints retained.")
+    stream_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Fail when the stream yields no data for this long.",
+    )
+    lease_ttl_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=3600.0,
+        description="The learner's lease on the run (one learner per run) lasts this long "
+        "without renewal: a new learner may take the run over once it lapsed (or at once with "
+        "--take-over), and the old one then writes nothing more.",
+    )
+    max_skipped_updates: int = Field(
+        5,
+        ge=1,
+        le=1_000_000,
+        description="Fail the learner after this many optimiser updates in a row were skipped "
+        "for a non-finite gradient norm (each skip is counted and logged).",
+    )
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="Learner processes (ranks) per node.")
+    nnodes: int = Field(
+        1,
+        ge=1,
+        le=100_000,
+        description="Learner nodes (machines, pods) of nproc_per_node ranks each. More than one "
+        "needs placement.mode=pools: each node is a run of the learner deployment, joined by "
+        "torchrun's rendezvous at an address node 0 publishes in the run's storage.",
+    )
+    rendezvous_timeout_s: float = Field(
+        900.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="How long a learner node waits for node 0's address (its pod may still be "
+        "scheduled) before its attempt fails.",
+    )
+    gpus: int | list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="The learner's GPUs, one per rank: their number (= nproc_per_node) or "
+        "their positions among this machine's visible GPUs ([4, 5, 6, 7]). null: the first "
+        "nproc_per_node; generators and the evaluator take the next ones, "
+        "generator.tensor_parallel_size each.",
+    )
+    cpu_cores: CoreSetting = Field(
+        None,
+        description="CPU cores of the learner (all its ranks): a count or a core list such as "
+        "'0-3,8' (a bare number is a count). null: half the cores this machine lets the run "
+        "use when generators share it, else all.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto picks CUDA when available."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="FSDP2 compute dtype; auto is bf16 on CUDA (fp32 reduce), fp32 on CPU."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute decoder-layer activations in the backward pass."
+    )
+    shared_prompt: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Compute each group's prompt once for all its responses (one row: the "
+        "prompt, then each response attending to the prompt and itself). auto: on where the "
+        "model's attention takes such a mask (SDPA); off: a row per response.",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Tokens per chunk for log-prob/entropy over the vocabulary.",
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for parameter init and data order.")
+
+    @model_validator(mode="after")
+    def _mini_batches_divide_the_batch(self) -> LearnerConfig:
+        if self.batch_groups % self.mini_batch_groups:
+            raise ValueError(
+                f"batch_groups ({self.batch_groups}) must be a multiple of mini_batch_groups "
+                f"({self.mini_batch_groups}); e.g. set learner.mini_batch_groups="
+                f"{self.batch_groups}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> LearnerConfig:
+        if self.gpus is None:
+            return self
+        listed = len(self.gpus) if isinstance(self.gpus, list) else self.gpus
+        if listed != self.nproc_per_node:
+            raise ValueError(
+                f"learner.gpus gives {listed} GPU(s) but learner.nproc_per_node is "
+                f"{self.nproc_per_node}: one GPU per rank; set both to the same number"
+            )
+        if isinstance(self.gpus, list) and len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"learner.gpus lists a GPU twice: {self.gpus}")
+        return self
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimiser updates taken on each training batch."""
+        return self.batch_groups // self.mini_batch_groups
+
+
+class WeightsConfig(Section):
+    """How the learner publishes policy versions and generators load them (storage.weights).
+
+    Each learner rank uploads its own FSDP shard of every parameter in `dtype`; rank 0 commits
+    the version once every rank's share is there. Publishing runs in the background: the step
+    that publishes copies this rank's shard to host memory and training goes on while it is
+    uploaded; the next publish waits for the previous one (versions commit in order, never
+    skipped). Host memory per rank: two copies of its shard in `dtype` (the version being
+    uploaded and the base of the next delta) plus up to 1 GiB of serialised files.
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype of published weights; auto: model.dtype, what the generators run "
+        "(float32 keeps exact importance ratios on CPU).",
+    )
+    full_every: int = Field(
+        8,
+        ge=1,
+        le=MAX_STEPS,
+        description="A full version at least every N versions; the ones between are deltas "
+        "against the previous version (the elements that changed). 1: full versions only.",
+    )
+    max_delta_ratio: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="A delta larger than this fraction of a full version is published full.",
+    )
+    background: bool = Field(
+        True,
+        description="Upload while the next step trains (false: the step waits for the upload).",
+    )
+    publish_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Rank 0 gives up on a version whose shares are not all in.",
+    )
+    publish_attempts: int = Field(
+        3,
+        ge=1,
+        le=20,
+        description="Uploads (and commits) of one version before the learner fails naming the "
+        "storage error (retries after 2 s, 4 s, ... of back-off); a version is never skipped.",
+    )
+    shard_bytes: int = Field(
+        512 * 1024**2,
+        gt=0,
+        le=1 << 40,
+        description="Largest safetensors file a rank writes per version.",
+    )
+    keep_versions: int = Field(
+        3,
+        ge=1,
+        le=10_000,
+        description="Published versions retained, plus the versions a kept delta is built "
+        "from (LATEST is never deleted).",
+    )
+
+    def resolved_dtype(self, model: ModelConfig) -> str:
+        """The dtype versions are published in (a torch dtype name)."""
+        return model.dtype if self.dtype == "auto" else self.dtype
+
+
+class LoggingConfig(Section):
+    """Metrics and logs: wandb, a JSONL file in the run, the console."""
+
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="auto: online when WANDB_API_KEY is set, else offline."
+    )
+    wandb_project: str = Field("streamrl", min_length=1, description="wandb project.")
+    wandb_entity: str | None = Field(None, description="wandb entity (team or user).")
+    run_name: str | None = Field(
+        None, description="Display name; default: the last component of storage.run_uri."
+    )
+    log_every: int = Field(1, ge=1, le=MAX_STEPS, description="Log metrics every N learner steps.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Console log level."
+    )
