@@ -187,7 +187,8 @@ class LearnerConfig(Section):
 
 
 class WeightsConfig(Section):
-    """How the learner publishes policy versions and generators load them (storage.weights).
+    """How the learner publishes policy versions (`storage.weight_publish`) and generators load
+    them (`storage.weights`).
 
     Each learner rank uploads its own FSDP shard of every parameter in `dtype`; rank 0 commits
     the version once every rank's share is there. Publishing runs in the background: the step

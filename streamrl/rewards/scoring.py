@@ -35,6 +35,10 @@ calls waiting for it score 0.0 as errors, counted, and the next batch tries agai
 `score()` may be called from several threads; batches are then scored one after another.
 Scores are raw, in [0, 1]; `streamrl.algorithms.shaping.scale_rule_reward` maps them to the
 rule reward (±1 or 1/0) in the generator.
+
+One job in one file (~450 lines, a third of them this docstring): the pool, its deadlines and
+its restarts keep one invariant together (a call's deadline is its submit time), which a
+split would spread over two files.
 """
 
 from __future__ import annotations

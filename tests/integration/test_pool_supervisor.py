@@ -94,7 +94,8 @@ def _named(fleet, name: str):
 
 def test_job_variables_are_those_the_pool_declares():
     config = load_config(
-        overrides=["placement.image=registry/streamrl:cuda", "generator.tensor_parallel_size=2",
+        overrides=["placement.mode=pools", "placement.image=registry/streamrl:cuda",
+                   "generator.tensor_parallel_size=2",
                    "learner.nproc_per_node=8", "placement.env={A: b}"]
     )  # fmt: skip
     k8s = set(K8S_TEMPLATE["variables"]["properties"])
@@ -106,7 +107,7 @@ def test_job_variables_are_those_the_pool_declares():
     assert job_variables(config, "generator", k8s)["gpu_count"] == 2
     process = set(ProcessWorker.get_default_base_job_template()["variables"]["properties"])
     assert job_variables(config, "generator", process) == {"env": {"A": "b"}}
-    on_cpu = load_config(overrides=["generator.device=cpu"])
+    on_cpu = load_config(overrides=["placement.mode=pools", "generator.device=cpu"])
     assert job_variables(on_cpu, "evaluator", {"gpu_count"}) == {"gpu_count": 0}
 
 
