@@ -1,5 +1,6 @@
-"""The replay stream's wire records: `ScoredGroup` (one prompt and its G scored responses),
-`CommitRecord` (one entry of the commit log) and `Cursor` (a reader's position).
+"""The replay stream's wire records: `ScoredGroup` (one prompt and its G scored responses,
+defined in `storage.scored_group`), `CommitRecord` (one entry of the commit log), the
+`RolloutSums` it carries, and `Cursor` (a reader's position).
 
 These are the boundary between generators and the learner; both sides validate them.
 """
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from storage.scored_group import InvalidRecordError, ScoredGroup
+
 __all__ = [
     "WRITER_ID",
     "CommitRecord",
@@ -26,152 +29,30 @@ __all__ = [
 ]
 
 
-class InvalidRecordError(ValueError):
-    """A record breaks one of its invariants; the message names the field."""
-
-
-@dataclass(frozen=True, eq=False)
-class ScoredGroup:
-    """One prompt and its G responses, sampled and scored by one generator.
-
-    Invariants (checked by `validate`, on write and on read):
-      * G ≥ 1 responses; `response_tokens`, `behaviour_logprobs`, `rewards`, `raw_scores`,
-        `truncated` and `finish_reasons` all have G entries;
-      * len(response_tokens[i]) == len(behaviour_logprobs[i]) for every response i;
-      * tokens are int32 ≥ 0; log-probs float32, finite and ≤ 0; rewards and raw scores finite;
-      * policy_version ≥ 0 (0 = the initial weights).
-
-    Fields:
-        prompt_id: the dataset's id of the prompt.
-        prompt_tokens: `[P] int32` the prompt as the engine saw it (chat template applied).
-        ground_truth: the reference answer the reward function compared against.
-        response_tokens: G arrays `[L_i] int32`.
-        behaviour_logprobs: G arrays `[L_i] float32`, log π_behav of each sampled token.
-        rewards: `[G] float32` reward after shaping (what the learner optimises).
-        raw_scores: `[G] float32` the verifier's score before shaping (for metrics).
-        truncated: `[G] bool` the response hit max_tokens without finishing.
-        finish_reasons: G strings as the engine reported them ("stop", "length", ...).
-        policy_version: weight version the responses were sampled with.
-        generator_id: which generator produced the group.
-        created_at, finished_at: UNIX times when the prompt was submitted and the group scored.
-    """
-
-    prompt_id: str
-    prompt_tokens: np.ndarray
-    ground_truth: str
-    response_tokens: Sequence[np.ndarray]
-    behaviour_logprobs: Sequence[np.ndarray]
-    rewards: np.ndarray
-    raw_scores: np.ndarray
-    truncated: np.ndarray
-    finish_reasons: Sequence[str]
-    policy_version: int
-    generator_id: str
-    created_at: float
-    finished_at: float
-
-    @property
-    def group_size(self) -> int:
-        """G, the number of responses."""
-        return len(self.response_tokens)
-
-    @property
-    def response_lengths(self) -> np.ndarray:
-        """`[G] int64` tokens per response."""
-        return np.array([len(t) for t in self.response_tokens], dtype=np.int64)
-
-    @property
-    def num_tokens(self) -> int:
-        """Response tokens in the group."""
-        return int(self.response_lengths.sum())
-
-    def validate(self) -> ScoredGroup:
-        """Raise `InvalidRecordError` naming the first broken invariant; return self."""
-        where = f"group {self.prompt_id!r} from {self.generator_id!r}"
-        g = len(self.response_tokens)
-        if g < 1:
-            raise InvalidRecordError(f"{where}: a group needs at least one response")
-        sized = {
-            "behaviour_logprobs": len(self.behaviour_logprobs),
-            "rewards": len(self.rewards),
-            "raw_scores": len(self.raw_scores),
-            "truncated": len(self.truncated),
-            "finish_reasons": len(self.finish_reasons),
-        }
-        for name, n in sized.items():
-            if n != g:
-                raise InvalidRecordError(
-                    f"{where}: {name} has {n} entries but there are {g} responses"
-                )
-        _check_tokens(self.prompt_tokens, f"{where}: prompt_tokens")
-        for i, (tokens, logprobs) in enumerate(
-            zip(self.response_tokens, self.behaviour_logprobs, strict=True)
-        ):
-            _check_tokens(tokens, f"{where}: response_tokens[{i}]")
-            logprobs = np.asarray(logprobs)
-            if logprobs.ndim != 1 or len(logprobs) != len(tokens):
-                raise InvalidRecordError(
-                    f"{where}: response {i} has {len(tokens)} tokens but "
-                    f"{logprobs.size} behaviour log-probs; they must have the same length"
-                )
-            if logprobs.size and not (np.isfinite(logprobs).all() and (logprobs <= 0).all()):
-                raise InvalidRecordError(f"{where}: behaviour_logprobs[{i}] must be finite and ≤ 0")
-        for name in ("rewards", "raw_scores"):
-            if not np.isfinite(np.asarray(getattr(self, name), dtype=np.float64)).all():
-                raise InvalidRecordError(f"{where}: {name} must be finite")
-        if self.policy_version < 0:
-            raise InvalidRecordError(f"{where}: policy_version must be ≥ 0")
-        return self
-
-    def equals(self, other: ScoredGroup) -> bool:
-        """Field-by-field equality (arrays compared by value and dtype-insensitive)."""
-
-        def arrays_equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
-            return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-
-        return (
-            self.prompt_id == other.prompt_id
-            and self.ground_truth == other.ground_truth
-            and np.array_equal(self.prompt_tokens, other.prompt_tokens)
-            and arrays_equal(self.response_tokens, other.response_tokens)
-            and arrays_equal(self.behaviour_logprobs, other.behaviour_logprobs)
-            and np.array_equal(self.rewards, other.rewards)
-            and np.array_equal(self.raw_scores, other.raw_scores)
-            and np.array_equal(self.truncated, other.truncated)
-            and list(self.finish_reasons) == list(other.finish_reasons)
-            and self.policy_version == other.policy_version
-            and self.generator_id == other.generator_id
-            and self.created_at == other.created_at
-            and self.finished_at == other.finished_at
-        )
-
-
-def _check_tokens(tokens: np.ndarray, what: str) -> None:
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise InvalidRecordError(f"{what} must be a 1-d integer array")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
-        raise InvalidRecordError(f"{what} holds token ids outside int32 range [0, 2^31)")
-
-
 @dataclass
 class RolloutSums:
     """Sums over the responses of some groups, for rollout metrics (the learner's `rollout/*`;
     a commit record carries its segment's). A response is correct when its raw verifier score
-    is ≥ 1; `reward` sums shaped rewards, `length` response tokens."""
+    is ≥ 1; `reward` sums shaped rewards, `length` sampled tokens (ALGORITHMS.md: lengths count
+    sampled tokens), `env_tokens` environment tokens (multi-turn), `turns` model turns."""
 
     responses: int = 0
     reward: float = 0.0
     correct: int = 0
     length: int = 0
     truncated: int = 0
+    env_tokens: int = 0
+    turns: int = 0
 
     def add(self, group: ScoredGroup) -> None:
+        sampled = int(np.sum(group.sampled_lengths))
         self.responses += group.group_size
         self.reward += float(np.sum(group.rewards, dtype=np.float64))
         self.correct += int(np.count_nonzero(np.asarray(group.raw_scores) >= 1.0))
-        self.length += int(np.sum(group.response_lengths))
+        self.length += sampled
         self.truncated += int(np.count_nonzero(group.truncated))
+        self.env_tokens += group.num_tokens - sampled
+        self.turns += int(np.sum(group.effective_turns, dtype=np.int64))
 
     def merge(self, other: RolloutSums) -> None:
         self.responses += other.responses
@@ -179,6 +60,16 @@ class RolloutSums:
         self.correct += other.correct
         self.length += other.length
         self.truncated += other.truncated
+        self.env_tokens += other.env_tokens
+        self.turns += other.turns
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutSums:
+        """The sums a commit record stored. Records written before multi-turn rollouts lack
+        `env_tokens` and `turns`: their responses were single-turn (no environment token,
+        one turn each)."""
+        data = {"env_tokens": 0, "turns": data.get("responses", 0), **data}
+        return cls(**data)
 
     @classmethod
     def of(cls, groups: Sequence[ScoredGroup]) -> RolloutSums:
@@ -188,14 +79,16 @@ class RolloutSums:
         return sums
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        """`<prefix>/reward_mean`, `/acc`, `/response_len_mean`, `/truncated_frac`: means over
-        responses."""
+        """`<prefix>/reward_mean`, `/acc`, `/response_len_mean` (sampled tokens),
+        `/truncated_frac`, `/env_tokens_mean`, `/turns_mean`: means over responses."""
         n = max(self.responses, 1)
         return {
             f"{prefix}/reward_mean": self.reward / n,
             f"{prefix}/acc": self.correct / n,
             f"{prefix}/response_len_mean": self.length / n,
             f"{prefix}/truncated_frac": self.truncated / n,
+            f"{prefix}/env_tokens_mean": self.env_tokens / n,
+            f"{prefix}/turns_mean": self.turns / n,
         }
 
 
@@ -250,7 +143,8 @@ class CommitRecord:
 
     `rollout`: the sums of the segment's responses (`RolloutSums`), so a reader that skips a
     segment unread (all its groups too stale) still counts what it held; None in records
-    written before the field existed (such segments are always read).
+    written before the field existed (such segments are always read). `num_tokens` counts every
+    response token the segment stores, sampled and environment tokens alike.
     """
 
     seq: int
@@ -292,7 +186,7 @@ class CommitRecord:
         rollout = self.rollout
         if not isinstance(rollout, RolloutSums):
             raise InvalidRecordError(f"{where}: rollout must be RolloutSums, got {rollout!r}")
-        for name in ("responses", "correct", "length", "truncated"):
+        for name in ("responses", "correct", "length", "truncated", "env_tokens", "turns"):
             _check_int(getattr(rollout, name), 0, f"{where}: rollout.{name}")
         reward = rollout.reward
         if isinstance(reward, bool) or not isinstance(reward, int | float):
@@ -354,7 +248,7 @@ class CommitRecord:
                 raise ValueError("'rejected' is not a stored field")
             raw["objects"] = {k: (int(v[0]), int(v[1])) for k, v in raw["objects"].items()}
             if raw.get("rollout") is not None:
-                raw["rollout"] = RolloutSums(**raw["rollout"])
+                raw["rollout"] = RolloutSums.from_dict(raw["rollout"])
         except InvalidRecordError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:

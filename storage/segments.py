@@ -9,13 +9,23 @@ Arrays are plain numeric, one chunk each; ragged data is stored flat with length
     flat prompts  [Σ P]          prompt_tokens i32
     per response  [n_responses]  response_lengths i32, rewards f32, raw_scores f32,
                                  truncated bool, finish_reasons u8 (codes into an attribute
-                                 vocabulary)
-    flat tokens   [Σ L]          response_tokens i32, behaviour_logprobs f32
+                                 vocabulary), turns i32, turn_reward_counts i32
+    flat tokens   [Σ L]          response_tokens i32, behaviour_logprobs f32, loss_masks u8,
+                                 token_versions i64
+    flat turns    [Σ T]          turn_rewards f32 (T_i = turn_reward_counts[i]: 0 or turns[i])
+
+Every group is stored with its multi-turn arrays, a single-turn one with their single-turn
+values (`ScoredGroup.effective_*`); decoded groups carry them as arrays.
 
 Strings (prompt ids, ground truths, generator ids, the finish-reason vocabulary) live in the
 group attributes, next to a CRC32 of every array's uncompressed bytes (`crc32`), checked on
 decode. (The commit record separately carries a CRC32 of every stored object, checked before
 decoding, so storage corruption is caught even where it breaks decompression.)
+
+Formats: 2 (written now) as above; 1, written before multi-turn rollouts, lacks `loss_masks`,
+`token_versions`, `turns`, `turn_reward_counts` and `turn_rewards` and decodes as single-turn
+groups (their multi-turn fields None), so a run written before resumes. Any other
+`format_version` is a `CorruptSegmentError`.
 """
 
 from __future__ import annotations
@@ -43,7 +53,9 @@ __all__ = [
     "encode_segment",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+_MULTI_TURN_ARRAYS = ("loss_masks", "token_versions", "turns", "turn_reward_counts", "turn_rewards")
 Compression = Literal["zstd", "blosc", "none"]
 
 
@@ -65,15 +77,16 @@ def _crc(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
 
 
+def _flat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+
 def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Flatten groups into the segment's arrays and string attributes."""
     vocab: dict[str, int] = {}
     reasons = [vocab.setdefault(r, len(vocab)) for g in groups for r in g.finish_reasons]
     if len(vocab) > 255:
         raise ValueError("more than 255 distinct finish reasons in one segment")
-
-    def flat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
     responses = [t for g in groups for t in g.response_tokens]
     arrays = {
@@ -82,16 +95,17 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
         "policy_versions": np.array([g.policy_version for g in groups], np.int64),
         "created_at": np.array([g.created_at for g in groups], np.float64),
         "finished_at": np.array([g.finished_at for g in groups], np.float64),
-        "prompt_tokens": flat([np.asarray(g.prompt_tokens) for g in groups], np.int32),
+        "prompt_tokens": _flat([np.asarray(g.prompt_tokens) for g in groups], np.int32),
         "response_lengths": np.array([len(t) for t in responses], np.int32),
-        "rewards": flat([np.asarray(g.rewards) for g in groups], np.float32),
-        "raw_scores": flat([np.asarray(g.raw_scores) for g in groups], np.float32),
-        "truncated": flat([np.asarray(g.truncated) for g in groups], np.bool_),
+        "rewards": _flat([np.asarray(g.rewards) for g in groups], np.float32),
+        "raw_scores": _flat([np.asarray(g.raw_scores) for g in groups], np.float32),
+        "truncated": _flat([np.asarray(g.truncated) for g in groups], np.bool_),
         "finish_reasons": np.array(reasons, np.uint8),
-        "response_tokens": flat([np.asarray(t) for t in responses], np.int32),
-        "behaviour_logprobs": flat(
+        "response_tokens": _flat([np.asarray(t) for t in responses], np.int32),
+        "behaviour_logprobs": _flat(
             [np.asarray(lp) for g in groups for lp in g.behaviour_logprobs], np.float32
         ),
+        **_multi_turn_columns(groups),
     }
     attrs = {
         "format_version": FORMAT_VERSION,
@@ -101,6 +115,32 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
         "finish_reason_vocab": list(vocab),
     }
     return arrays, attrs
+
+
+def _multi_turn_columns(groups: Sequence[ScoredGroup]) -> dict[str, np.ndarray]:
+    """The multi-turn arrays; a single-turn group's as one array per group, not per response."""
+    masks, versions, turn_rewards, counts = [], [], [], []
+    for g in groups:
+        if g.loss_masks is None:
+            masks.append(np.ones(g.num_tokens, np.uint8))
+        else:
+            masks.extend(np.asarray(m) for m in g.loss_masks)
+        if g.token_versions is None:
+            versions.append(np.full(g.num_tokens, g.policy_version, np.int64))
+        else:
+            versions.extend(np.asarray(v) for v in g.token_versions)
+        if g.turn_rewards is None:
+            counts.append(np.zeros(g.group_size, np.int32))
+        else:
+            turn_rewards.extend(np.asarray(r) for r in g.turn_rewards)
+            counts.append(np.array([len(r) for r in g.turn_rewards], np.int32))
+    return {
+        "loss_masks": _flat(masks, np.uint8),
+        "token_versions": _flat(versions, np.int64),
+        "turns": _flat([g.effective_turns for g in groups], np.int32),
+        "turn_reward_counts": _flat(counts, np.int32),
+        "turn_rewards": _flat(turn_rewards, np.float32),
+    }
 
 
 def encode_segment(
@@ -143,7 +183,7 @@ async def _write_arrays(
 async def _read_arrays(store: MemoryStore) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     root = await zarr.api.asynchronous.open_group(store=store, mode="r", zarr_format=3)
     attrs = dict(root.attrs)
-    if attrs.get("format_version") != FORMAT_VERSION:
+    if attrs.get("format_version") not in READABLE_FORMATS:
         raise CorruptSegmentError(f"unknown segment format {attrs.get('format_version')}")
 
     async def read(name: str) -> np.ndarray:
@@ -183,6 +223,23 @@ def _split(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
 
+def _multi_turn_fields(arrays: dict[str, np.ndarray], format_version: int) -> dict[str, Any]:
+    """Per response: each multi-turn field of the segment's groups (none from format 1, whose
+    groups are single-turn)."""
+    if format_version == 1:
+        return {}
+    missing = [name for name in _MULTI_TURN_ARRAYS if name not in arrays]
+    if missing:
+        raise KeyError(f"a format-{format_version} segment lacks {', '.join(missing)}")
+    lengths = arrays["response_lengths"]
+    return {
+        "loss_masks": _split(arrays["loss_masks"], lengths),
+        "token_versions": _split(arrays["token_versions"], lengths),
+        "turns": arrays["turns"],
+        "turn_rewards": _split(arrays["turn_rewards"], arrays["turn_reward_counts"]),
+    }
+
+
 def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[ScoredGroup]:
     sizes = arrays["group_sizes"]
     bounds = np.concatenate([[0], np.cumsum(sizes)])
@@ -190,6 +247,7 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
     prompts = _split(arrays["prompt_tokens"], arrays["prompt_lengths"])
     tokens = _split(arrays["response_tokens"], arrays["response_lengths"])
     logprobs = _split(arrays["behaviour_logprobs"], arrays["response_lengths"])
+    multi_turn = _multi_turn_fields(arrays, attrs["format_version"])
     groups = []
     for i in range(len(sizes)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
@@ -207,6 +265,7 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
             generator_id=attrs["generator_ids"][i],
             created_at=float(arrays["created_at"][i]),
             finished_at=float(arrays["finished_at"][i]),
+            **{name: values[lo:hi] for name, values in multi_turn.items()},
         )
         groups.append(group.validate())
     return groups

@@ -47,7 +47,12 @@ from streamrl.algorithms.masked import (
     masked_whiten,
     masked_whiten_jointly,
 )
-from streamrl.algorithms.shaping import overlong_filter_mask, overlong_penalty, scale_rule_reward
+from streamrl.algorithms.shaping import (
+    overlong_filter_mask,
+    overlong_penalty,
+    sampled_lengths,
+    scale_rule_reward,
+)
 
 __all__ = [
     "LossDenominators",
@@ -80,6 +85,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_returns",
     "rloo_advantages",
+    "sampled_lengths",
     "scale_rule_reward",
     "token_logprobs",
     "token_logprobs_and_entropy",

@@ -2,7 +2,10 @@
 
 Outcome-reward estimators return one advantage per response, `[N]`; the learner broadcasts it
 to every token with `broadcast_to_tokens`. Token-level estimators (REINFORCE++, GAE) return
-`[N, T]`. Groups follow the `group_index` layout of `streamrl.algorithms.masked`.
+`[N, T]`. Groups follow the `group_index` layout of `streamrl.algorithms.masked`. Token masks
+mark the tokens the policy sampled: a multi-turn response's environment tokens are 0 there
+and get no advantage, no reward and no place in a response length (ALGORITHMS.md
+"Multi-turn rollouts").
 
 Papers: GRPO (Shao et al., DeepSeekMath, 2402.03300), Dr. GRPO (Liu et al., 2503.20783),
 RLOO (Ahmadian et al., 2402.14740), REINFORCE++ (Hu, 2501.03262), GPG (Chu et al.,
@@ -46,7 +49,8 @@ __all__ = [
 
 
 def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
-    """Outcome advantage per response `[N]` → per token `[N, T]`, zero where `mask` is 0."""
+    """Outcome advantage per response `[N]` → per token `[N, T]`, zero where `mask` is 0
+    (padding, and environment tokens when `mask` is the sampled-token mask)."""
     return advantages.float().unsqueeze(-1) * mask.float()
 
 
@@ -124,7 +128,7 @@ def gpg_advantages(
 
 
 def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
-    """Place each response's outcome reward on its last valid token.
+    """Place each response's outcome reward on its last valid (sampled) token.
 
     `rewards: [N]`, `mask: [N, T]` → `[N, T]` float32, zero elsewhere (and on empty rows).
     """
@@ -145,9 +149,12 @@ def reinforce_pp_returns(
     """REINFORCE++ returns before whitening: the reward-to-go Σ_{k≥t} r_k (γ = 1) of the token
     rewards r_t = −β·KL_t on every valid token, plus R_i on the last one.
 
+    Environment tokens between sampled ones (mask 0) add no reward: the reward-to-go at a
+    sampled token sums the rewards of the sampled tokens from it on.
+
     Args:
         rewards: `[N]` outcome rewards (minus the group mean for REINFORCE++-baseline).
-        mask: `[N, T]` response-token mask (a contiguous run per row).
+        mask: `[N, T]` sampled-token mask.
         kl: `[N, T]` per-token KL estimate against the reference (detached), or None.
         kl_coef: β.
 
@@ -178,11 +185,11 @@ def reinforce_pp_advantages(
     The learner takes the same three steps over its micro-batches (`ReinforcePPConfig`): the
     baseline on the whole batch, the returns per micro-batch, `masked_whiten_jointly` over the
     loss tokens of all of them; for one micro-batch without overlong filtering (loss mask =
-    response mask) its advantages are this function's, bit for bit.
+    sampled-token mask) its advantages are this function's, bit for bit.
 
     Args:
         rewards: `[N]` outcome rewards.
-        mask: `[N, T]` response-token mask (right-padded).
+        mask: `[N, T]` sampled-token mask (right-padded).
         kl: `[N, T]` per-token KL estimate against the reference (detached), or None.
         kl_coef: β.
         baseline: REINFORCE++-baseline; needs `group_index` and `num_groups`.
@@ -214,7 +221,8 @@ def gae(
     Args:
         token_rewards: `[N, T]` per-token rewards.
         values: `[N, T]` value estimates V_t (detached).
-        mask: `[N, T]` contiguous prefix of valid tokens per row.
+        mask: `[N, T]` one contiguous run of valid tokens per row (single-turn responses:
+            a masked token inside the run would cut the trace; VAPO refuses multi-turn).
         lam: λ as a float, or `[N]` per response (length-adaptive GAE).
 
     Returns `(advantages [N, T], returns [N, T])`, float32, zero outside the mask. The loop
@@ -263,7 +271,7 @@ def vapo_advantages(
     Args:
         rewards: `[N]` outcome rewards.
         values: `[N, T]` critic values V_t (detached).
-        mask: `[N, T]` response-token mask.
+        mask: `[N, T]` sampled-token mask (|o_i| = its row sums).
 
     Returns `(policy_advantages [N, T], value_targets [N, T])`.
     """

@@ -5,6 +5,7 @@ differs per algorithm, so that the step itself has no per-algorithm branches
 
 * models: `uses_value_model` (a critic), `reference_kl` / `needs_reference` (a reference
   policy, frozen or EMA);
+* data: `multi_turn_refusal` (why it cannot train on multi-turn responses, if it cannot);
 * advantages, in the three stages of the learner's micro-batched scoring pass:
   `response_outcomes` on the whole batch (`[N]`), `token_advantages` per micro-batch
   (`[n, T]`, and value targets for a critic), `normalise_advantages` over all micro-batches
@@ -157,6 +158,13 @@ class AlgorithmBase(Section):
         return None
 
     @property
+    def multi_turn_refusal(self) -> str | None:
+        """Why this algorithm cannot train on multi-turn groups (environment tokens between
+        sampled ones), or None: it can. The outcome family can: advantages broadcast over the
+        sampled tokens, every loss term and denominator counts only them."""
+        return None
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the algorithm compares the policy with a reference policy (a KL term)."""
         return self.reference_kl is not None
@@ -186,11 +194,12 @@ class AlgorithmBase(Section):
 
         Args:
             outcomes: `[n]`, `response_outcomes` of these responses.
-            mask: `[n, T]` response-token mask.
+            mask: `[n, T]` the sampled response tokens (`MicroBatch.sampled_mask`: environment
+                tokens of a multi-turn response excluded).
             ref_kl: `[n, T]` KL of the behaviour policy to the reference, when there is one.
             values: `[n, T]` the critic's values when the batch was scored, when there is one.
 
-        The outcome family: the response's outcome advantage on each of its tokens."""
+        The outcome family: the response's outcome advantage on each of its sampled tokens."""
         return broadcast_to_tokens(outcomes, mask), None
 
     def normalise_advantages(

@@ -26,6 +26,10 @@ it. Without them the counts of the tensors at hand are used.
 Denominator convention for `importance="mask"`: tokens rejected by the IS mask contribute 0
 to the numerator but still count in the denominator (they are rejected samples of the batch,
 known only after the forward pass, while the denominator must be fixed before it).
+
+Every mask here is the loss mask: the tokens the policy sampled (ALGORITHMS.md "Multi-turn
+rollouts": environment tokens are 0 in it), less filtered ones. Whatever values the other
+tensors hold where it is 0, they change neither a loss, its gradient, a denominator nor a metric.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ def importance_weights(
     Args:
         logp_prox, logp_behav: `[N, T]` log-probs of the sampled tokens under the proximal
             (learner) and behaviour (generator) policies. `logp_behav=None` means on-policy.
-        mask: `[N, T]` response mask.
+        mask: `[N, T]` loss mask (sampled tokens only: environment tokens get no weight).
         mode: "tis" truncates w at `cap`; "mask" drops tokens with w > cap from the loss;
             "none" uses w = 1.
 
@@ -197,7 +201,9 @@ def ppo_policy_loss(
         logp_prox: `[N, T]` log π_prox (weights at the start of the step), no grad.
         logp_behav: `[N, T]` log π_behav stored by the generator, or None (on-policy).
         advantages: `[N, T]` per-token advantages.
-        mask: `[N, T]` response mask (overlong filtering already applied).
+        mask: `[N, T]` loss mask: sampled tokens (never environment tokens of a multi-turn
+            response), overlong filtering already applied. Every term, metric and
+            denominator counts only these tokens.
         clip_low, clip_high: ε_low, ε_high.
         dual_clip: c > 1 bounds the loss of negative-advantage tokens at −c·A; None disables.
         importance, importance_cap: behaviour-mismatch correction and its cap C.
@@ -335,7 +341,7 @@ def positive_nll_loss(
 
     Args:
         logp: `[N, T]` log π_θ of the sampled tokens, with grad.
-        mask: `[N, T]` response mask.
+        mask: `[N, T]` loss mask (sampled tokens).
         positive: `[N]` bool, the response's answer is correct.
         num_tokens: valid tokens of *positive* responses in the whole mini-batch.
 

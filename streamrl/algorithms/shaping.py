@@ -13,17 +13,27 @@ DAPO (Yu et al., arXiv 2503.14476), §3.4:
 * Overlong filtering: truncated responses are masked out of the loss (they still count in
   rollout metrics).
 
+|o| counts the tokens the policy sampled: a multi-turn response's environment tokens (tool
+results, user turns) are not its length (ALGORITHMS.md "Multi-turn rollouts").
+
 The generator applies these when it scores a group; the learner only sees shaped rewards.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["RewardScale", "overlong_filter_mask", "overlong_penalty", "scale_rule_reward"]
+__all__ = [
+    "RewardScale",
+    "overlong_filter_mask",
+    "overlong_penalty",
+    "sampled_lengths",
+    "scale_rule_reward",
+]
 
 RewardScale = Literal["plus_minus_one", "zero_one"]
 
@@ -45,18 +55,40 @@ def scale_rule_reward(correct: Tensor, scale: RewardScale = "plus_minus_one") ->
     raise ValueError(f"unknown reward scale {scale!r}; use 'plus_minus_one' or 'zero_one'")
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+def sampled_lengths(loss_masks: Sequence[Any]) -> Tensor:
+    """|o| of each response: its sampled tokens, the ones of its loss mask.
+
+    `loss_masks`: N arrays `[L_i]` (numpy or torch), 1 at a sampled token, 0 at an environment
+    token → `[N]` int64.
+    """
+    return torch.tensor(
+        [int(torch.count_nonzero(torch.as_tensor(m))) for m in loss_masks], dtype=torch.int64
+    )
+
+
+def overlong_penalty(
+    lengths: Tensor, max_len: int, cache_len: int, *, loss_masks: Sequence[Any] | None = None
+) -> Tensor:
     """DAPO soft overlong punishment R_len (eq. 13), to be *added* to the rule reward.
 
     Args:
-        lengths: `[N]` response lengths |o| in tokens (int or float).
+        lengths: `[N]` response lengths in tokens (int or float): |o| itself for single-turn
+            responses, whose every token was sampled.
         max_len: L_max, the maximum response length (the generator's max_tokens).
         cache_len: L_cache, the soft buffer; 0 < L_cache ≤ L_max.
+        loss_masks: multi-turn responses' loss masks, N arrays `[lengths[i]]` with 1 at a
+            sampled token: |o| counts those only (`sampled_lengths`), never environment
+            tokens. None: single-turn.
 
     Returns `[N]` float32 in [−1, 0].
     """
     if not 0 < cache_len <= max_len:
         raise ValueError(f"overlong cache_len must be in (0, max_len={max_len}], got {cache_len}")
+    if loss_masks is not None:
+        sizes = [len(m) for m in loss_masks]
+        if sizes != [int(n) for n in lengths]:
+            raise ValueError(f"loss masks of {sizes} tokens for responses of {lengths.tolist()}")
+        lengths = sampled_lengths(loss_masks)
     lengths = lengths.float()
     soft_start = max_len - cache_len
     ramp = (soft_start - lengths) / cache_len
@@ -68,7 +100,7 @@ def overlong_filter_mask(mask: Tensor, truncated: Tensor) -> Tensor:
     """Drop truncated responses from the loss: m ← m · (1 − truncated).
 
     Args:
-        mask: `[N, T]` response-token mask.
+        mask: `[N, T]` sampled-token mask.
         truncated: `[N]` bool, True where generation hit max_tokens without finishing.
 
     Returns `[N, T]` mask of the same dtype as `mask`.

@@ -5,7 +5,8 @@ The critic is pre-trained on the frozen initial policy's responses before the fi
 update (`streamrl.learner.loop`).
 
 Departs from the paper where it is silent: λ_policy is clamped at 0 for |o| < 1/α
-(`length_adaptive_lambda`).
+(`length_adaptive_lambda`). Multi-turn responses (environment tokens between sampled ones) are
+refused: GAE here runs over one contiguous run of response tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class VAPOConfig(ClippedAlgorithmBase):
     @property
     def needs_groups(self) -> bool:
         return False
+
+    @property
+    def multi_turn_refusal(self) -> str | None:
+        return (
+            "its GAE (value targets and length-adaptive λ) runs over one contiguous run of "
+            "response tokens, and is not defined across environment tokens yet"
+        )
 
     @property
     def positive_nll_coef(self) -> float:

@@ -1,9 +1,11 @@
 """The policy's and the critic's forward passes over a micro-batch, scored only where a loss
 needs them.
 
-`token_scores(model, micro)` returns log p(target) and the entropy at every response target of
-the micro-batch's per-response view (`[n, T−1]`, zero elsewhere), from its forward rows (one
-per response, or shared-prompt rows: `streamrl.learner.packing`). A causal LM whose output
+`token_scores(model, micro)` returns log p(target) and the entropy at every sampled response
+target of the micro-batch's per-response view (`micro.sampled_mask`, `[n, T−1]`, zero
+elsewhere), from its forward rows (one per response, or shared-prompt rows:
+`streamrl.learner.packing`). Environment tokens of a multi-turn response are in the rows and
+attended to, never scored: no loss term reads them. A causal LM whose output
 layer is a `HiddenStatesHead` (`use_hidden_states_head`, what the learner trains) returns its
 final hidden states; the LM head is then applied only to the hidden states that score a
 response token, chunk by chunk (`head_logprobs_and_entropy`): no logits for prompt positions,
@@ -108,8 +110,9 @@ def token_scores(
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """log p(targets) (differentiable) and entropies (differentiable when `entropy_grad`) at
-    the response targets of `micro`: two `[n, T−1]` float32 tensors, zero elsewhere."""
-    mask = micro.response_mask
+    the sampled response targets of `micro` (`sampled_mask`): two `[n, T−1]` float32 tensors,
+    zero elsewhere (environment tokens included)."""
+    mask = micro.sampled_mask
     where = micro.gather[mask]
     output = model(**_inputs(micro), use_cache=False).logits  # [R, S, H] or [R, S, V]
     rows = output.reshape(-1, output.shape[-1])[where]
@@ -130,7 +133,8 @@ def token_scores(
 
 
 def values(critic: nn.Module, micro: MicroBatch) -> Tensor:
-    """V of the state each response target is chosen in: `[n, T−1]` float32, zero elsewhere."""
-    mask = micro.response_mask
+    """V of the state each sampled response target is chosen in (`sampled_mask`): `[n, T−1]`
+    float32, zero elsewhere."""
+    mask = micro.sampled_mask
     output = critic(**_inputs(micro))  # [R, S]
     return _scatter(output.reshape(-1)[micro.gather[mask]], mask)

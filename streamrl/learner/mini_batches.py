@@ -29,7 +29,10 @@ class TrainBatch:
     float32, `truncated` bool, `policy_version` int64, `response_length` int64 (L),
     `prompt_length` int64 (P). Response i is the sequence prompt + response, P + L tokens, at
     `tokens[seq_start[i] : seq_start[i] + P + L]` (`tokens: [Σ(P+L)] int64`); its behaviour
-    log-probs are `logprobs[logprob_start[i] : logprob_start[i] + L]` (`logprobs: [ΣL] f32`).
+    log-probs are `logprobs[logprob_start[i] : logprob_start[i] + L]` (`logprobs: [ΣL] f32`),
+    and `sampled` (`[ΣL] bool`, the same layout) tells the tokens the policy sampled (True)
+    from environment tokens of a multi-turn response (False: in the sequence, never scored).
+    L counts both.
     """
 
     groups: tuple[ScoredGroup, ...]
@@ -44,6 +47,7 @@ class TrainBatch:
     seq_start: Tensor
     logprobs: Tensor
     logprob_start: Tensor
+    sampled: Tensor
 
     @classmethod
     def from_groups(cls, groups: Sequence[ScoredGroup]) -> TrainBatch:
@@ -57,6 +61,7 @@ class TrainBatch:
         seq_length = prompt_length + response_length
         pieces = [part for i, r in enumerate(responses) for part in (prompts[group_index[i]], r)]
         logprobs = [np.asarray(lp) for g in groups for lp in g.behaviour_logprobs]
+        sampled = [m for g in groups for m in g.effective_loss_masks]
 
         def flat(arrays: list[np.ndarray], dtype: type) -> Tensor:
             joined = np.concatenate(arrays) if arrays else np.zeros(0)
@@ -75,6 +80,7 @@ class TrainBatch:
             seq_start=torch.from_numpy(np.cumsum(seq_length) - seq_length),
             logprobs=flat(logprobs, np.float32),
             logprob_start=torch.from_numpy(np.cumsum(response_length) - response_length),
+            sampled=flat(sampled, np.bool_),
         )
 
     @property
@@ -103,10 +109,16 @@ class MicroBatch:
 
     The per-response view (what the losses read):
     targets             `[n, T−1] int64`  position j scores token j + 1 of prompt + response
-    response_mask       `[n, T−1] bool`   True exactly at response targets, j ∈ [P−1, P+L−2]
-    loss_mask           `[n, T−1] bool`   response_mask, less truncated responses if
-                                          overlong_filter (returns and GAE use response_mask)
-    behaviour_logprobs  `[n, T−1] f32`    generator log-prob of targets[:, j] there, else 0
+    response_mask       `[n, T−1] bool`   True exactly at response targets, j ∈ [P−1, P+L−2],
+                                          sampled and environment tokens alike (the layout)
+    sampled_mask        `[n, T−1] bool`   response_mask less environment tokens: the targets
+                                          the policy sampled, the only ones scored
+                                          (`forward`); advantages, returns and GAE run on it
+    loss_mask           `[n, T−1] bool`   sampled_mask, less truncated responses if
+                                          overlong_filter: every loss term, its denominators,
+                                          importance weights, entropy, KL and step metrics
+    behaviour_logprobs  `[n, T−1] f32`    generator log-prob of targets[:, j] at response
+                                          targets (0 at environment tokens), else 0
     sample_index        `[n]      int64`  row in the TrainBatch (gather advantages with it)
     group_index         `[n]      int64`  group in the batch
     rewards             `[n]      f32`    the response's reward
@@ -121,6 +133,7 @@ class MicroBatch:
     gather: Tensor
     targets: Tensor
     response_mask: Tensor
+    sampled_mask: Tensor
     loss_mask: Tensor
     behaviour_logprobs: Tensor
     sample_index: Tensor
@@ -143,6 +156,7 @@ class MicroBatch:
             gather=torch.zeros(1, 1, dtype=torch.long),
             targets=ids[:, 1:].clone(),
             response_mask=no_loss,
+            sampled_mask=no_loss,
             loss_mask=no_loss,
             behaviour_logprobs=no_loss.float(),
             sample_index=row,
@@ -172,7 +186,9 @@ class MiniBatch:
     (ALGORITHMS.md "Aggregation") count the whole mini-batch, all micro-batches and so all
     ranks: `num_loss_tokens` (token-mean), `num_responses` (seq-mean-token-sum-norm),
     `num_scored_responses`, those with ≥ 1 loss token (seq-mean-token-mean), and
-    `num_positive_tokens`, loss tokens of correct responses (VAPO's positive-example loss)."""
+    `num_positive_tokens`, loss tokens of correct responses (VAPO's positive-example loss).
+    Loss tokens are the micro-batches' `loss_mask`: sampled tokens only, never environment
+    tokens."""
 
     groups: range
     sample_index: Tensor
@@ -196,7 +212,8 @@ def make_mini_batches(
     its prompt or, with `shared_prompt`, a whole group with its prompt once; a group longer
     than the budget falls back to its responses) sorted longest first (ties in batch order),
     each micro-batch filled while one more still fits at its first unit's length.
-    `overlong_filter` drops truncated responses from `loss_mask` and the denominators."""
+    Environment tokens (multi-turn) are in the rows and the budget, never in `loss_mask` or
+    the denominators; `overlong_filter` drops truncated responses from both too."""
     if batch.num_groups % mini_batch_groups:
         raise ValueError(
             f"{batch.num_groups} groups do not split into mini-batches of {mini_batch_groups}; "
@@ -278,10 +295,12 @@ def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) 
     sequences = torch.where(real, batch.tokens[at_token], PAD_ID)
     j = pos[:, :-1]
     response_mask = (j >= P - 1) & (j < P + L - 1)
-    loss_mask = response_mask & ~batch.truncated[rows, None] if overlong_filter else response_mask
-    behaviour_logprobs = torch.zeros(response_mask.shape)
     at = batch.logprob_start[rows, None] + j - (P - 1)  # index into the flat log-probs
+    behaviour_logprobs = torch.zeros(response_mask.shape)
     behaviour_logprobs[response_mask] = batch.logprobs[at[response_mask]]
+    sampled_mask = torch.zeros_like(response_mask)
+    sampled_mask[response_mask] = batch.sampled[at[response_mask]]
+    loss_mask = sampled_mask & ~batch.truncated[rows, None] if overlong_filter else sampled_mask
     forward = forward_rows(
         batch.prompt_length, batch.response_length, batch.tokens, batch.seq_start, units,
         view_length=j.shape[1],
@@ -294,6 +313,7 @@ def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) 
         gather=forward.gather,
         targets=sequences[:, 1:].contiguous(),
         response_mask=response_mask,
+        sampled_mask=sampled_mask,
         loss_mask=loss_mask,
         behaviour_logprobs=behaviour_logprobs,
         sample_index=rows,

@@ -13,6 +13,10 @@ of `MicroBatch` (`[n, T−1]`: response i, target position j), `gather[i, j]`: t
 (row · S + position) of the hidden state that scores `targets[i, j]`, valid where
 `response_mask`. The first response token is scored by the prompt's last position (shared),
 every later one by the response's previous token.
+
+A multi-turn response's environment tokens (tool results, user turns) are response tokens here
+like any other: in the row, attended to by the tokens after them, given a `gather` index; the
+learner scores only the sampled ones (`MicroBatch.sampled_mask`), so they never enter a loss.
 """
 
 from __future__ import annotations

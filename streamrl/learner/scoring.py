@@ -8,6 +8,11 @@ has a value model. From them, the algorithm's token advantages `[n, T−1]` for 
 micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`): per response on
 the whole batch, per token in each micro-batch, then normalised over every micro-batch of
 every rank (REINFORCE++ whitens there).
+
+Per token, advantages (and returns) run over the tokens the policy sampled
+(`MicroBatch.sampled_mask`): an outcome advantage is broadcast to those only, a reward-to-go
+sums their rewards only; normalisation, the reference KL metric and every loss use the
+`loss_mask`. Environment tokens of a multi-turn response take part in none of them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ __all__ = ["MicroTargets", "score_batch"]
 
 @dataclass(frozen=True)
 class MicroTargets:
-    """A micro-batch's scoring-pass results, all `[n, T−1]` float32 (zero off the response).
+    """A micro-batch's scoring-pass results, all `[n, T−1]` float32 (zero off the sampled
+    response tokens).
 
     advantages      per-token advantages
     logp_prox       proximal log-probs, or None: use logp_θ.detach()
@@ -47,7 +53,8 @@ class MicroTargets:
 
 
 def _logprobs(model: nn.Module, micro: MicroBatch, settings: StepSettings) -> Tensor:
-    """log p(targets) at `micro`'s response targets, `[n, T − 1]` (`forward.token_scores`)."""
+    """log p(targets) at `micro`'s sampled response targets, `[n, T − 1]`
+    (`forward.token_scores`)."""
     return token_scores(
         model,
         micro,
@@ -57,7 +64,7 @@ def _logprobs(model: nn.Module, micro: MicroBatch, settings: StepSettings) -> Te
 
 
 def _values(critic: nn.Module, micro: MicroBatch) -> Tensor:
-    """V of the state each response target is chosen in: `[n, T − 1]` float32."""
+    """V of the state each sampled response target is chosen in: `[n, T − 1]` float32."""
     return values(critic, micro)
 
 
@@ -96,7 +103,7 @@ def score_batch(
                 kl_sum += (ref_kl * micro.loss_mask).sum().double()
             old_values = _values(critic, micro) if critic is not None else None
             advantages, value_targets = algorithm.token_advantages(
-                outcomes[micro.sample_index], micro.response_mask, ref_kl=ref_kl, values=old_values
+                outcomes[micro.sample_index], micro.sampled_mask, ref_kl=ref_kl, values=old_values
             )
             row.append(MicroTargets(advantages, logp_prox, logp_ref, old_values, value_targets))
         scored.append(row)

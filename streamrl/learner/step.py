@@ -56,6 +56,7 @@ def train_on_batch(
     False; critic when there is one). Returns the step's metrics: losses summed exactly,
     per-token metrics weighted by tokens over every micro-batch of every rank."""
     _check_models(models, algorithm, train_policy)
+    _check_batch(batch, algorithm)
     rank, world, device = topology.rank, topology.world_size, topology.device
     micros = [[m.to(device) for m in shard_for_rank(mini, rank, world)] for mini in mini_batches]
     proximal = train_policy and len(mini_batches) > 1
@@ -107,6 +108,21 @@ def _check_models(models: StepModels, algorithm: AlgorithmConfig, train_policy: 
         )
     if not train_policy and models.critic is None:
         raise ValueError("train_policy=False (value pre-training) needs a critic")
+
+
+def _check_batch(batch: TrainBatch, algorithm: AlgorithmConfig) -> None:
+    """The algorithm can train on every group of the batch (multi-turn groups)."""
+    reason = algorithm.multi_turn_refusal
+    if reason is None:
+        return
+    group = next((g for g in batch.groups if g.is_multi_turn), None)
+    if group is not None:
+        raise ValueError(
+            f"algorithm '{algorithm.name}' cannot train on multi-turn group {group.prompt_id!r} "
+            f"from generator {group.generator_id!r}: {reason}. Train agents (environments, "
+            "tools) with an outcome-advantage algorithm (grpo, dr_grpo, dapo, rloo, "
+            f"reinforce_pp, gpg), or give {algorithm.name} single-turn rollouts"
+        )
 
 
 def _local(t: Tensor) -> Tensor:
