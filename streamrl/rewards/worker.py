@@ -1,25 +1,26 @@
-"""What runs inside a scorer's worker processes, and the check every returned score passes.
+"""What runs inside an isolated pool's worker processes (`streamrl.rewards.pool`): the box a
+worker is put in before any user code runs, what it loads, and the reward call.
 
-`RewardScorer` (streamrl.rewards.scoring) starts each worker with `init_worker`, which boxes
-the worker in before any user code runs, then imports the reward — the only place a user's
-module is ever imported:
+`IsolatedPool` starts each worker with `init_worker`, which boxes the worker in, then calls the
+pool's loader — `resolve_reward` for the reward scorer, `streamrl.envs.worker.load_environment`
+for environments: the only place a user's module is ever imported:
 
 * it dies with its parent, even a SIGKILLed one;
 * its environment loses every credential and storage setting (`storage.credentials`): spawned
   workers start with a copy of the generator's environment, so they are removed here, in the
-  child, before anything reads them;
-* its address space is capped at `memory_mb` (RLIMIT_AS, soft and hard: the reward cannot
-  raise it back), so a reward that allocates beyond it gets a MemoryError, a counted failure;
+  child, before anything reads them; processes the worker starts inherit the cleaned copy;
+* its address space is capped at `memory_mb` (RLIMIT_AS, soft and hard: user code cannot
+  raise it back), so an allocation beyond it gets a MemoryError, a counted failure;
 * the kernel's OOM killer takes it before anything else (oom_score_adj 1000, Linux).
 
-`wait_until_all_started` holds each worker until all have loaded the reward, or carries the
-load error (`RewardResolutionError`) back to the scorer; calls arrive as `call_reward`. A value
-that is not a score in [0, 1] is turned into `RewardValueError` here, in the worker, so only
-floats come back.
+`wait_until_all_started` holds each worker until all have loaded, or carries the load error
+back to the pool; calls then reach the loaded object through `loaded()`. A reward call arrives
+as `call_reward`: a value that is not a score in [0, 1] is turned into `RewardValueError` here,
+in the worker, so only floats come back.
 
 What the box does not do: the worker runs as the generator's user, so whatever that user may
 read — `~/.aws/credentials`, `/proc/<pid>/environ` of its own start or of the generator — stays
-readable. Keeping a hostile reward from those takes another user or a container.
+readable. Keeping hostile code from those takes another user or a container.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from __future__ import annotations
 import numbers
 import os
 import resource
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from storage.credentials import remove_credentials
 from streamrl.processes import die_with_parent
-from streamrl.rewards.registry import RewardFn, RewardResolutionError, resolve_reward
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier
@@ -39,9 +40,11 @@ if TYPE_CHECKING:
 __all__ = [
     "STARTUP_TIMEOUT_S",
     "RewardValueError",
+    "box_in",
     "call_reward",
     "check_score",
     "init_worker",
+    "loaded",
     "wait_until_all_started",
 ]
 
@@ -72,26 +75,33 @@ def check_score(value: object, fn_spec: str) -> float:
 
 
 # Set once per worker process by init_worker.
-_worker_fn: RewardFn | None = None
-_worker_spec = ""
-_worker_barrier: Barrier | None = None
-_load_error: RewardResolutionError | None = None
+_loaded: Any = None
+_spec: Any = None
+_barrier: Barrier | None = None
+_load_error: Exception | None = None
 
 
-def init_worker(fn_spec: str, barrier: Barrier, parent_pid: int, memory_mb: int) -> None:
-    """Pool initializer: box this process in (module docstring), then resolve the reward here.
-    A reward that cannot be resolved is kept as `_load_error` for `wait_until_all_started` to
-    raise in the scorer, in resolve_reward's words; one whose import never ends is killed by
-    the scorer at its startup limit."""
-    global _worker_fn, _worker_spec, _worker_barrier, _load_error
+def box_in(parent_pid: int, memory_mb: int) -> None:
+    """Box this process in (module docstring): dead with its parent, no credentials, the OOM
+    killer's first choice, at most `memory_mb` of address space."""
     die_with_parent(parent_pid)
     remove_credentials(os.environ)
     _prefer_for_oom_killer()
-    _limit_address_space(memory_mb)
-    _worker_spec, _worker_barrier = fn_spec, barrier
+    limit_address_space(memory_mb)
+
+
+def init_worker(
+    load: Callable[[Any], object], spec: Any, barrier: Barrier, parent_pid: int, memory_mb: int
+) -> None:
+    """Pool initializer: box this process in, then `load(spec)` here. A load that raises is kept
+    as `_load_error` for `wait_until_all_started` to raise in the pool; one that never ends is
+    killed by the pool at its startup limit."""
+    global _loaded, _spec, _barrier, _load_error
+    box_in(parent_pid, memory_mb)
+    _spec, _barrier = spec, barrier
     try:
-        _worker_fn = resolve_reward(fn_spec)
-    except RewardResolutionError as error:  # raised in the scorer by wait_until_all_started
+        _loaded = load(spec)
+    except Exception as error:  # raised in the pool by wait_until_all_started
         _load_error = error
 
 
@@ -103,7 +113,9 @@ def _prefer_for_oom_killer() -> None:
             f.write("1000")
 
 
-def _limit_address_space(memory_mb: int) -> None:
+def limit_address_space(memory_mb: int) -> None:
+    """Cap this process's address space (RLIMIT_AS, soft and hard) at `memory_mb`, or at the
+    hard limit it already has if that is lower."""
     limit = memory_mb * 1024**2
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
@@ -112,16 +124,22 @@ def _limit_address_space(memory_mb: int) -> None:
 
 
 def wait_until_all_started(timeout_s: float) -> int:
-    """Held until every worker of the pool runs one of these, so all have loaded the reward;
-    raises the reward's load error instead, if it had one. Returns this worker's pid."""
-    assert _worker_barrier is not None, "reward worker used before init_worker"
+    """Held until every worker of the pool runs one of these, so all have loaded; raises the
+    load error instead, if there was one. Returns this worker's pid."""
+    assert _barrier is not None, "worker used before init_worker"
     if _load_error is not None:
         raise _load_error
-    _worker_barrier.wait(timeout=timeout_s)
+    _barrier.wait(timeout=timeout_s)
     return os.getpid()
+
+
+def loaded() -> Any:
+    """What this worker's loader returned (a reward function, an environment)."""
+    assert _barrier is not None, "worker used before init_worker"
+    assert _load_error is None, "worker used although its load failed"
+    return _loaded
 
 
 def call_reward(response: str, ground_truth: str, prompt: str | None) -> float:
     """One reward call; raises whatever the reward raises, or `RewardValueError`."""
-    assert _worker_fn is not None, "reward worker used before init_worker"
-    return check_score(_worker_fn(response, ground_truth, prompt=prompt), _worker_spec)
+    return check_score(loaded()(response, ground_truth, prompt=prompt), _spec)

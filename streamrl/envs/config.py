@@ -1,0 +1,124 @@
+"""The `generator.env` section: which environment drives a rollout's turns, its turn and token
+budgets, and the limits of its worker processes (`streamrl.envs.runner`).
+
+Light on purpose: pydantic only, so the configuration loads without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from streamrl.config_base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
+
+__all__ = ["EnvConfig"]
+
+
+class EnvConfig(Section):
+    """The environment a generator's episodes run in: single-turn (the default: score the
+    one response with `generator.reward`), or multi-turn with tools (`streamrl.envs`)."""
+
+    fn: str = Field(
+        "single_turn",
+        description="A registered environment (single_turn, calculator, python, guess) or a "
+        "user's Environment subclass by import path 'package.module:ClassName'.",
+    )
+    max_turns: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Most model turns in one episode; an episode still running after them "
+        "ends with finish reason max_turns and is scored as it stands.",
+    )
+    max_episode_tokens: int = Field(
+        4096,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Token budget of a whole episode: prompt, every model turn and every "
+        "observation; an episode that reaches it ends with finish reason max_tokens.",
+    )
+    turn_max_tokens: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Most tokens sampled in one model turn; null: generator.max_tokens.",
+    )
+    call_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Time limit of one reset or step call (a step runs the turn's tool calls); "
+        "past it the worker is killed and the episode ends with finish reason timeout. "
+        "Scoring an episode is limited by generator.reward.timeout_s.",
+    )
+    episode_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Time limit of all reset and step calls of one episode together (time "
+        "spent sampling does not count); past it the episode ends with finish reason timeout.",
+    )
+    memory_mb: int = Field(
+        4096,
+        ge=256,
+        le=1024**2,
+        description="Address-space limit (RLIMIT_AS) of each environment worker, MiB; code a "
+        "tool runs in a subprocess stays under it too. An allocation beyond it fails the call.",
+    )
+    workers: int = Field(
+        2, ge=1, le=1024, description="Processes running environment calls in parallel."
+    )
+    startup_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Time for environment workers to start and import the environment and "
+        "the reward; past it a starting generator fails naming the environment.",
+    )
+    observation_max_chars: int = Field(
+        4000,
+        ge=16,
+        le=10**8,
+        description="Longest observation text (a tool's result, an environment's message) in "
+        "characters; longer ones are cut, saying so. The generator also enforces "
+        "max_episode_tokens.",
+    )
+    tool_format: Literal["auto", "hermes", "tagged"] = Field(
+        "auto",
+        description='How the model writes tool calls. hermes: <tool_call>{"name": ..., '
+        '"arguments": {...}}</tool_call>, with the tools given to the chat template (Qwen, '
+        "Hermes); tagged: <tool>name(arg=value)</tool>, described in the system prompt, for "
+        "chat templates that know no tools (SmolLM2); auto: hermes when the tokenizer's chat "
+        "template mentions tools, else tagged.",
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _fn_is_name_or_import_path(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?", value):
+            raise ValueError(
+                f"{value!r} is neither an environment name (e.g. 'calculator') nor an import "
+                "path 'package.module:ClassName'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _a_call_fits_in_its_episode(self) -> EnvConfig:
+        if self.call_timeout_s > self.episode_timeout_s:
+            raise ValueError(
+                f"generator.env.call_timeout_s ({self.call_timeout_s:g}) must be ≤ "
+                f"episode_timeout_s ({self.episode_timeout_s:g}): one call cannot take longer "
+                "than its whole episode"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _a_turn_fits_in_its_episode(self) -> EnvConfig:
+        if self.turn_max_tokens is not None and self.turn_max_tokens > self.max_episode_tokens:
+            raise ValueError(
+                f"generator.env.turn_max_tokens ({self.turn_max_tokens}) must be ≤ "
+                f"max_episode_tokens ({self.max_episode_tokens}): a turn is part of its episode"
+            )
+        return self

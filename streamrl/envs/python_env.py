@@ -1,0 +1,63 @@
+"""The `python` environment: math word problems (builtin:math) where the model may run Python
+code (`python(code)`) before it answers, scored by the reward function on its answer.
+
+Each call runs in a fresh sandboxed interpreter (`streamrl.envs.sandbox`: no network, no
+processes, a time and memory limit, a temporary directory, no credentials); nothing carries
+over between calls, so the model prints what it wants to see. The code's limits stay inside
+the step's: at most `max_tool_calls_per_turn` calls a turn, each given at most
+`code_timeout_s` and an equal share of `generator.env.call_timeout_s` (with room to spare),
+and at most `code_memory_mb` and `generator.env.memory_mb`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from streamrl.envs.sandbox import run_python
+from streamrl.envs.tool_env import ToolEnvironment
+from streamrl.envs.tools import Tool, tool
+
+__all__ = ["PythonEnv"]
+
+
+class PythonEnv(ToolEnvironment):
+    """Math with a sandboxed Python tool (`python`); the episode ends with the first turn
+    that runs no code, scored by the reward function."""
+
+    max_tool_calls_per_turn: ClassVar[int] = 2
+    code_timeout_s: ClassVar[float] = 10.0
+    code_memory_mb: ClassVar[int] = 1024
+
+    def build_tools(self) -> Sequence[Tool | Callable[..., Any]]:
+        return [tool(self.run_code, name="python", example={"code": "print(2**10 - 1)"})]
+
+    @property
+    def code_limit_s(self) -> float:
+        """Each call's time limit: within its share of the step's, with room to spare for
+        starting the interpreters."""
+        share = self.context.call_timeout_s / (self.max_tool_calls_per_turn + 1)
+        return min(self.code_timeout_s, share)
+
+    def run_code(self, code: str) -> str:
+        """Run Python code in a fresh interpreter and return what it prints (print() the
+        results you want to see). No network access; nothing persists between calls.
+
+        Args:
+            code: The Python source to run.
+        """
+        limit = self.code_limit_s
+        result = run_python(
+            code,
+            timeout_s=limit,
+            memory_mb=min(self.code_memory_mb, self.context.memory_mb),
+            max_chars=self.context.observation_max_chars,
+        )
+        if result.timed_out:
+            return f"Error: the code ran past its time limit of {limit:g}s and was stopped"
+        parts = [result.stdout] if result.stdout else []
+        if result.stderr:
+            parts.append(f"stderr:\n{result.stderr}")
+        if result.returncode != 0:
+            parts.append(f"(exit code {result.returncode})")
+        return "\n".join(parts) or "(no output: print() the values you want to see)"

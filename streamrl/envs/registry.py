@@ -1,0 +1,135 @@
+"""Environments by name: the bundled ones, or a user's class by import path.
+
+`generator.env.fn` is a registered name (`ENVIRONMENTS`: single_turn, calculator, python,
+guess) or `package.module:ClassName`, a subclass of `streamrl.envs.Environment` at module level
+in a module on the Python path (environment workers are spawned and import it there).
+
+As with rewards (`streamrl.rewards.registry`), importing a user's module runs user code, so
+only environment workers call `resolve_env`; generators call `check_env_name`, which imports
+nothing of the user's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from streamrl.envs.base import Environment
+
+__all__ = [
+    "ENVIRONMENTS",
+    "EnvLoadError",
+    "EnvResolutionError",
+    "check_env_name",
+    "registered_envs",
+    "resolve_env",
+]
+
+ENVIRONMENTS: Mapping[str, str] = MappingProxyType(
+    {
+        "single_turn": "streamrl.envs.base:SingleTurnEnv",
+        "calculator": "streamrl.envs.calculator:CalculatorEnv",
+        "python": "streamrl.envs.python_env:PythonEnv",
+        "guess": "streamrl.envs.guess:GuessEnv",
+    }
+)
+"""Registered names → import paths (imported only when resolved)."""
+
+
+class EnvResolutionError(ValueError):
+    """`generator.env.fn` names no usable environment; the message says what to change."""
+
+
+class EnvLoadError(EnvResolutionError):
+    """The environment workers could not start: the import or the environment's construction
+    was still running at `startup_timeout_s`, raised, or a worker died starting."""
+
+
+def registered_envs() -> list[str]:
+    """The registered environment names, sorted."""
+    return sorted(ENVIRONMENTS)
+
+
+def check_env_name(name_or_path: str) -> None:
+    """Fail fast on what can be told without running user code: an unknown registered name,
+    or an import path that is not `package.module:ClassName`.
+
+    Raises:
+        EnvResolutionError: the message says what to change.
+    """
+    _import_path(name_or_path)
+
+
+def resolve_env(name_or_path: str) -> type[Environment]:
+    """The environment class `name_or_path` names. Imports the user's module: call it in an
+    environment worker only.
+
+    Raises:
+        EnvResolutionError: unknown name (with the registered names and the closest one), a
+            module that cannot be imported, a missing attribute, or something that is not an
+            `Environment` subclass.
+    """
+    path = _import_path(name_or_path)
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or module_name
+        if module_name == missing or module_name.startswith(f"{missing}."):
+            raise EnvResolutionError(
+                f"environment {name_or_path!r}: no module named '{missing}'; check the spelling "
+                "and that its package is installed or on PYTHONPATH (environment workers import "
+                "it in a fresh process)"
+            ) from e
+        raise EnvResolutionError(
+            f"environment {name_or_path!r}: importing '{module_name}' failed because it imports "
+            f"'{missing}', which is not installed"
+        ) from e
+    except Exception as e:
+        raise EnvResolutionError(
+            f"environment {name_or_path!r}: importing '{module_name}' raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    target: object = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_"))
+            close = difflib.get_close_matches(attribute, public, n=1)
+            hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
+            raise EnvResolutionError(
+                f"environment {name_or_path!r}: module '{module_name}' has no attribute "
+                f"'{attribute}'{hint}"
+            )
+        target = getattr(target, part)
+    if not (isinstance(target, type) and issubclass(target, Environment)):
+        raise EnvResolutionError(
+            f"environment {name_or_path!r} is {type(target).__name__} {target!r:.60}, not a "
+            "subclass of streamrl.envs.Environment; point generator.env.fn at such a class"
+        )
+    return target
+
+
+def _import_path(name_or_path: str) -> str:
+    if ":" not in name_or_path:
+        if name_or_path in ENVIRONMENTS:
+            return ENVIRONMENTS[name_or_path]
+        names = registered_envs()
+        close = difflib.get_close_matches(name_or_path, names, n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        dotted = ""
+        if "." in name_or_path:
+            module, _, attribute = name_or_path.rpartition(".")
+            dotted = f" An import path separates the class with a colon: '{module}:{attribute}'."
+        raise EnvResolutionError(
+            f"unknown environment {name_or_path!r}; {hint}registered environments: "
+            f"{', '.join(names)}, or a user's Environment subclass as "
+            f"'package.module:ClassName'.{dotted}"
+        )
+    module_name, _, attribute = name_or_path.partition(":")
+    if not module_name or not attribute:
+        raise EnvResolutionError(
+            f"environment import path {name_or_path!r} must look like 'package.module:ClassName'"
+        )
+    return name_or_path

@@ -1,0 +1,363 @@
+"""`EnvRunner`: a generator's environment calls, run in isolated worker processes, one episode
+at a time or thousands concurrently.
+
+The generator drives each episode; the runner serves its calls and keeps the episode's
+bookkeeping in an `Episode` record the generator holds between calls (plain, JSON-ready data:
+any worker serves any call, and an episode outlives the worker that served it):
+
+    reply = runner.reset(task).result()          # Reply: episode, messages, tools
+    while not reply.episode.done:
+        text = <sample a turn after reply.messages>   # the generator owns the tokens
+        reply = runner.step(reply.episode, text).result()
+    scored = runner.score(reply.episode).result()  # Scored: reward, turn rewards, failure
+
+Every call returns a `concurrent.futures.Future` at once (`asyncio.wrap_future` makes it
+awaitable), and calls from any number of threads share the workers, queued in the order
+submitted; a future never raises for what the environment did.
+
+Limits (`generator.env`, `streamrl.envs.config`): a reset or step call has `call_timeout_s`, and
+no more than what is left of the episode's `episode_timeout_s` (the time its calls took so far,
+`Episode.env_s`); a score call has `generator.reward.timeout_s`. A call that raises, answers
+with something malformed (`streamrl.envs.worker`) or kills its worker ends the episode with
+finish reason `env_error`, one past its limit with `timeout`; both are counted in
+`EnvRunner.stats`, logged, and score 0 (`Scored.failure` says so: the generator decides, as
+with rewards, whether to train on such a group). The runner ends an episode after `max_turns`
+model turns (`max_turns`); the generator ends one that runs out of `max_episode_tokens`
+(`Episode.finish("max_tokens")`). Isolation — spawned workers without credentials, a memory
+limit, killed on a deadline — is the reward scorer's (`streamrl.rewards.pool.IsolatedPool`);
+when a worker dies, every call in flight in that pool at the moment fails with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+
+from streamrl.envs.base import Message, Step, Task
+from streamrl.envs.formats import resolve_tool_format
+from streamrl.envs.registry import EnvLoadError, EnvResolutionError, check_env_name
+from streamrl.envs.worker import (
+    EnvSpec,
+    EnvValueError,
+    Started,
+    call_reset,
+    call_score,
+    call_step,
+    load_environment,
+)
+from streamrl.rewards.pool import IsolatedPool, Outcome
+from streamrl.rewards.registry import check_reward_name
+from streamrl.rewards.worker import RewardValueError
+
+if TYPE_CHECKING:
+    from streamrl.envs.config import EnvConfig
+    from streamrl.rewards.config import RewardConfig
+
+__all__ = ["EnvRunner", "EnvStats", "Episode", "FinishReason", "Reply", "Scored"]
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["done", "max_turns", "max_tokens", "env_error", "timeout"]
+EnvFailure = Literal["env_error", "timeout"]
+_T = TypeVar("_T")
+_MALFORMED = (EnvValueError, RewardValueError)  # their message says it all: no traceback
+
+
+@dataclass(frozen=True)
+class Episode:
+    """An episode between calls, held by the generator.
+
+    `state`: the environment's own (JSON). `turns`: model turns answered so far. `env_s`:
+    seconds its reset and step calls took, against `episode_timeout_s`. `final`: the model's
+    latest turn. `turn_rewards[i]`: the reward `step` gave turn i, or None.
+    `finish_reason`: None while it runs. `error`: why it failed (env_error, timeout).
+    `dataclasses.asdict(episode)` is plain JSON.
+    """
+
+    task: Task
+    state: Any = None
+    turns: int = 0
+    env_s: float = 0.0
+    final: str = ""
+    turn_rewards: tuple[float | None, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: FinishReason, error: str = "") -> Episode:
+        """This episode ended for `reason` (the generator's: "max_tokens")."""
+        if reason not in get_args(FinishReason):
+            raise ValueError(f"finish reason must be one of {get_args(FinishReason)}")
+        return dataclasses.replace(self, finish_reason=reason, error=error)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a reset or step. `messages`: after a reset, the conversation to render for
+    the first turn (with `tools` as the chat template's `tools=`, None for none); after a step,
+    the observation to append before the next turn. Empty once `episode.done`."""
+
+    episode: Episode
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A finished episode's score. `failure` None: `reward` in [0, 1] is the environment's
+    score. Else the episode or its score call failed, and `reward` is 0.0."""
+
+    reward: float
+    turn_rewards: tuple[float | None, ...]
+    finish_reason: FinishReason
+    failure: EnvFailure | None = None
+
+
+@dataclass
+class EnvStats:
+    """Counters since the runner opened. `episodes`: resets submitted; `finished`: episodes
+    scored, by finish reason; `errors` / `timeouts`: calls (or episodes out of time) that
+    failed so; `pool_restarts` / `failed_starts`: as for the reward scorer."""
+
+    episodes: int = 0
+    steps: int = 0
+    finished: Counter[str] = field(default_factory=Counter)
+    errors: int = 0
+    timeouts: int = 0
+    pool_restarts: int = 0
+    failed_starts: int = 0
+
+
+class EnvRunner:
+    """Runs one environment's calls in `config.workers` isolated worker processes (module
+    docstring). Use as a context manager: the workers start and load the environment (and
+    the reward) on entry, so one that cannot be loaded fails there; they stop on exit.
+
+    `chat_template`: the tokenizer's, to resolve `tool_format: auto` (`self.tool_format`).
+    """
+
+    def __init__(
+        self,
+        config: EnvConfig,
+        *,
+        reward_fn: str = "math",
+        reward_timeout_s: float = 10.0,
+        chat_template: str | None = None,
+    ) -> None:
+        check_env_name(config.fn)  # unknown names fail here, in the caller
+        check_reward_name(reward_fn)
+        self.config = config
+        self.reward_timeout_s = reward_timeout_s
+        self.tool_format = resolve_tool_format(config.tool_format, chat_template)
+        spec = EnvSpec(
+            config.fn,
+            reward_fn,
+            self.tool_format,
+            config.observation_max_chars,
+            config.call_timeout_s,
+            config.memory_mb,
+        )
+        self._pool = IsolatedPool(
+            load_environment,
+            spec,
+            subject=f"environment {config.fn!r}",
+            setting="generator.env",
+            workers=config.workers,
+            memory_mb=config.memory_mb,
+            startup_timeout_s=config.startup_timeout_s,
+            resolution_error=EnvResolutionError,
+            load_error=EnvLoadError,
+        )
+        self._stats = EnvStats()
+        self._lock = threading.Lock()
+        self._tracebacks_logged: set[str] = set()
+
+    @classmethod
+    def from_config(
+        cls, env: EnvConfig, reward: RewardConfig, chat_template: str | None
+    ) -> EnvRunner:
+        """A runner for `generator.env`, scoring with `generator.reward`."""
+        return cls(
+            env, reward_fn=reward.fn, reward_timeout_s=reward.timeout_s,
+            chat_template=chat_template,
+        )  # fmt: skip
+
+    @property
+    def stats(self) -> EnvStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            snapshot = dataclasses.replace(self._stats, finished=Counter(self._stats.finished))
+        snapshot.pool_restarts = self._pool.restarts
+        snapshot.failed_starts = self._pool.failed_starts
+        return snapshot
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._pool.worker_pids
+
+    def __enter__(self) -> EnvRunner:
+        self._pool.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers, after the calls already submitted have ended."""
+        self._pool.close()
+
+    # -- the three calls ---------------------------------------------------------------------
+
+    def reset(self, task: Task) -> Future[Reply]:
+        """Start an episode from `task`."""
+        with self._lock:
+            self._stats.episodes += 1
+        return self._call(Episode(task), "reset", call_reset, (task,), self._started)
+
+    def step(self, episode: Episode, text: str) -> Future[Reply]:
+        """Answer the model's turn `text` in a running `episode`."""
+        if episode.done:
+            raise ValueError(f"step() on an episode that ended ({episode.finish_reason})")
+        with self._lock:
+            self._stats.steps += 1
+
+        def stepped(episode: Episode, step: Step) -> Reply:
+            return self._stepped(episode, step, text)
+
+        args = (episode.task, episode.state, text)
+        return self._call(episode, "step", call_step, args, stepped)
+
+    def score(self, episode: Episode) -> Future[Scored]:
+        """Score a finished `episode`: 0.0 and its failure if it failed, else the environment's
+        score of its final turn."""
+        if not episode.done:
+            raise ValueError("score() takes a finished episode; this one is still running")
+        assert episode.finish_reason is not None
+        with self._lock:
+            self._stats.finished[episode.finish_reason] += 1
+        reason, rewards = episode.finish_reason, episode.turn_rewards
+        if reason in ("env_error", "timeout"):
+            return _resolved(Scored(0.0, rewards, reason, reason))  # type: ignore[arg-type]
+        outcome = self._pool.submit(
+            call_score, episode.task, episode.state, episode.final,
+            timeout_s=self.reward_timeout_s,
+        )  # fmt: skip
+
+        def scored(outcome: Outcome) -> Scored:
+            if outcome.failure is None:
+                return Scored(outcome.value, rewards, reason)
+            return Scored(0.0, rewards, reason, self._count(episode, "score", outcome))
+
+        return _then(outcome, scored)
+
+    # -- answers -----------------------------------------------------------------------------
+
+    def _call(
+        self,
+        episode: Episode,
+        what: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        answer: Callable[[Episode, Any], Reply],
+    ) -> Future[Reply]:
+        """Run `fn(*args)` within the episode's time left; a failure ends the episode."""
+        left = self.config.episode_timeout_s - episode.env_s
+        if left <= 0:
+            with self._lock:
+                self._stats.timeouts += 1
+            why = f"episode_timeout_s={self.config.episode_timeout_s:g} used up"
+            return _resolved(Reply(episode.finish("timeout", why), []))
+        outcome = self._pool.submit(fn, *args, timeout_s=min(self.config.call_timeout_s, left))
+
+        def reply(outcome: Outcome) -> Reply:
+            spent = dataclasses.replace(episode, env_s=episode.env_s + outcome.elapsed_s)
+            if outcome.failure is None:
+                return answer(spent, outcome.value)
+            failure = self._count(spent, what, outcome)
+            return Reply(spent.finish(failure, _describe(outcome)), [])
+
+        return _then(outcome, reply)
+
+    def _started(self, episode: Episode, started: Started) -> Reply:
+        return Reply(
+            dataclasses.replace(episode, state=started.state), started.messages, started.tools
+        )
+
+    def _stepped(self, episode: Episode, step: Step, text: str) -> Reply:
+        episode = dataclasses.replace(
+            episode,
+            state=step.state,
+            turns=episode.turns + 1,
+            final=text,
+            turn_rewards=(*episode.turn_rewards, step.reward),
+        )
+        if step.done:
+            return Reply(episode.finish("done"), [])
+        if episode.turns >= self.config.max_turns:
+            return Reply(episode.finish("max_turns"), [])
+        return Reply(episode, step.messages)
+
+    def _count(self, episode: Episode, what: str, outcome: Outcome) -> EnvFailure:
+        """Count and log a failed call; an exception's traceback is logged for the first
+        failure of its type."""
+        failure: EnvFailure = "timeout" if outcome.failure == "timeout" else "env_error"
+        exc = outcome.exception
+        with self._lock:
+            if failure == "timeout":
+                self._stats.timeouts += 1
+            else:
+                self._stats.errors += 1
+            kind = type(exc).__name__
+            with_traceback = exc is not None and not isinstance(exc, _MALFORMED)
+            with_traceback = with_traceback and kind not in self._tracebacks_logged
+            self._tracebacks_logged.add(kind)
+        hint = ""
+        if failure == "timeout":
+            limits = "generator.reward.timeout_s" if what == "score" else (
+                "generator.env.call_timeout_s / episode_timeout_s"
+            )  # fmt: skip
+            hint = f" Raise {limits} if such calls are legitimately slow."
+        log.warning(
+            "environment %r: a %s call failed (%s) at turn %d: %s; the episode scores 0.%s",
+            self.config.fn, what, failure, episode.turns, _describe(outcome), hint,
+            exc_info=exc if with_traceback else None,
+        )  # fmt: skip
+        return failure
+
+
+def _describe(outcome: Outcome) -> str:
+    exc = outcome.exception
+    if isinstance(exc, _MALFORMED):
+        return str(exc)
+    if exc is not None:
+        return f"{outcome.reason} {type(exc).__name__}: {exc}"
+    return outcome.reason
+
+
+def _then(outcome: Future[Outcome], convert: Callable[[Outcome], _T]) -> Future[_T]:
+    """A future of `convert(outcome)`; an error in `convert` itself (a bug) is its exception."""
+    result: Future[_T] = Future()
+
+    def done(future: Future[Outcome]) -> None:
+        try:
+            result.set_result(convert(future.result()))
+        except BaseException as error:
+            result.set_exception(error)
+
+    outcome.add_done_callback(done)
+    return result
+
+
+def _resolved(value: _T) -> Future[_T]:
+    future: Future[_T] = Future()
+    future.set_result(value)
+    return future

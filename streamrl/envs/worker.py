@@ -1,0 +1,161 @@
+"""What runs inside an environment worker process: loading the environment, and the reset,
+step and score calls with the checks every answer passes before it leaves the worker.
+
+The worker is boxed in by `streamrl.rewards.worker` (no credentials, a memory limit, dead with
+its parent) before `load_environment` imports anything of the user's. Each call checks the
+environment's answer here, in the worker, so only well-formed values come back: messages
+with a string role and content (content cut to `observation_max_chars`), a state that is
+plain JSON (round-tripped, so the next call sees what any fresh process would), a finite
+turn reward, a score in [0, 1]. Anything else raises `EnvValueError`, a counted env_error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from streamrl.envs.base import EnvContext, Environment, Message, Reset, Step, Task
+from streamrl.envs.formats import TOOL_FORMATS
+from streamrl.envs.registry import EnvResolutionError, resolve_env
+from streamrl.envs.tools import truncate
+from streamrl.rewards.registry import RewardResolutionError, resolve_reward
+from streamrl.rewards.worker import check_score, loaded
+
+__all__ = [
+    "EnvSpec",
+    "EnvValueError",
+    "Started",
+    "call_reset",
+    "call_score",
+    "call_step",
+    "load_environment",
+]
+
+
+class EnvValueError(ValueError):
+    """An environment answered with something malformed; the message says what."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What a worker builds its environment from (picklable; sent to each spawned worker)."""
+
+    fn: str
+    reward_fn: str
+    tool_format: Literal["hermes", "tagged"]
+    observation_max_chars: int
+    call_timeout_s: float
+    memory_mb: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """`call_reset`'s answer: the checked `Reset` and the template's `tools=` list."""
+
+    messages: list[Message]
+    state: Any
+    tools: list[dict[str, Any]] | None
+
+
+def load_environment(spec: EnvSpec) -> Environment:
+    """The environment `spec` names, constructed with its context (the pool's loader)."""
+    cls = resolve_env(spec.fn)
+    try:
+        reward = resolve_reward(spec.reward_fn)
+    except RewardResolutionError as error:
+        raise EnvResolutionError(f"{error} (generator.reward.fn)") from error
+    context = EnvContext(
+        reward=reward,
+        reward_fn=spec.reward_fn,
+        tool_format=TOOL_FORMATS[spec.tool_format],
+        observation_max_chars=spec.observation_max_chars,
+        call_timeout_s=spec.call_timeout_s,
+        memory_mb=spec.memory_mb,
+    )
+    return cls(context)
+
+
+def _env() -> Environment:
+    return loaded()
+
+
+def call_reset(task: Task) -> Started:
+    env = _env()
+    reset = env.reset(task)
+    if not isinstance(reset, Reset):
+        raise EnvValueError(f"{_name(env)}.reset returned {_shown(reset)}, not a Reset")
+    messages = _messages(reset.messages, env, "reset")
+    if not messages:
+        raise EnvValueError(f"{_name(env)}.reset returned no messages: the model needs a prompt")
+    return Started(messages, _json_state(reset.state, env, "reset"), env.template_tools())
+
+
+def call_step(task: Task, state: Any, text: str) -> Step:
+    env = _env()
+    step = env.step(task, state, text)
+    if not isinstance(step, Step):
+        raise EnvValueError(f"{_name(env)}.step returned {_shown(step)}, not a Step")
+    messages = _messages(step.messages, env, "step")
+    if not step.done and not messages:
+        raise EnvValueError(
+            f"{_name(env)}.step returned no messages for an episode that goes on; answer the "
+            "turn with an observation, or return done=True"
+        )
+    reward = step.reward
+    if reward is not None:
+        if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise EnvValueError(f"{_name(env)}.step returned reward {_shown(reward)}")
+        reward = float(reward)
+    return Step(messages, _json_state(step.state, env, "step"), bool(step.done), reward)
+
+
+def call_score(task: Task, state: Any, final: str) -> float:
+    env = _env()
+    return check_score(env.score(task, state, final), f"{_name(env)}.score")
+
+
+def _messages(messages: object, env: Environment, where: str) -> list[Message]:
+    """`messages` checked, each content cut to `observation_max_chars`."""
+    if not isinstance(messages, list):
+        raise EnvValueError(f"{_name(env)}.{where} gave messages {_shown(messages)}, not a list")
+    limit = env.context.observation_max_chars
+    checked = []
+    for message in messages:
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise EnvValueError(
+                f"{_name(env)}.{where} gave the message {_shown(message)}; a message is "
+                '{"role": str, "content": str} (a tool\'s answer adds "name")'
+            )
+        content = message["content"] if where == "reset" else truncate(message["content"], limit)
+        checked.append({**message, "content": content})
+    return _round_trip(checked, env, f"{where}'s messages")
+
+
+def _json_state(state: object, env: Environment, where: str) -> Any:
+    return _round_trip(state, env, f"{where}'s state")
+
+
+def _round_trip(value: object, env: Environment, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise EnvValueError(
+            f"{_name(env)}: {what} is not plain JSON ({exc}); keep episode data in dicts, "
+            "lists, strings, numbers, bools and None"
+        ) from None
+
+
+def _name(env: Environment) -> str:
+    return type(env).__name__
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
