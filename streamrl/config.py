@@ -167,6 +167,25 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _episodes_fit_the_model_and_algorithm(self) -> RunConfig:
+        env = self.generator.env
+        if not env.multi_turn:
+            return self
+        if env.max_episode_tokens > self.model.max_model_len:
+            raise ValueError(
+                f"generator.env.max_episode_tokens ({env.max_episode_tokens}) exceeds "
+                f"model.max_model_len ({self.model.max_model_len}); lower it or raise "
+                "model.max_model_len"
+            )
+        if self.algorithm.uses_value_model:
+            raise ValueError(
+                f"algorithm '{self.algorithm.name}' trains a value model, which multi-turn "
+                f"episodes (generator.env.fn={env.fn}) do not support yet; use grpo, dr_grpo, "
+                "dapo, rloo, reinforce_pp or gpg"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _several_nodes_need_pools(self) -> RunConfig:
         if self.learner.nnodes > 1 and isinstance(self.placement, LocalPlacement):
             raise ValueError(

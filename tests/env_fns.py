@@ -90,3 +90,32 @@ class Misbehaving(Environment):
 
 class NotAnEnvironment:
     """A class that is no Environment subclass."""
+
+
+class KeepTalking(Environment):
+    """Answers each turn with the user message 'go on' until three turns were taken (per-turn
+    reward 0.25 each); scores 1 when the last turn says anything."""
+
+    def reset(self, task: Task) -> Reset:
+        return Reset(list(task.messages), {"turns": 0})
+
+    def step(self, task: Task, state: Any, text: str) -> Step:
+        turns = state["turns"] + 1
+        if turns >= 3:
+            return Step(state={"turns": turns}, done=True, reward=0.25)
+        return Step([{"role": "user", "content": "go on"}], {"turns": turns}, reward=0.25)
+
+    def score(self, task: Task, state: Any, final: str) -> float:
+        return 1.0 if final.strip() else 0.0
+
+
+class BreaksOnTurnTwo(KeepTalking):
+    """KeepTalking whose second step crashes its worker (prompts with an even answer) or hangs
+    (odd answers)."""
+
+    def step(self, task: Task, state: Any, text: str) -> Step:
+        if state["turns"] == 1:
+            if int(task.ground_truth) % 2 == 0:
+                os._exit(3)
+            time.sleep(100)
+        return super().step(task, state, text)

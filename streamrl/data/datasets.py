@@ -56,6 +56,7 @@ class Prompt:
     text: str
     token_ids: list[int]
     ground_truth: str
+    messages: tuple[dict[str, str], ...] = ()  # the chat messages `text` renders
 
 
 @dataclass(frozen=True, order=True)
@@ -91,7 +92,7 @@ class PromptSource:
             from streamrl.models import resolve_model_path
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_path))
-        self.config = config
+        self.config, self.tokenizer = config, tokenizer
         self.path = path or config.path
         rows = load_rows(
             self.path,
@@ -125,7 +126,10 @@ class PromptSource:
                 "the right dotted field"
             ) from None
 
-    def _render(self, row: Mapping[str, Any], index: int, tokenizer: Any) -> str:
+    def _render(
+        self, row: Mapping[str, Any], index: int, tokenizer: Any
+    ) -> tuple[list[dict[str, str]], str]:
+        """The row's prompt as chat messages (`data.system_prompt` applied) and as text."""
         cfg = self.config
         prompt = self._field(row, index, cfg.prompt_field, "prompt_field")
         if isinstance(prompt, str):
@@ -144,15 +148,16 @@ class PromptSource:
             start = 1 if messages and messages[0]["role"] == "system" else 0
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages[start:]]
         if cfg.apply_chat_template:
-            return tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
+            return messages, text
         if len(messages) > 2 or messages[-1]["role"] != "user":
             raise DatasetError(
                 f"row {index} of {self.path} is a multi-turn conversation but "
                 "data.apply_chat_template is false; set data.apply_chat_template=true"
             )
-        return "\n\n".join(m["content"] for m in messages)
+        return messages, "\n\n".join(m["content"] for m in messages)
 
     def _prepare(self, rows: list[dict[str, Any]], tokenizer: Any) -> tuple[list[Prompt], int]:
         cfg = self.config
@@ -161,7 +166,8 @@ class PromptSource:
                 "the tokenizer has no chat template; set data.apply_chat_template=false or use "
                 "model.tokenizer=<a directory whose tokenizer has one>"
             )
-        texts = [self._render(row, i, tokenizer) for i, row in enumerate(rows)]
+        rendered = [self._render(row, i, tokenizer) for i, row in enumerate(rows)]
+        texts = [text for _, text in rendered]
         answers = [
             self._field(row, i, cfg.answer_field, "answer_field") for i, row in enumerate(rows)
         ]
@@ -169,14 +175,16 @@ class PromptSource:
         token_ids = tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
         name = dataset_name(self.path)
         prompts, dropped = [], 0
-        for index, (text, ids, answer) in enumerate(zip(texts, token_ids, answers, strict=True)):
+        for index, ((messages, text), ids, answer) in enumerate(
+            zip(rendered, token_ids, answers, strict=True)
+        ):
             if not ids:
                 raise DatasetError(f"row {index} of {self.path} has an empty prompt")
             if len(ids) > cfg.max_prompt_len:
                 dropped += 1
                 continue
             truth = answer if isinstance(answer, str) else json.dumps(answer)
-            prompts.append(Prompt(f"{name}:{index}", text, list(ids), truth))
+            prompts.append(Prompt(f"{name}:{index}", text, list(ids), truth, tuple(messages)))
         if not prompts:
             raise DatasetError(
                 f"no prompt of {self.path} fits data.max_prompt_len={cfg.max_prompt_len} "

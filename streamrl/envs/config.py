@@ -104,6 +104,11 @@ class EnvConfig(Section):
             )
         return value
 
+    @property
+    def multi_turn(self) -> bool:
+        """Whether episodes may go on after the first turn (any environment but single_turn)."""
+        return self.fn != "single_turn"
+
     @model_validator(mode="after")
     def _a_call_fits_in_its_episode(self) -> EnvConfig:
         if self.call_timeout_s > self.episode_timeout_s:

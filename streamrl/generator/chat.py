@@ -80,7 +80,7 @@ class ChatRenderer:
 
     def ended_with_eos(self, token_ids: Sequence[int]) -> bool:
         """Whether a sampled turn's last token ends the turn (EOS / end-of-turn)."""
-        return bool(token_ids) and int(token_ids[-1]) in self.eos_ids
+        return len(token_ids) > 0 and int(token_ids[-1]) in self.eos_ids
 
     # -- internals -------------------------------------------------------------------------
 

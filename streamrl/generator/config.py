@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config_base import MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
+from streamrl.envs.config import EnvConfig
 from streamrl.placement.cores import CoreSetting
 from streamrl.rewards.config import RewardConfig
 
@@ -90,6 +91,11 @@ class GeneratorConfig(Section):
     )
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="The reward function and its sandbox."
+    )
+    env: EnvConfig = Field(
+        default_factory=EnvConfig,
+        description="The environment episodes run in: single-turn (default) or multi-turn "
+        "with tools (streamrl.envs).",
     )
 
     @field_validator("flow_control", mode="before")

@@ -175,19 +175,27 @@ class Engine:
 
     # -- sampling ----------------------------------------------------------------------------
 
-    def sampling_params(self, request_seed: int | None = None, *, greedy: bool = False) -> Any:
-        """n = G samples with the configured sampling (or one greedy response), with the fp32
-        log-prob of each sampled token."""
+    def sampling_params(
+        self,
+        request_seed: int | None = None,
+        *,
+        greedy: bool = False,
+        n: int | None = None,
+        max_tokens: int | None = None,
+    ) -> Any:
+        """n = G samples (or `n`) with the configured sampling (or one greedy response), at most
+        `max_tokens` (default `generator.max_tokens`), with the fp32 log-prob of each sampled
+        token."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         cfg = self.generator
         return SamplingParams(
-            n=1 if greedy else cfg.group_size,
+            n=1 if greedy else (n or cfg.group_size),
             temperature=0.0 if greedy else cfg.temperature,
             top_p=1.0 if greedy else cfg.top_p,
             top_k=0 if greedy else cfg.top_k,
-            max_tokens=cfg.max_tokens,
+            max_tokens=max_tokens or cfg.max_tokens,
             stop=list(cfg.stop) or None,
             logprobs=0,
             seed=request_seed if self.cuda else None,
@@ -200,9 +208,11 @@ class Engine:
         request_id: str | None = None,
         *,
         greedy: bool = False,
+        n: int | None = None,
+        max_tokens: int | None = None,
     ) -> str:
-        """Start sampling G responses (or one greedy one) to a tokenised prompt; returns its
-        request id."""
+        """Start sampling G responses (or `n`, or one greedy one, each at most `max_tokens`) to
+        a tokenised prompt; returns its request id."""
         from vllm.inputs import TokensPrompt
 
         if request_id is None:
@@ -210,7 +220,9 @@ class Engine:
         seed = request_seed(self.seed, self._next_request, self.generator.group_size)
         self._next_request += 1
         ids = [int(t) for t in prompt_token_ids]
-        params = self.sampling_params(seed if self.cuda else None, greedy=greedy)
+        params = self.sampling_params(
+            seed if self.cuda else None, greedy=greedy, n=n, max_tokens=max_tokens
+        )
         self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
         self._in_flight[request_id] = (ids, self.policy_version, time.time())
         return request_id

@@ -31,21 +31,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from storage.control import stop_requested
 from storage.fs import Location
-from storage.records import ScoredGroup
 from storage.stream import StreamWriter
 from storage.weight_follower import Advance
 from storage.weights import WeightStore
-from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
 from streamrl.data import Prompt, PromptIterator
 from streamrl.generator.engine import Engine, FinishedGroup, WeightSource
 from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.progress import PromptLedger
+from streamrl.generator.records import GroupRecords
+from streamrl.generator.rollouts import EpisodeDriver, Rollout
 from streamrl.rewards import RewardScorer, Scores
 
 __all__ = ["BrokenRewardError", "GeneratorLoop", "GeneratorStats"]
@@ -54,6 +51,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILED_GROUPS_IN_A_ROW = 32
 PAUSED_SLEEP_S = 0.25  # flow control refuses and nothing is in flight: sleep, don't spin
+ENV_WAIT_S = 0.01  # every episode in flight waits for its environment: poll again soon
 
 
 class BrokenRewardError(RuntimeError):
@@ -103,9 +101,11 @@ class GeneratorLoop:
         generator_id: str,
         ledger: PromptLedger | None = None,
         before_commit: Callable[[], object] | None = None,
+        episodes: EpisodeDriver | None = None,
     ) -> None:
         """`before_commit` runs before every commit and raises when this generator may no
-        longer write (its index was taken over: `streamrl.launch.GeneratorIndex.check`)."""
+        longer write (its index was taken over: `streamrl.launch.GeneratorIndex.check`).
+        `episodes`: the driver of multi-turn episodes (`generator.env`); None: single-turn."""
         self.config = config
         self.run_location = run
         self.engine = engine
@@ -116,8 +116,11 @@ class GeneratorLoop:
         self.weight_source = WeightSource.of(run, config.weights)
         self.generator_id = generator_id
         self.stats = GeneratorStats()
+        self.records = GroupRecords(config, generator_id, self.stats)
         self.ledger = ledger or PromptLedger(prompts)
         self.before_commit = before_commit
+        self.episodes = episodes
+        self._next_key = 0
         self._corrupt_versions: set[int] = set()
         self._failed_in_a_row = 0  # groups whose every reward call failed
         self._prompts_by_request: dict[str, Prompt] = {}
@@ -155,17 +158,27 @@ class GeneratorLoop:
         """Top up the engine, advance it one step, hand finished groups to the scorer, and
         write what has been scored."""
         cfg = self.config.generator
-        while self.engine.num_in_flight < cfg.prompts_in_flight and self._admits():
+        while self._groups_in_flight < cfg.prompts_in_flight and self._admits():
             position = self.prompts.position
             prompt = next(self.prompts)
-            request_id = self.engine.submit(prompt.token_ids)
-            self._prompts_by_request[request_id] = prompt
+            if self.episodes is not None:
+                request_id = f"episodes-{self._next_key}"
+                self._next_key += 1
+                self.episodes.start(prompt, request_id)
+            else:
+                request_id = self.engine.submit(prompt.token_ids)
+                self._prompts_by_request[request_id] = prompt
             self.ledger.take(request_id, position)
         if self.engine.num_in_flight:
             finished = self.engine.step()
-        else:  # flow control paused us with nothing to sample: sleep rather than spin
+        else:  # nothing to sample (paused by flow control, or waiting for environments)
             finished = []
-            self._stop.wait(PAUSED_SLEEP_S)
+            self._stop.wait(PAUSED_SLEEP_S if not self._groups_in_flight else ENV_WAIT_S)
+        if self.episodes is not None:
+            for rollout in self.episodes.advance(finished):
+                self.ledger.collected(rollout.key)
+                self._write_episodes(rollout)
+            finished = []
         for group in finished:
             prompt = self._prompts_by_request.pop(group.request_id)
             texts = [c.text for c in group.completions]
@@ -185,9 +198,17 @@ class GeneratorLoop:
         if time.monotonic() >= self._next_log:
             self._log_throughput()
 
+    @property
+    def _groups_in_flight(self) -> int:
+        """Prompts started whose groups are not yet scored (episodes waiting for their
+        environment included)."""
+        if self.episodes is not None:
+            return self.episodes.groups_in_flight
+        return self.engine.num_in_flight
+
     def _admits(self) -> bool:
         """Flow control: whether the learner can still train on one more prompt."""
-        uncommitted = self.engine.num_in_flight + len(self._scoring) + self.writer.pending_groups
+        uncommitted = self._groups_in_flight + len(self._scoring) + self.writer.pending_groups
         return self._gate.admits(self.engine.policy_version, uncommitted)
 
     # -- scoring and writing -----------------------------------------------------------------
@@ -199,7 +220,7 @@ class GeneratorLoop:
             self.ledger.collected(group.request_id)
             scores = future.result()
             if not self._dropped_for_failures(scores):
-                self.writer.append(self._record(group, prompt, scores.values))
+                self.writer.append(self.records.single_turn(group, prompt, scores.values))
 
     def _dropped_for_failures(self, scores: Scores) -> bool:
         """Count a group's failed reward calls (in `stats` and the next commit record); True
@@ -228,38 +249,13 @@ class GeneratorLoop:
         )
         return drop
 
-    def _record(self, group: FinishedGroup, prompt: Prompt, scores: list[float]) -> ScoredGroup:
-        algorithm = self.config.algorithm
-        raw = torch.tensor(scores, dtype=torch.float32)
-        rewards = scale_rule_reward(raw, algorithm.reward_scale)
-        lengths = torch.tensor([len(c.token_ids) for c in group.completions])
-        if algorithm.overlong.shaping:
-            rewards = rewards + overlong_penalty(
-                lengths, self.config.generator.max_tokens, self.config.overlong_cache_len
-            )
-        truncated = np.array([c.truncated for c in group.completions])
-        s = self.stats
-        s.groups += 1
-        s.responses += len(scores)
-        s.tokens += int(lengths.sum())
-        s.correct += int((raw >= 1.0).sum())
-        s.reward_sum += float(rewards.sum())
-        s.truncated += int(truncated.sum())
-        return ScoredGroup(
-            prompt_id=prompt.prompt_id,
-            prompt_tokens=np.asarray(group.prompt_token_ids, dtype=np.int32),
-            ground_truth=prompt.ground_truth,
-            response_tokens=[c.token_ids for c in group.completions],
-            behaviour_logprobs=[c.logprobs for c in group.completions],
-            rewards=rewards.numpy(),
-            raw_scores=raw.numpy(),
-            truncated=truncated,
-            finish_reasons=[c.finish_reason for c in group.completions],
-            policy_version=group.policy_version,
-            generator_id=self.generator_id,
-            created_at=group.submitted_at,
-            finished_at=time.time(),
-        )
+    def _write_episodes(self, rollout: Rollout) -> None:
+        """A finished multi-turn group to the stream (or dropped, per `reward.on_error`)."""
+        scored = [f.result() for f in rollout.scores]
+        failures = {"env_error": "error", "timeout": "timeout", None: None}
+        scores = Scores([s.reward for s in scored], [failures[s.failure] for s in scored])
+        if not self._dropped_for_failures(scores):
+            self.writer.append(self.records.episodes(rollout, scored))
 
     def _flush(self) -> None:
         """Commit the open segment, then record the prompts it covers as committed."""
@@ -276,6 +272,8 @@ class GeneratorLoop:
         flush the open segment."""
         self.engine.abort_all()
         self._prompts_by_request.clear()
+        if self.episodes is not None:
+            self.episodes.abort()
         self._collect(wait=True)
         self._flush()
         log.info(

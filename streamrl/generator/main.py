@@ -68,8 +68,11 @@ def _build(
     from storage.weight_follower import Advance
     from storage.weights import WeightStore
     from streamrl.data import PromptPosition, PromptSource
+    from streamrl.envs.runner import EnvRunner
+    from streamrl.generator.chat import ChatRenderer
     from streamrl.generator.engine import Engine, WeightSource, generator_seed
     from streamrl.generator.progress import PromptLedger, resume_prompts
+    from streamrl.generator.rollouts import EpisodeDriver
     from streamrl.models import resolve_model_path
     from streamrl.rewards import RewardScorer
 
@@ -77,8 +80,14 @@ def _build(
     model_path = resolve_model_path(config.model.path)
     source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
     # The reward's workers load it (the user's module is imported there, under their limits)
-    # before anything is counted or vLLM starts: a reward that cannot be loaded fails here.
-    with RewardScorer.from_config(cfg.reward) as scorer:
+    # before anything is counted or vLLM starts: a reward (or an environment) that cannot be
+    # loaded fails here.
+    with contextlib.ExitStack() as stack:
+        scorer = stack.enter_context(RewardScorer.from_config(cfg.reward))
+        runner = None
+        if cfg.env.multi_turn:
+            template = getattr(source.tokenizer, "chat_template", None)
+            runner = stack.enter_context(EnvRunner.from_config(cfg.env, cfg.reward, template))
         generator_id = f"gen{index}"
         # The run's `count` generators split the data; one added later (index ≥ count) walks
         # shard index mod count from another epoch, so its prompt order differs from the
@@ -111,6 +120,10 @@ def _build(
             compression=config.storage.compression,
             level=config.storage.compression_level,
         )
+        episodes = None
+        if runner is not None:
+            renderer = ChatRenderer(engine.tokenizer, config.model.path)
+            episodes = EpisodeDriver(config, engine, runner, renderer)
         loop = GeneratorLoop(
             config=config,
             run=run,
@@ -121,6 +134,7 @@ def _build(
             generator_id=generator_id,
             ledger=PromptLedger(prompts, run=run, progress=progress),
             before_commit=before_commit,
+            episodes=episodes,
         )
         loop.skip_unusable_weights(weights)
         yield loop
