@@ -178,6 +178,8 @@ class GeneratorLoop:
             for rollout in self.episodes.advance(finished):
                 self.ledger.collected(rollout.key)
                 self._write_episodes(rollout)
+            while self.episodes.dropped:  # dropped on purpose: as good as collected
+                self.ledger.collected(self.episodes.dropped.pop())
             finished = []
         for group in finished:
             prompt = self._prompts_by_request.pop(group.request_id)

@@ -21,6 +21,7 @@ engine steps while environment calls run in their workers.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,15 @@ from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored
 from streamrl.generator.chat import ChatRenderer
 from streamrl.generator.engine import Completion, Engine, FinishedGroup
 
-__all__ = ["EpisodeDriver", "Rollout", "Transcript"]
+log = logging.getLogger(__name__)
+
+__all__ = ["EpisodeDriver", "PromptTooLongError", "Rollout", "Transcript"]
+
+MAX_TOO_LONG_IN_A_ROW = 32
+
+
+class PromptTooLongError(RuntimeError):
+    """The environment's first prompts do not fit the episode's token budget."""
 
 
 @dataclass
@@ -117,6 +126,9 @@ class EpisodeDriver:
         self._next: dict[str, tuple[Rollout, int]] = {}  # later turns: request → (group, i)
         self._steps: list[tuple[Rollout, int, Future[Reply]]] = []
         self._rollouts: list[Rollout] = []
+        self.too_long = 0  # groups dropped: their first prompt did not fit the budget
+        self.dropped: list[str] = []  # their keys, until the caller takes them
+        self._too_long_in_a_row = 0
 
     @property
     def groups_in_flight(self) -> int:
@@ -171,6 +183,10 @@ class EpisodeDriver:
                 if not reply.episode.done
                 else list(prompt.token_ids)
             )
+            if len(ids) >= self.env.max_episode_tokens:
+                self._drop_too_long(prompt, key, len(ids))
+                continue
+            self._too_long_in_a_row = 0
             rollout = Rollout(prompt, key, ids, started)
             rollout.episodes = [reply.episode] * self.engine.generator.group_size
             if reply.episode.done:  # the reset failed: every episode ends without a turn
@@ -180,6 +196,26 @@ class EpisodeDriver:
                 self._first[request] = rollout
             self._rollouts.append(rollout)
         self._resets = waiting
+
+    def _drop_too_long(self, prompt: Prompt, key: str, length: int) -> None:
+        """A first prompt (the environment's conversation, rendered with its tools) that leaves
+        no room for a turn: its group is dropped and counted; many in a row fail."""
+        self.too_long += 1
+        self._too_long_in_a_row += 1
+        self.dropped.append(key)
+        log.warning(
+            "prompt %s: the environment's first prompt is %d tokens, no room within "
+            "generator.env.max_episode_tokens=%d; dropped",
+            prompt.prompt_id, length, self.env.max_episode_tokens,
+        )  # fmt: skip
+        if self._too_long_in_a_row >= MAX_TOO_LONG_IN_A_ROW:
+            raise PromptTooLongError(
+                f"the last {self._too_long_in_a_row} prompts, rendered by environment "
+                f"{self.env.fn!r} with its tools, left no room for a turn within "
+                f"generator.env.max_episode_tokens={self.env.max_episode_tokens} (the latest: "
+                f"{length} tokens). Raise model.max_model_len and generator.env."
+                "max_episode_tokens, or shorten the environment's system prompt"
+            )
 
     def _begin_episodes(self, rollout: Rollout, group: FinishedGroup) -> None:
         rollout.transcripts = [Transcript() for _ in group.completions]
