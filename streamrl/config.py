@@ -171,7 +171,7 @@ class RunConfig(Section):
         env = self.generator.env
         if not env.multi_turn:
             return self
-        if env.max_episode_tokens > self.model.max_model_len:
+        if (env.max_episode_tokens or 0) > self.model.max_model_len:
             raise ValueError(
                 f"generator.env.max_episode_tokens ({env.max_episode_tokens}) exceeds "
                 f"model.max_model_len ({self.model.max_model_len}); lower it or raise "

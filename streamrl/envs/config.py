@@ -32,12 +32,13 @@ class EnvConfig(Section):
         description="Most model turns in one episode; an episode still running after them "
         "ends with finish reason max_turns and is scored as it stands.",
     )
-    max_episode_tokens: int = Field(
-        4096,
+    max_episode_tokens: int | None = Field(
+        None,
         gt=0,
         le=MAX_SEQUENCE_TOKENS,
         description="Token budget of a whole episode: prompt, every model turn and every "
-        "observation; an episode that reaches it ends with finish reason max_tokens.",
+        "observation; an episode that reaches it ends with finish reason max_tokens. null: "
+        "model.max_model_len.",
     )
     turn_max_tokens: int | None = Field(
         None,
@@ -121,7 +122,8 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _a_turn_fits_in_its_episode(self) -> EnvConfig:
-        if self.turn_max_tokens is not None and self.turn_max_tokens > self.max_episode_tokens:
+        episode = self.max_episode_tokens
+        if self.turn_max_tokens is not None and episode and self.turn_max_tokens > episode:
             raise ValueError(
                 f"generator.env.turn_max_tokens ({self.turn_max_tokens}) must be ≤ "
                 f"max_episode_tokens ({self.max_episode_tokens}): a turn is part of its episode"

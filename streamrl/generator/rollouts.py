@@ -120,6 +120,7 @@ class EpisodeDriver:
     ) -> None:
         self.env = config.generator.env
         self.turn_max_tokens = self.env.turn_max_tokens or config.generator.max_tokens
+        self.max_episode_tokens = self.env.max_episode_tokens or config.model.max_model_len
         self.engine, self.runner, self.renderer = engine, runner, renderer
         self._resets: list[tuple[Prompt, str, Future[Reply], float]] = []
         self._first: dict[str, Rollout] = {}  # turn-1 request id → its group
@@ -183,7 +184,7 @@ class EpisodeDriver:
                 if not reply.episode.done
                 else list(prompt.token_ids)
             )
-            if len(ids) >= self.env.max_episode_tokens:
+            if len(ids) >= self.max_episode_tokens:
                 self._drop_too_long(prompt, key, len(ids))
                 continue
             self._too_long_in_a_row = 0
@@ -206,13 +207,13 @@ class EpisodeDriver:
         log.warning(
             "prompt %s: the environment's first prompt is %d tokens, no room within "
             "generator.env.max_episode_tokens=%d; dropped",
-            prompt.prompt_id, length, self.env.max_episode_tokens,
+            prompt.prompt_id, length, self.max_episode_tokens,
         )  # fmt: skip
         if self._too_long_in_a_row >= MAX_TOO_LONG_IN_A_ROW:
             raise PromptTooLongError(
                 f"the last {self._too_long_in_a_row} prompts, rendered by environment "
                 f"{self.env.fn!r} with its tools, left no room for a turn within "
-                f"generator.env.max_episode_tokens={self.env.max_episode_tokens} (the latest: "
+                f"generator.env.max_episode_tokens={self.max_episode_tokens} (the latest: "
                 f"{length} tokens). Raise model.max_model_len and generator.env."
                 "max_episode_tokens, or shorten the environment's system prompt"
             )
@@ -247,7 +248,7 @@ class EpisodeDriver:
             transcript = rollout.transcripts[i]
             ids = self.renderer.observation_ids(reply.messages, rollout.last_eos[i])
             used = len(rollout.prompt_ids) + len(transcript.token_ids) + len(ids)
-            if used >= self.env.max_episode_tokens:
+            if used >= self.max_episode_tokens:
                 rollout.episodes[i] = reply.episode.finish("max_tokens")
                 continue
             transcript.add_observation(ids, self.engine.policy_version)
@@ -257,4 +258,4 @@ class EpisodeDriver:
         self._steps = waiting
 
     def _turn_budget(self, used: int) -> int:
-        return max(1, min(self.turn_max_tokens, self.env.max_episode_tokens - used))
+        return max(1, min(self.turn_max_tokens, self.max_episode_tokens - used))
