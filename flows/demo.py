@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="resume the run at --run-uri")
     parser.add_argument("--generators", type=int, default=1)
     parser.add_argument("--size", default="smollm2-cpu", help="size preset (tiny-cpu: minutes)")
+    parser.add_argument(
+        "--env", default=None, help="an environment preset: episodes with tools (calculator)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.resume and not args.run_uri:
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     run_uri = args.run_uri or time.strftime("./runs/demo-%Y%m%d-%H%M%S")
     logs = Path(run_uri) / "logs"
     terminal = _terminal_only_for_the_flow(logs / "demo.log")
-    print(f"streamrl demo: DAPO, {args.size}, {args.steps} steps, {args.generators} "
+    env = f", environment {args.env}" if args.env else ""
+    print(f"streamrl demo: DAPO, {args.size}{env}, {args.steps} steps, {args.generators} "
           f"generator(s)\n  run:  {run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
     try:
         return _run(args, run_uri, terminal)
@@ -66,6 +70,7 @@ def _run(args: argparse.Namespace, run_uri: str, terminal: IO[str]) -> int:
         state = streamrl_run(
             preset="dapo",
             size=args.size,
+            config_file=args.env,
             overrides=[f"learner.total_steps={args.steps}", *args.overrides],
             run_uri=run_uri,
             generators=args.generators,
@@ -97,6 +102,7 @@ def _resume_argv(args: argparse.Namespace, run_uri: str) -> list[str]:
         str(args.generators),
         "--size",
         args.size,
+        *(["--env", args.env] if args.env else []),
         *args.overrides,
     ]
 

@@ -177,6 +177,13 @@ class RunConfig(Section):
                 f"model.max_model_len ({self.model.max_model_len}); lower it or raise "
                 "model.max_model_len"
             )
+        episode = env.max_episode_tokens or self.model.max_model_len
+        if self.learner.micro_batch_tokens < episode:
+            raise ValueError(
+                f"learner.micro_batch_tokens ({self.learner.micro_batch_tokens}) must hold the "
+                f"longest episode (generator.env.max_episode_tokens, else model.max_model_len: "
+                f"{episode}); set learner.micro_batch_tokens ≥ {episode}"
+            )
         if self.algorithm.uses_value_model:
             raise ValueError(
                 f"algorithm '{self.algorithm.name}' trains a value model, which multi-turn "

@@ -466,3 +466,23 @@ def test_a_yaml_error_names_file_line_and_column_not_the_text(
     assert f"{path}:{line}:{column}: not valid YAML" in message
     assert "hunter2" not in message
     assert excinfo.value.__cause__ is None  # nor in a chained exception's traceback
+
+
+def test_episodes_must_fit_the_model_the_micro_batch_and_the_algorithm() -> None:
+    config = load_config(["dapo", "smollm2-cpu", "calculator"])
+    assert config.generator.env.fn == "calculator"
+    assert config.learner.micro_batch_tokens >= config.model.max_model_len
+    with pytest.raises(ConfigError) as error:
+        load_config(
+            ["dapo", "smollm2-cpu", "calculator"], overrides=["learner.micro_batch_tokens=600"]
+        )
+    assert "must hold the longest episode" in problems(error)
+    with pytest.raises(ConfigError) as error:
+        load_config(
+            ["grpo", "tiny-cpu"],
+            overrides=["generator.env.fn=guess", "generator.env.max_episode_tokens=512"],
+        )
+    assert "exceeds model.max_model_len (256)" in problems(error)
+    with pytest.raises(ConfigError) as error:
+        load_config(["vapo", "smollm2-cpu", "calculator"])
+    assert "multi-turn episodes" in problems(error)
