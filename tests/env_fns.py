@@ -110,8 +110,13 @@ class KeepTalking(Environment):
 
 
 class BreaksOnTurnTwo(KeepTalking):
-    """KeepTalking whose second step crashes its worker (prompts with an even answer) or hangs
-    (odd answers)."""
+    """KeepTalking whose reset raises for answers divisible by 5, and whose second step crashes
+    its worker (other even answers) or hangs (other odd answers)."""
+
+    def reset(self, task: Task) -> Reset:
+        if int(task.ground_truth) % 5 == 0:
+            raise RuntimeError("no episode for this one")
+        return super().reset(task)
 
     def step(self, task: Task, state: Any, text: str) -> Step:
         if state["turns"] == 1:

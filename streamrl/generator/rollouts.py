@@ -128,7 +128,7 @@ class EpisodeDriver:
         self._steps: list[tuple[Rollout, int, Future[Reply]]] = []
         self._rollouts: list[Rollout] = []
         self.too_long = 0  # groups dropped: their first prompt did not fit the budget
-        self.dropped: list[str] = []  # their keys, until the caller takes them
+        self.dropped: list[str] = []  # keys of groups dropped (too long, failed reset)
         self._too_long_in_a_row = 0
 
     @property
@@ -179,22 +179,17 @@ class EpisodeDriver:
                 waiting.append((prompt, key, future, started))
                 continue
             reply = future.result()
-            ids = (
-                self.renderer.prompt_ids(reply.messages, reply.tools)
-                if not reply.episode.done
-                else list(prompt.token_ids)
-            )
+            if reply.episode.done:  # the reset failed (counted and logged by the runner)
+                self.dropped.append(key)  # no turn was sampled: nothing to train on
+                continue
+            ids = self.renderer.prompt_ids(reply.messages, reply.tools)
             if len(ids) >= self.max_episode_tokens:
                 self._drop_too_long(prompt, key, len(ids))
                 continue
             self._too_long_in_a_row = 0
             rollout = Rollout(prompt, key, ids, started)
             rollout.episodes = [reply.episode] * self.engine.generator.group_size
-            if reply.episode.done:  # the reset failed: every episode ends without a turn
-                rollout.transcripts = [Transcript() for _ in rollout.episodes]
-            else:
-                request = self.engine.submit(ids, max_tokens=self._turn_budget(0))
-                self._first[request] = rollout
+            self._first[self.engine.submit(ids, max_tokens=self._turn_budget(0))] = rollout
             self._rollouts.append(rollout)
         self._resets = waiting
 

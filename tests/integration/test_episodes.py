@@ -98,8 +98,12 @@ def test_a_crashing_or_hanging_environment_ends_only_its_episodes(tmp_path):
         _loop_until(loop, lambda: loop.stats.groups >= 4, limit=20000)
         loop._flush()
         stats = loop.episodes.runner.stats
-    reasons = {r for _, g in _groups(run, loop.stats.groups) for r in g.finish_reasons}
+    groups = [g for _, g in _groups(run, loop.stats.groups)]
+    reasons = {r for g in groups for r in g.finish_reasons}
     assert reasons & {"env_error", "timeout"}
+    # A failed reset drops its group: no turn was sampled, there is nothing to train on.
+    assert all(int(g.ground_truth) % 5 for g in groups)
+    assert all(len(t) > 0 for g in groups for t in g.response_tokens)
     assert stats.errors + stats.timeouts >= 1
     assert loop.stats.reward_errors + loop.stats.reward_timeouts >= 1
 
