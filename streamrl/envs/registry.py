@@ -12,11 +12,11 @@ nothing of the user's.
 from __future__ import annotations
 
 import difflib
-import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from streamrl.envs.base import Environment
+from streamrl.user_code import import_object
 
 __all__ = [
     "ENVIRONMENTS",
@@ -72,37 +72,7 @@ def resolve_env(name_or_path: str) -> type[Environment]:
             `Environment` subclass.
     """
     path = _import_path(name_or_path)
-    module_name, _, attribute = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        missing = e.name or module_name
-        if module_name == missing or module_name.startswith(f"{missing}."):
-            raise EnvResolutionError(
-                f"environment {name_or_path!r}: no module named '{missing}'; check the spelling "
-                "and that its package is installed or on PYTHONPATH (environment workers import "
-                "it in a fresh process)"
-            ) from e
-        raise EnvResolutionError(
-            f"environment {name_or_path!r}: importing '{module_name}' failed because it imports "
-            f"'{missing}', which is not installed"
-        ) from e
-    except Exception as e:
-        raise EnvResolutionError(
-            f"environment {name_or_path!r}: importing '{module_name}' raised "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    target: object = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_"))
-            close = difflib.get_close_matches(attribute, public, n=1)
-            hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
-            raise EnvResolutionError(
-                f"environment {name_or_path!r}: module '{module_name}' has no attribute "
-                f"'{attribute}'{hint}"
-            )
-        target = getattr(target, part)
+    target = import_object(path, "environment", EnvResolutionError)
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise EnvResolutionError(
             f"environment {name_or_path!r} is {type(target).__name__} {target!r:.60}, not a "

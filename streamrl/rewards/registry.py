@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
 from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
+from streamrl.user_code import import_object
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -100,19 +100,8 @@ def resolve_reward(name_or_path: str) -> RewardFn:
     """
     if ":" not in name_or_path:
         return _registered(name_or_path)
-    module_name, attribute = _split_import_path(name_or_path)
-    module = _import(module_name, name_or_path)
-    target: object = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_"))
-            close = difflib.get_close_matches(attribute, public, n=1)
-            hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
-            raise RewardResolutionError(
-                f"reward {name_or_path!r}: module '{module_name}' has no attribute "
-                f"'{attribute}'{hint}"
-            )
-        target = getattr(target, part)
+    _split_import_path(name_or_path)
+    target = import_object(name_or_path, "reward", RewardResolutionError)
     if not callable(target):
         raise RewardResolutionError(
             f"reward {name_or_path!r} is not callable (it is the {type(target).__name__} "
@@ -143,27 +132,6 @@ def _registered(name: str) -> RewardFn:
         f"unknown reward {name!r}; {hint}registered rewards: {', '.join(names)}, or a user "
         f"function as 'package.module:function'.{dotted}"
     )
-
-
-def _import(module_name: str, name_or_path: str) -> object:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        missing = e.name or module_name
-        if module_name == missing or module_name.startswith(f"{missing}."):
-            raise RewardResolutionError(
-                f"reward {name_or_path!r}: no module named '{missing}'; check the spelling and "
-                "that its package is installed or on PYTHONPATH (reward workers import it in a "
-                "fresh process)"
-            ) from e
-        raise RewardResolutionError(
-            f"reward {name_or_path!r}: importing '{module_name}' failed because it imports "
-            f"'{missing}', which is not installed"
-        ) from e
-    except Exception as e:
-        raise RewardResolutionError(
-            f"reward {name_or_path!r}: importing '{module_name}' raised {type(e).__name__}: {e}"
-        ) from e
 
 
 def _call_without_prompt(
