@@ -25,10 +25,10 @@ from storage.stream import StreamReader, StreamWriter
 from storage.weight_publish import WeightWriter
 from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
+from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.models import resolve_model_path
-from streamrl.rewards import RewardScorer
 
 
 def main() -> None:
@@ -66,13 +66,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run = open_location(tmp)
-        with RewardScorer.from_config(cfg.reward) as scorer:
+        with EnvRunner.from_config(cfg.env, cfg.reward, None) as runner:
             loop = GeneratorLoop(
                 config=config,
                 run=run,
                 engine=engine,
                 prompts=source.iterate(),
-                scorer=scorer,
+                runner=runner,
                 writer=StreamWriter(run, "gen0"),
                 generator_id="gen0",
             )

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,9 @@ class RolloutSums:
     """Sums over the responses of some groups, for rollout metrics (the learner's `rollout/*`;
     a commit record carries its segment's). A response is correct when its raw verifier score
     is ≥ 1; `reward` sums shaped rewards, `length` sampled tokens (ALGORITHMS.md: lengths count
-    sampled tokens), `env_tokens` environment tokens (multi-turn), `turns` model turns."""
+    sampled tokens), `env_tokens` environment tokens (multi-turn), `turns` model turns;
+    `tool_calls`, `tool_errors`, `env_s` and `wait_s` the episode statistics
+    (`ScoredGroup.tool_calls`, ...); `finished` counts responses by finish reason."""
 
     responses: int = 0
     reward: float = 0.0
@@ -43,6 +45,11 @@ class RolloutSums:
     truncated: int = 0
     env_tokens: int = 0
     turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_s: float = 0.0
+    wait_s: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)
 
     def add(self, group: ScoredGroup) -> None:
         sampled = int(np.sum(group.sampled_lengths))
@@ -53,21 +60,24 @@ class RolloutSums:
         self.truncated += int(np.count_nonzero(group.truncated))
         self.env_tokens += group.num_tokens - sampled
         self.turns += int(np.sum(group.effective_turns, dtype=np.int64))
+        self.tool_calls += int(np.sum(group.episode_stat("tool_calls"), dtype=np.int64))
+        self.tool_errors += int(np.sum(group.episode_stat("tool_errors"), dtype=np.int64))
+        self.env_s += float(np.sum(group.episode_stat("env_seconds"), dtype=np.float64))
+        self.wait_s += float(np.sum(group.episode_stat("wait_seconds"), dtype=np.float64))
+        for reason in group.finish_reasons:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
 
     def merge(self, other: RolloutSums) -> None:
-        self.responses += other.responses
-        self.reward += other.reward
-        self.correct += other.correct
-        self.length += other.length
-        self.truncated += other.truncated
-        self.env_tokens += other.env_tokens
-        self.turns += other.turns
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for reason, count in other.finished.items():
+            self.finished[reason] = self.finished.get(reason, 0) + count
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutSums:
         """The sums a commit record stored. Records written before multi-turn rollouts lack
-        `env_tokens` and `turns`: their responses were single-turn (no environment token,
-        one turn each)."""
+        `env_tokens` and `turns` (their responses were single-turn: no environment token, one
+        turn each), and before episode statistics the fields after `turns` (read as 0)."""
         data = {"env_tokens": 0, "turns": data.get("responses", 0), **data}
         return cls(**data)
 
@@ -80,7 +90,9 @@ class RolloutSums:
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """`<prefix>/reward_mean`, `/acc`, `/response_len_mean` (sampled tokens),
-        `/truncated_frac`, `/env_tokens_mean`, `/turns_mean`: means over responses."""
+        `/truncated_frac`, `/env_tokens_mean`, `/turns_mean`, `/tool_calls_mean`,
+        `/tool_errors_mean`, `/env_s_mean`, `/wait_s_mean`: means over responses; and
+        `/finish_<reason>_frac` for each finish reason seen."""
         n = max(self.responses, 1)
         return {
             f"{prefix}/reward_mean": self.reward / n,
@@ -89,7 +101,18 @@ class RolloutSums:
             f"{prefix}/truncated_frac": self.truncated / n,
             f"{prefix}/env_tokens_mean": self.env_tokens / n,
             f"{prefix}/turns_mean": self.turns / n,
+            f"{prefix}/tool_calls_mean": self.tool_calls / n,
+            f"{prefix}/tool_errors_mean": self.tool_errors / n,
+            f"{prefix}/env_s_mean": self.env_s / n,
+            f"{prefix}/wait_s_mean": self.wait_s / n,
+            **{
+                f"{prefix}/finish_{reason}_frac": count / n
+                for reason, count in sorted(self.finished.items())
+            },
         }
+
+
+_SUMMED = tuple(f.name for f in fields(RolloutSums) if f.name != "finished")
 
 
 WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
@@ -186,13 +209,21 @@ class CommitRecord:
         rollout = self.rollout
         if not isinstance(rollout, RolloutSums):
             raise InvalidRecordError(f"{where}: rollout must be RolloutSums, got {rollout!r}")
-        for name in ("responses", "correct", "length", "truncated", "env_tokens", "turns"):
+        counts = ("responses", "correct", "length", "truncated", "env_tokens", "turns",
+                  "tool_calls", "tool_errors")  # fmt: skip
+        for name in counts:
             _check_int(getattr(rollout, name), 0, f"{where}: rollout.{name}")
-        reward = rollout.reward
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise InvalidRecordError(f"{where}: rollout.reward must be a finite number")
-        if not math.isfinite(reward):
-            raise InvalidRecordError(f"{where}: rollout.reward must be a finite number")
+        for name in ("reward", "env_s", "wait_s"):
+            value = getattr(rollout, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidRecordError(f"{where}: rollout.{name} must be a finite number")
+            if not math.isfinite(value):
+                raise InvalidRecordError(f"{where}: rollout.{name} must be a finite number")
+        finished = rollout.finished
+        if not isinstance(finished, dict) or not all(isinstance(k, str) for k in finished):
+            raise InvalidRecordError(f"{where}: rollout.finished must map finish reasons to counts")
+        for reason, count in finished.items():
+            _check_int(count, 0, f"{where}: rollout.finished[{reason!r}]")
 
     def _check_segment(self, where: str) -> None:
         if not isinstance(self.writer_id, str) or not WRITER_ID.fullmatch(self.writer_id):

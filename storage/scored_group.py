@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["InvalidRecordError", "ScoredGroup"]
+__all__ = ["EPISODE_STATS", "InvalidRecordError", "ScoredGroup"]
+
+EPISODE_STATS = ("tool_calls", "tool_errors", "env_seconds", "wait_seconds")
 
 
 class InvalidRecordError(ValueError):
@@ -49,7 +51,9 @@ class ScoredGroup:
         rewards: `[G] float32` reward after shaping (what the learner optimises).
         raw_scores: `[G] float32` the verifier's score before shaping (for metrics).
         truncated: `[G] bool` the response hit max_tokens without finishing.
-        finish_reasons: G strings as the engine reported them ("stop", "length", ...).
+        finish_reasons: G episode finish reasons ("done", "max_tokens", "max_turns",
+            "env_error", "timeout"; segments written before environments hold the engine's
+            "stop", "length").
         policy_version: the oldest weight version that sampled any token of the group (for a
             single-turn group: the version its responses were sampled with).
         generator_id: which generator produced the group.
@@ -65,6 +69,13 @@ class ScoredGroup:
         turns: `[G] int32` model turns per response. Single-turn: ones.
         turn_rewards: G arrays `[T_i] float32`, a reward per model turn, or empty where the
             environment gives none. Single-turn: empty.
+
+    Episode statistics, for metrics (None: not recorded, as in segments written before them;
+    `RolloutSums` counts them as 0):
+        tool_calls, tool_errors: `[G] int32` tool calls per response, and those that failed.
+        env_seconds: `[G] float32` time the environment's calls of each episode took.
+        wait_seconds: `[G] float32` how long each episode's result waited for the group's
+            slowest episode (a straggler's cost).
     """
 
     prompt_id: str
@@ -84,6 +95,10 @@ class ScoredGroup:
     token_versions: Sequence[np.ndarray] | None = None
     turns: np.ndarray | None = None
     turn_rewards: Sequence[np.ndarray] | None = None
+    tool_calls: np.ndarray | None = None
+    tool_errors: np.ndarray | None = None
+    env_seconds: np.ndarray | None = None
+    wait_seconds: np.ndarray | None = None
 
     @property
     def group_size(self) -> int:
@@ -155,7 +170,7 @@ class ScoredGroup:
             "truncated": len(self.truncated),
             "finish_reasons": len(self.finish_reasons),
         }
-        for name in ("loss_masks", "token_versions", "turns", "turn_rewards"):
+        for name in ("loss_masks", "token_versions", "turns", "turn_rewards", *EPISODE_STATS):
             if getattr(self, name) is not None:
                 sized[name] = len(getattr(self, name))
         for name, n in sized.items():
@@ -183,7 +198,19 @@ class ScoredGroup:
             raise InvalidRecordError(f"{where}: policy_version must be ≥ 0")
         self._validate_masks_and_versions(where)
         self._validate_turns(where)
+        self._validate_episode_stats(where)
         return self
+
+    def _validate_episode_stats(self, where: str) -> None:
+        for name in EPISODE_STATS:
+            values = getattr(self, name)
+            if values is None:
+                continue
+            values = np.asarray(values)
+            if values.ndim != 1 or not (np.isfinite(values).all() and (values >= 0).all()):
+                raise InvalidRecordError(f"{where}: {name} must be finite and ≥ 0 per response")
+        if (self.episode_stat("tool_errors") > self.episode_stat("tool_calls")).any():
+            raise InvalidRecordError(f"{where}: tool_errors must be ≤ tool_calls")
 
     def _validate_masks_and_versions(self, where: str) -> None:
         """Loss masks and token versions (nothing to check for a single-turn group), checked
@@ -272,7 +299,16 @@ class ScoredGroup:
             and arrays_equal(self.effective_token_versions, other.effective_token_versions)
             and np.array_equal(self.effective_turns, other.effective_turns)
             and arrays_equal(self.effective_turn_rewards, other.effective_turn_rewards)
+            and all(
+                np.array_equal(self.episode_stat(name), other.episode_stat(name))
+                for name in EPISODE_STATS
+            )
         )
+
+    def episode_stat(self, name: str) -> np.ndarray:
+        """Episode statistic `name` (`EPISODE_STATS`), 0 per response where not recorded."""
+        values = getattr(self, name)
+        return np.zeros(self.group_size) if values is None else np.asarray(values)
 
 
 def _joined(values: Sequence[np.ndarray], lengths: list[int], what: str) -> np.ndarray:

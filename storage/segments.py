@@ -9,23 +9,26 @@ Arrays are plain numeric, one chunk each; ragged data is stored flat with length
     flat prompts  [Σ P]          prompt_tokens i32
     per response  [n_responses]  response_lengths i32, rewards f32, raw_scores f32,
                                  truncated bool, finish_reasons u8 (codes into an attribute
-                                 vocabulary), turns i32, turn_reward_counts i32
+                                 vocabulary), turns i32, turn_reward_counts i32, tool_calls
+                                 i32, tool_errors i32, env_seconds f32, wait_seconds f32
     flat tokens   [Σ L]          response_tokens i32, behaviour_logprobs f32, loss_masks u8,
                                  token_versions i64
     flat turns    [Σ T]          turn_rewards f32 (T_i = turn_reward_counts[i]: 0 or turns[i])
 
 Every group is stored with its multi-turn arrays, a single-turn one with their single-turn
-values (`ScoredGroup.effective_*`); decoded groups carry them as arrays.
+values (`ScoredGroup.effective_*`), and its episode statistics (0 where not recorded); decoded
+groups carry them as arrays.
 
 Strings (prompt ids, ground truths, generator ids, the finish-reason vocabulary) live in the
 group attributes, next to a CRC32 of every array's uncompressed bytes (`crc32`), checked on
 decode. (The commit record separately carries a CRC32 of every stored object, checked before
 decoding, so storage corruption is caught even where it breaks decompression.)
 
-Formats: 2 (written now) as above; 1, written before multi-turn rollouts, lacks `loss_masks`,
-`token_versions`, `turns`, `turn_reward_counts` and `turn_rewards` and decodes as single-turn
-groups (their multi-turn fields None), so a run written before resumes. Any other
-`format_version` is a `CorruptSegmentError`.
+Formats: 3 (written now) as above; 2 lacks the episode statistics (`tool_calls`,
+`tool_errors`, `env_seconds`, `wait_seconds`: decoded as None); 1, written before multi-turn
+rollouts, also lacks `loss_masks`, `token_versions`, `turns`, `turn_reward_counts` and
+`turn_rewards` and decodes as single-turn groups (their multi-turn fields None), so a run
+written before resumes. Any other `format_version` is a `CorruptSegmentError`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from zarr.core.sync import sync
 from zarr.storage import MemoryStore
 
 from storage.records import ScoredGroup
+from storage.scored_group import EPISODE_STATS
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,9 +57,10 @@ __all__ = [
     "encode_segment",
 ]
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 _MULTI_TURN_ARRAYS = ("loss_masks", "token_versions", "turns", "turn_reward_counts", "turn_rewards")
+_EPISODE_STAT_DTYPES = (np.int32, np.int32, np.float32, np.float32)
 Compression = Literal["zstd", "blosc", "none"]
 
 
@@ -140,6 +145,10 @@ def _multi_turn_columns(groups: Sequence[ScoredGroup]) -> dict[str, np.ndarray]:
         "turns": _flat([g.effective_turns for g in groups], np.int32),
         "turn_reward_counts": _flat(counts, np.int32),
         "turn_rewards": _flat(turn_rewards, np.float32),
+        **{
+            name: _flat([g.episode_stat(name) for g in groups], dtype)
+            for name, dtype in zip(EPISODE_STATS, _EPISODE_STAT_DTYPES, strict=True)
+        },
     }
 
 
@@ -225,19 +234,23 @@ def _split(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
 
 def _multi_turn_fields(arrays: dict[str, np.ndarray], format_version: int) -> dict[str, Any]:
     """Per response: each multi-turn field of the segment's groups (none from format 1, whose
-    groups are single-turn)."""
+    groups are single-turn) and their episode statistics (from format 3)."""
     if format_version == 1:
         return {}
-    missing = [name for name in _MULTI_TURN_ARRAYS if name not in arrays]
+    expected = (*_MULTI_TURN_ARRAYS, *(EPISODE_STATS if format_version >= 3 else ()))
+    missing = [name for name in expected if name not in arrays]
     if missing:
         raise KeyError(f"a format-{format_version} segment lacks {', '.join(missing)}")
     lengths = arrays["response_lengths"]
-    return {
+    fields = {
         "loss_masks": _split(arrays["loss_masks"], lengths),
         "token_versions": _split(arrays["token_versions"], lengths),
         "turns": arrays["turns"],
         "turn_rewards": _split(arrays["turn_rewards"], arrays["turn_reward_counts"]),
     }
+    if format_version >= 3:
+        fields.update((name, arrays[name]) for name in EPISODE_STATS)
+    return fields
 
 
 def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[ScoredGroup]:

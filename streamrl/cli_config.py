@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from streamrl.config import RunConfig
 from streamrl.config_base import ConfigError
 from streamrl.config_loading import UNIONS, available_presets, load_config
+from streamrl.envs.config import EnvConfig
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
 
@@ -125,6 +126,7 @@ def _cmd_fields(args: argparse.Namespace) -> int:
         else:
             sections[name] = field.annotation  # type: ignore[assignment]
     sections["generator.reward"] = RewardConfig
+    sections["generator.env"] = EnvConfig
     sections["model.critic"] = CriticConfig
     wanted = [s for s in sections if args.section is None or s.startswith(args.section)]
     if not wanted:

@@ -184,6 +184,12 @@ class RunConfig(Section):
                 f"longest episode (generator.env.max_episode_tokens, else model.max_model_len: "
                 f"{episode}); set learner.micro_batch_tokens ≥ {episode}"
             )
+        if not self.data.apply_chat_template:
+            raise ValueError(
+                f"generator.env.fn={env.fn} renders the environment's messages with the chat "
+                "template, so the prompt must be rendered with it too; set "
+                "data.apply_chat_template=true"
+            )
         if self.algorithm.uses_value_model:
             raise ValueError(
                 f"algorithm '{self.algorithm.name}' trains a value model, which multi-turn "

@@ -51,6 +51,25 @@ _METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner ro
 )
 
 
+def episode_summary(metrics: dict[str, Any]) -> str | None:
+    """Multi-turn rollouts in a line (turns, tool calls, environment time, straggler wait,
+    finish reasons), or None for single-turn ones (one turn each, no tool call)."""
+    turns, calls = metrics.get("rollout/turns_mean"), metrics.get("rollout/tool_calls_mean")
+    if not (_num(turns) and _num(calls)) or (turns <= 1 and calls == 0):
+        return None
+    reasons = ", ".join(
+        f"{key[len('rollout/finish_') : -len('_frac')]} {value:.2f}"
+        for key, value in sorted(metrics.items())
+        if key.startswith("rollout/finish_") and key.endswith("_frac") and _num(value)
+    )
+    return (
+        f"turns {turns:.2f}  tool calls {calls:.2f} (errors "
+        f"{metrics.get('rollout/tool_errors_mean', 0.0):.2f})  env "
+        f"{metrics.get('rollout/env_s_mean', 0.0):.2f}s  straggler wait "
+        f"{metrics.get('rollout/wait_s_mean', 0.0):.2f}s  finished: {reasons}"
+    )
+
+
 def format_status(status: RunStatus) -> str:
     """The status as a compact table for the console."""
     return "\n".join(f"{label:<11}{text}".rstrip() for label, text in _rows(status))
@@ -121,6 +140,8 @@ def _metrics_rows(s: RunStatus) -> Iterator[tuple[str, str]]:
         )
         yield "metrics", f"step {m.get('step')}{when}: {rollout}"
         yield "", perf
+        if (episodes := episode_summary(m)) is not None:
+            yield "episodes", episodes
     if _num(m.get("stream/staleness_mean")):
         mean, top = m["stream/staleness_mean"], m.get("stream/staleness_max", 0)
         yield "staleness", f"mean {mean:.2f}, max {top:.0f} versions (last step)"

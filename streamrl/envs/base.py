@@ -11,11 +11,13 @@ with chat messages. Three calls:
         model's first turn continues (usually `task.messages`; a tool environment may add a
         system message describing its tools). `state`: anything the episode must remember.
 
-    step(task, state, text)  -> Step(messages, state, done, reward)
+    step(task, state, text)  -> Step(messages, state, done, reward, tool_calls, tool_errors)
         `text`: the model's latest turn, as sampled. Answer with the observation `messages`
         to append before the model's next turn (tool results, a user message), the new state,
         and whether the episode is over (`done`; then `messages` is usually empty). `reward`:
-        an optional reward for this turn, recorded with the episode.
+        an optional reward for this turn, recorded with the episode. `tool_calls` /
+        `tool_errors`: the tool calls this turn made and how many failed, for the run's
+        metrics (`ToolEnvironment` fills them in).
 
     score(task, state, final) -> float | bool in [0, 1]
         Score the finished episode. `final`: the model's last turn. The default scores `final`
@@ -88,12 +90,15 @@ class Reset:
 @dataclass(frozen=True)
 class Step:
     """`step`'s answer. `messages`: the observation, appended after the model's turn (at least
-    one message unless `done`). `reward`: this turn's reward, if the environment gives one."""
+    one message unless `done`). `reward`: this turn's reward, if the environment gives one.
+    `tool_calls`: tool calls the turn made; `tool_errors`: those answered with an error."""
 
     messages: list[Message] = field(default_factory=list)
     state: Any = None
     done: bool = False
     reward: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,20 @@ Every call returns a `concurrent.futures.Future` at once (`asyncio.wrap_future` 
 awaitable), and calls from any number of threads share the workers, queued in the order
 submitted; a future never raises for what the environment did.
 
+The single-turn environment (`single_turn`, the default: every run's rollouts go through a
+runner) runs no user code but the reward: its reset and step run inline, in the caller
+(`SingleTurnEnv`: the row's prompt, done after the first turn), and its score is the reward
+function in the reward scorer's workers (`generator.reward`: its workers, limits, messages and
+counters), so a single-turn episode costs one reward call, as before environments existed.
+
 Limits (`generator.env`, `streamrl.envs.config`): a reset or step call has `call_timeout_s`, and
 no more than what is left of the episode's `episode_timeout_s` (the time its calls took so far,
 `Episode.env_s`); a score call has `generator.reward.timeout_s`. A call that raises, answers
 with something malformed (`streamrl.envs.worker`) or kills its worker ends the episode with
 finish reason `env_error`, one past its limit with `timeout`; both are counted in
-`EnvRunner.stats`, logged, and score 0 (`Scored.failure` says so: the generator decides, as
-with rewards, whether to train on such a group). The runner ends an episode after `max_turns`
+`EnvRunner.stats`, logged, and score 0 (`Scored.failure` says so: "error" or "timeout", as for
+a failed reward call; the generator decides, as with rewards, whether to train on such a
+group). The runner ends an episode after `max_turns`
 model turns (`max_turns`); the generator ends one that runs out of `max_episode_tokens`
 (`Episode.finish("max_tokens")`). Isolation — spawned workers without credentials, a memory
 limit, killed on a deadline — is the reward scorer's (`streamrl.rewards.pool.IsolatedPool`);
@@ -39,8 +46,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
-from streamrl.envs.base import Message, Step, Task
-from streamrl.envs.formats import resolve_tool_format
+from streamrl.envs.base import EnvContext, Environment, Message, SingleTurnEnv, Step, Task
+from streamrl.envs.formats import TOOL_FORMATS, resolve_tool_format
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, check_env_name
 from streamrl.envs.worker import (
     EnvSpec,
@@ -49,15 +56,18 @@ from streamrl.envs.worker import (
     call_reset,
     call_score,
     call_step,
+    checked_reset,
+    checked_step,
     load_environment,
 )
-from streamrl.rewards.pool import IsolatedPool, Outcome
+from streamrl.rewards.config import RewardConfig
+from streamrl.rewards.pool import Failure, IsolatedPool, Outcome
 from streamrl.rewards.registry import check_reward_name
+from streamrl.rewards.scoring import RewardScorer, Score
 from streamrl.rewards.worker import RewardValueError
 
 if TYPE_CHECKING:
     from streamrl.envs.config import EnvConfig
-    from streamrl.rewards.config import RewardConfig
 
 __all__ = ["EnvRunner", "EnvStats", "Episode", "FinishReason", "Reply", "Scored"]
 
@@ -75,8 +85,9 @@ class Episode:
 
     `state`: the environment's own (JSON). `turns`: model turns answered so far. `env_s`:
     seconds its reset and step calls took, against `episode_timeout_s`. `final`: the model's
-    latest turn. `turn_rewards[i]`: the reward `step` gave turn i, or None.
-    `finish_reason`: None while it runs. `error`: why it failed (env_error, timeout).
+    latest turn. `turn_rewards[i]`: the reward `step` gave turn i, or None. `tool_calls`,
+    `tool_errors`: the steps' counts, summed. `finish_reason`: None while it runs. `error`:
+    why it failed (env_error, timeout).
     `dataclasses.asdict(episode)` is plain JSON.
     """
 
@@ -86,6 +97,8 @@ class Episode:
     env_s: float = 0.0
     final: str = ""
     turn_rewards: tuple[float | None, ...] = ()
+    tool_calls: int = 0
+    tool_errors: int = 0
     finish_reason: FinishReason | None = None
     error: str = ""
 
@@ -114,12 +127,13 @@ class Reply:
 @dataclass(frozen=True)
 class Scored:
     """A finished episode's score. `failure` None: `reward` in [0, 1] is the environment's
-    score. Else the episode or its score call failed, and `reward` is 0.0."""
+    score. Else the episode ("error": finish reason env_error; "timeout") or its score call
+    failed, and `reward` is 0.0."""
 
     reward: float
     turn_rewards: tuple[float | None, ...]
     finish_reason: FinishReason
-    failure: EnvFailure | None = None
+    failure: Failure | None = None
 
 
 @dataclass
@@ -142,41 +156,50 @@ class EnvRunner:
     docstring). Use as a context manager: the workers start and load the environment (and
     the reward) on entry, so one that cannot be loaded fails there; they stop on exit.
 
-    `chat_template`: the tokenizer's, to resolve `tool_format: auto` (`self.tool_format`).
+    `reward`: `generator.reward`, which scores episodes (by default; an environment may score
+    them itself). `chat_template`: the tokenizer's, to resolve `tool_format: auto`
+    (`self.tool_format`).
     """
 
     def __init__(
         self,
         config: EnvConfig,
         *,
-        reward_fn: str = "math",
-        reward_timeout_s: float = 10.0,
+        reward: RewardConfig | None = None,
         chat_template: str | None = None,
     ) -> None:
+        reward = reward or RewardConfig()
         check_env_name(config.fn)  # unknown names fail here, in the caller
-        check_reward_name(reward_fn)
+        check_reward_name(reward.fn)
         self.config = config
-        self.reward_timeout_s = reward_timeout_s
+        self.reward_timeout_s = reward.timeout_s
         self.tool_format = resolve_tool_format(config.tool_format, chat_template)
         spec = EnvSpec(
             config.fn,
-            reward_fn,
+            reward.fn,
             self.tool_format,
             config.observation_max_chars,
             config.call_timeout_s,
             config.memory_mb,
         )
-        self._pool = IsolatedPool(
-            load_environment,
-            spec,
-            subject=f"environment {config.fn!r}",
-            setting="generator.env",
-            workers=config.workers,
-            memory_mb=config.memory_mb,
-            startup_timeout_s=config.startup_timeout_s,
-            resolution_error=EnvResolutionError,
-            load_error=EnvLoadError,
-        )
+        self._inline: Environment | None = None
+        self._scorer: RewardScorer | None = None
+        self._pool: IsolatedPool | None = None
+        if config.multi_turn:
+            self._pool = IsolatedPool(
+                load_environment,
+                spec,
+                subject=f"environment {config.fn!r}",
+                setting="generator.env",
+                workers=config.workers,
+                memory_mb=config.memory_mb,
+                startup_timeout_s=config.startup_timeout_s,
+                resolution_error=EnvResolutionError,
+                load_error=EnvLoadError,
+            )
+        else:  # module docstring: inline, scored by the reward's workers
+            self._inline = SingleTurnEnv(_inline_context(spec))
+            self._scorer = RewardScorer.from_config(reward)
         self._stats = EnvStats()
         self._lock = threading.Lock()
         self._tracebacks_logged: set[str] = set()
@@ -186,26 +209,34 @@ class EnvRunner:
         cls, env: EnvConfig, reward: RewardConfig, chat_template: str | None
     ) -> EnvRunner:
         """A runner for `generator.env`, scoring with `generator.reward`."""
-        return cls(
-            env, reward_fn=reward.fn, reward_timeout_s=reward.timeout_s,
-            chat_template=chat_template,
-        )  # fmt: skip
+        return cls(env, reward=reward, chat_template=chat_template)
 
     @property
     def stats(self) -> EnvStats:
         """A snapshot of the counters."""
         with self._lock:
             snapshot = dataclasses.replace(self._stats, finished=Counter(self._stats.finished))
-        snapshot.pool_restarts = self._pool.restarts
-        snapshot.failed_starts = self._pool.failed_starts
+        if self._pool is not None:
+            snapshot.pool_restarts = self._pool.restarts
+            snapshot.failed_starts = self._pool.failed_starts
+        else:
+            assert self._scorer is not None
+            scoring = self._scorer.stats
+            snapshot.pool_restarts = scoring.pool_restarts
+            snapshot.failed_starts = scoring.failed_starts
         return snapshot
 
     @property
     def worker_pids(self) -> list[int]:
-        return self._pool.worker_pids
+        """The processes user code runs in: the environment's, or (single-turn) the reward's."""
+        workers = self._pool or self._scorer
+        assert workers is not None
+        return workers.worker_pids
 
     def __enter__(self) -> EnvRunner:
-        self._pool.__enter__()
+        workers = self._pool or self._scorer
+        assert workers is not None
+        workers.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -213,7 +244,9 @@ class EnvRunner:
 
     def close(self) -> None:
         """Stop the workers, after the calls already submitted have ended."""
-        self._pool.close()
+        workers = self._pool or self._scorer
+        assert workers is not None
+        workers.close()
 
     # -- the three calls ---------------------------------------------------------------------
 
@@ -246,7 +279,20 @@ class EnvRunner:
             self._stats.finished[episode.finish_reason] += 1
         reason, rewards = episode.finish_reason, episode.turn_rewards
         if reason in ("env_error", "timeout"):
-            return _resolved(Scored(0.0, rewards, reason, reason))  # type: ignore[arg-type]
+            failure: Failure = "timeout" if reason == "timeout" else "error"
+            return _resolved(Scored(0.0, rewards, reason, failure))
+        if self._scorer is not None:  # the reward function, in its workers (which log failures)
+            task = episode.task
+            score = self._scorer.submit(episode.final, task.ground_truth, task.prompt_text)
+
+            def rewarded(score: Score) -> Scored:
+                if score.failure is not None:
+                    with self._lock:
+                        self._stats.timeouts += score.failure == "timeout"
+                        self._stats.errors += score.failure == "error"
+                return Scored(score.value, rewards, reason, score.failure)
+
+            return _then(score, rewarded)
         outcome = self._pool.submit(
             call_score, episode.task, episode.state, episode.final,
             timeout_s=self.reward_timeout_s,
@@ -255,7 +301,8 @@ class EnvRunner:
         def scored(outcome: Outcome) -> Scored:
             if outcome.failure is None:
                 return Scored(outcome.value, rewards, reason)
-            return Scored(0.0, rewards, reason, self._count(episode, "score", outcome))
+            failure = self._count(episode, "score", outcome)
+            return Scored(0.0, rewards, reason, "timeout" if failure == "timeout" else "error")
 
         return _then(outcome, scored)
 
@@ -269,7 +316,10 @@ class EnvRunner:
         args: tuple[Any, ...],
         answer: Callable[[Episode, Any], Reply],
     ) -> Future[Reply]:
-        """Run `fn(*args)` within the episode's time left; a failure ends the episode."""
+        """Run `fn(*args)` within the episode's time left; a failure ends the episode. The
+        single-turn environment answers inline."""
+        if self._inline is not None:
+            return _resolved(answer(episode, _inline_call(self._inline, what, args)))
         left = self.config.episode_timeout_s - episode.env_s
         if left <= 0:
             with self._lock:
@@ -299,6 +349,8 @@ class EnvRunner:
             turns=episode.turns + 1,
             final=text,
             turn_rewards=(*episode.turn_rewards, step.reward),
+            tool_calls=episode.tool_calls + step.tool_calls,
+            tool_errors=episode.tool_errors + step.tool_errors,
         )
         if step.done:
             return Reply(episode.finish("done"), [])
@@ -332,6 +384,27 @@ class EnvRunner:
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
         return failure
+
+
+def _inline_context(spec: EnvSpec) -> EnvContext:
+    """The context of an environment run inline: its reward runs in the reward's workers."""
+
+    def in_the_reward_workers(*args: object, **kwargs: object) -> float:
+        raise RuntimeError("an inline environment scores in the reward's workers, not inline")
+
+    return EnvContext(
+        reward=in_the_reward_workers,
+        reward_fn=spec.reward_fn,
+        tool_format=TOOL_FORMATS[spec.tool_format],
+        observation_max_chars=spec.observation_max_chars,
+        call_timeout_s=spec.call_timeout_s,
+        memory_mb=spec.memory_mb,
+    )
+
+
+def _inline_call(env: Environment, what: str, args: tuple[Any, ...]) -> Any:
+    """A reset or step of an inline environment, checked as in a worker."""
+    return checked_reset(env, *args) if what == "reset" else checked_step(env, *args)
 
 
 def _describe(outcome: Outcome) -> str:

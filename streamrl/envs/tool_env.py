@@ -34,8 +34,8 @@ __all__ = ["ToolEnvironment"]
 
 
 class ToolEnvironment(Environment):
-    """An environment whose model may call `tools` (module docstring). The state counts the
-    episode's calls: {"tool_calls": n, "tool_errors": n}."""
+    """An environment whose model may call `tools` (module docstring). Each step reports its
+    turn's calls and failed calls (`Step.tool_calls`, `tool_errors`)."""
 
     tools: ClassVar[Sequence[Tool | Callable[..., Any]]] = ()
     max_tool_calls_per_turn: ClassVar[int] = 8
@@ -58,7 +58,7 @@ class ToolEnvironment(Environment):
 
     def reset(self, task: Task) -> Reset:
         messages = self.context.tool_format.prompt(list(task.messages), list(self.toolbox.values()))
-        return Reset(messages, {"tool_calls": 0, "tool_errors": 0})
+        return Reset(messages)
 
     def step(self, task: Task, state: Any, text: str) -> Step:
         calls = self.context.tool_format.parse(text)
@@ -77,8 +77,9 @@ class ToolEnvironment(Environment):
             )
             for call in calls[self.max_tool_calls_per_turn :]
         ]
-        state = {
-            "tool_calls": state["tool_calls"] + len(results),
-            "tool_errors": state["tool_errors"] + sum(not r.ok for r in results),
-        }
-        return Step(self.context.tool_format.observe(results), state)
+        return Step(
+            self.context.tool_format.observe(results),
+            state,
+            tool_calls=len(results),
+            tool_errors=sum(not r.ok for r in results),
+        )

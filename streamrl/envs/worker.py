@@ -31,6 +31,8 @@ __all__ = [
     "call_reset",
     "call_score",
     "call_step",
+    "checked_reset",
+    "checked_step",
     "load_environment",
 ]
 
@@ -83,7 +85,15 @@ def _env() -> Environment:
 
 
 def call_reset(task: Task) -> Started:
-    env = _env()
+    return checked_reset(_env(), task)
+
+
+def call_step(task: Task, state: Any, text: str) -> Step:
+    return checked_step(_env(), task, state, text)
+
+
+def checked_reset(env: Environment, task: Task) -> Started:
+    """`env.reset(task)`, checked."""
     reset = env.reset(task)
     if not isinstance(reset, Reset):
         raise EnvValueError(f"{_name(env)}.reset returned {_shown(reset)}, not a Reset")
@@ -93,8 +103,8 @@ def call_reset(task: Task) -> Started:
     return Started(messages, _json_state(reset.state, env, "reset"), env.template_tools())
 
 
-def call_step(task: Task, state: Any, text: str) -> Step:
-    env = _env()
+def checked_step(env: Environment, task: Task, state: Any, text: str) -> Step:
+    """`env.step(task, state, text)`, checked."""
     step = env.step(task, state, text)
     if not isinstance(step, Step):
         raise EnvValueError(f"{_name(env)}.step returned {_shown(step)}, not a Step")
@@ -109,7 +119,18 @@ def call_step(task: Task, state: Any, text: str) -> Step:
         if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
             raise EnvValueError(f"{_name(env)}.step returned reward {_shown(reward)}")
         reward = float(reward)
-    return Step(messages, _json_state(step.state, env, "step"), bool(step.done), reward)
+    calls, errors = step.tool_calls, step.tool_errors
+    if not (_count(calls) and _count(errors) and errors <= calls):
+        raise EnvValueError(
+            f"{_name(env)}.step returned tool_calls={_shown(calls)}, tool_errors="
+            f"{_shown(errors)}; they are counts, with tool_errors ≤ tool_calls"
+        )
+    state = _json_state(step.state, env, "step")
+    return Step(messages, state, bool(step.done), reward, int(calls), int(errors))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def call_score(task: Task, state: Any, final: str) -> float:

@@ -20,8 +20,10 @@ Then: pause scheduling with the requests kept
 every worker (`model_runner.reload_weights`; a tied lm_head is re-packed, vLLM's CPU backend
 keeps a packed copy of it for its GEMM), reset the prefix cache *including running requests*,
 resume. No step ever runs new weights over KV entries of the old ones: requests in flight are
-recomputed with the new weights. A request records the oldest version that produced any of its
-tokens.
+recomputed with the new weights. The version is also vLLM's weight-version label
+(`set_weight_version`, set while paused): the engine core stamps every step's output with it, so
+each sampled token records the version that produced it (`Completion.versions`), exactly, whether
+the core runs in this process or its own; a group's version is the oldest of them.
 
 Seeds: generator `index` of a run, on its `start`-th start, is seeded `generator_seed(...)`, a
 63-bit hash, so restarts never replay a random stream. The engine (`LLM(seed=...)`, all that
@@ -105,12 +107,14 @@ def configure_cpu_environment(
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled response: tokens, their behaviour log-probs (same length), decoded text."""
+    """One sampled response: tokens, their behaviour log-probs and the weight version that
+    sampled each (same length), decoded text."""
 
     token_ids: np.ndarray  # [L] int32
     logprobs: np.ndarray  # [L] float32
     text: str
     finish_reason: str
+    versions: np.ndarray  # [L] int64
 
     @property
     def truncated(self) -> bool:
@@ -125,7 +129,7 @@ class FinishedGroup:
     request_id: str
     prompt_token_ids: list[int]
     completions: list[Completion]
-    policy_version: int  # the oldest weights that produced any of its tokens
+    policy_version: int  # the oldest weights that sampled any of its tokens
     submitted_at: float
 
 
@@ -170,6 +174,7 @@ class Engine:
         self._engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.policy_version = policy_version
+        self._engine.set_weight_version(str(policy_version))
         self._in_flight: dict[str, tuple[list[int], int, float]] = {}
         self._next_request = 0
 
@@ -245,9 +250,12 @@ class Engine:
                     logprobs=_sampled_logprobs(c.token_ids, c.logprobs),
                     text=c.text,
                     finish_reason=str(c.finish_reason),
+                    versions=_token_versions(len(c.token_ids), c.weight_versions, version),
                 )
                 for c in sorted(output.outputs, key=lambda c: c.index)
             ]
+            sampled = [int(c.versions.min()) for c in completions if len(c.versions)]
+            version = min(sampled, default=version)
             finished.append(
                 FinishedGroup(output.request_id, prompt_ids, completions, version, submitted_at)
             )
@@ -290,8 +298,8 @@ class Engine:
         vanished or missing version leaves the engine untouched: versions found corrupt or
         vanished on the way are reported in the `Advance` (whose `version` is None when nothing
         was loaded). `exactly` a version that cannot be built raises `WeightIntegrityError` or
-        `WeightVersionNotFoundError`. Requests in flight keep their version (the oldest that
-        produced any of their tokens) and are recomputed with the new weights."""
+        `WeightVersionNotFoundError`. Requests in flight are recomputed with the new weights;
+        their tokens so far keep the version that sampled them."""
         start = time.perf_counter()
         found = self._prepare(
             source,
@@ -311,6 +319,7 @@ class Engine:
             try:
                 self.llm.collective_rpc("apply_streamrl_weights")
                 self._engine.reset_prefix_cache(reset_running_requests=True)
+                self._engine.set_weight_version(str(found.version))
             finally:
                 self._engine.wake_up(tags=["scheduling"])  # resume
             self.policy_version = found.version
@@ -358,3 +367,12 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
         dtype=np.float32,
         count=len(token_ids),
     )
+
+
+def _token_versions(length: int, spans: Any, submitted: int) -> np.ndarray:
+    """`[length] int64`: the weight version that sampled each token, from vLLM's spans (the
+    version labels this engine set); the version at submission where vLLM gave none."""
+    versions = np.full(length, submitted, dtype=np.int64)
+    for span in spans or ():
+        versions[span.start : span.end] = int(span.version)
+    return versions

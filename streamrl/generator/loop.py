@@ -2,20 +2,24 @@
 
 Consumes: prompts from this generator's shard of the dataset, and published weight versions.
 Produces: `ScoredGroup`s in the replay stream, one segment every `segment_groups` groups or
-`segment_seconds` seconds, whichever comes first. A group with a failed reward call (raised or
-timed out) is left out or trained on with score 0, per `generator.reward.on_error`; either way
-the failures are counted in the next commit record.
+`segment_seconds` seconds, whichever comes first. Every group is a rollout of the configured
+environment (`generator.env`; single-turn by default), driven by `EpisodeDriver`. A group with
+a failed reward or environment call (raised or timed out) is left out or trained on with score
+0, per `generator.reward.on_error`; either way the failures are counted in the next commit
+record.
 Waits for: vLLM, and the learner only through flow control (`generator.flow_control`): a new
 prompt is admitted only while the learner can still train on it within `max_staleness`
 (`streamrl.generator.flow_control`); paused with nothing in flight, the loop sleeps and keeps
-polling weights and the stop marker. It keeps up to `prompts_in_flight` prompts in the engine,
-scores finished groups in a process pool while the engine goes on, and between engine steps
+polling weights and the stop marker. It keeps up to `prompts_in_flight` groups in flight
+(sampling, in their environment or being scored; environment and reward calls run in worker
+processes while the engine goes on), and between engine steps
 polls `LATEST` every `weight_poll_s` seconds; when it moved, the engine's workers read the
 newest intact version straight from the weight store and load it in place
 (`Engine.advance_weights`). A corrupt version is skipped for good (counted, logged) and the
 newest intact one above the current is loaded instead.
 Stops when: the run's stop marker or its own (scaling in) appears, or `stop` is set (e.g. by
-SIGTERM); it then scores what has finished, flushes its open segment and returns. A SIGKILL
+SIGTERM); it then scores the groups whose episodes all ended, flushes its open segment and
+returns. A SIGKILL
 loses at most that segment. After every commit the `PromptLedger` records how far the prompts
 are committed, so a restart continues there. Fails, committing nothing more, when its index
 was taken over by another generator (`before_commit`).
@@ -26,9 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from storage.control import stop_requested
@@ -37,13 +39,14 @@ from storage.stream import StreamWriter
 from storage.weight_follower import Advance
 from storage.weights import WeightStore
 from streamrl.config import RunConfig
-from streamrl.data import Prompt, PromptIterator
-from streamrl.generator.engine import Engine, FinishedGroup, WeightSource
+from streamrl.data import PromptIterator
+from streamrl.envs.runner import EnvRunner
+from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.progress import PromptLedger
 from streamrl.generator.records import GroupRecords
 from streamrl.generator.rollouts import EpisodeDriver, Rollout
-from streamrl.rewards import RewardScorer, Scores
+from streamrl.rewards import Scores
 
 __all__ = ["BrokenRewardError", "GeneratorLoop", "GeneratorStats"]
 
@@ -55,7 +58,8 @@ ENV_WAIT_S = 0.01  # every episode in flight waits for its environment: poll aga
 
 
 class BrokenRewardError(RuntimeError):
-    """The reward function failed on every response of many groups in a row."""
+    """The reward function (or the environment) failed on every response of many groups in a
+    row."""
 
 
 @dataclass
@@ -87,7 +91,7 @@ class GeneratorStats:
 
 
 class GeneratorLoop:
-    """One generator: an engine, its prompts, a reward scorer, a stream writer."""
+    """One generator: an engine, its prompts, an environment runner, a stream writer."""
 
     def __init__(
         self,
@@ -96,21 +100,21 @@ class GeneratorLoop:
         run: Location,
         engine: Engine,
         prompts: PromptIterator,
-        scorer: RewardScorer,
+        runner: EnvRunner,
         writer: StreamWriter,
         generator_id: str,
         ledger: PromptLedger | None = None,
         before_commit: Callable[[], object] | None = None,
-        episodes: EpisodeDriver | None = None,
     ) -> None:
-        """`before_commit` runs before every commit and raises when this generator may no
-        longer write (its index was taken over: `streamrl.launch.GeneratorIndex.check`).
-        `episodes`: the driver of multi-turn episodes (`generator.env`); None: single-turn."""
+        """`runner`: the environment's (`generator.env`), open. `before_commit` runs before
+        every commit and raises when this generator may no longer write (its index was taken
+        over: `streamrl.launch.GeneratorIndex.check`)."""
         self.config = config
         self.run_location = run
         self.engine = engine
         self.prompts = prompts
-        self.scorer = scorer
+        self.runner = runner
+        self.episodes = EpisodeDriver(config, engine, runner)
         self.writer = writer
         self.weights = WeightStore(run)
         self.weight_source = WeightSource.of(run, config.weights)
@@ -119,13 +123,9 @@ class GeneratorLoop:
         self.records = GroupRecords(config, generator_id, self.stats)
         self.ledger = ledger or PromptLedger(prompts)
         self.before_commit = before_commit
-        self.episodes = episodes
         self._next_key = 0
         self._corrupt_versions: set[int] = set()
         self._failed_in_a_row = 0  # groups whose every reward call failed
-        self._prompts_by_request: dict[str, Prompt] = {}
-        self._scoring: deque[tuple[FinishedGroup, Prompt, Future[Scores]]] = deque()
-        self._score_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="score")
         self._next_poll = 0.0
         self._stop = threading.Event()
         self._gate = FlowGate(
@@ -144,54 +144,30 @@ class GeneratorLoop:
             self.config.generator.group_size,
             self.engine.policy_version,
         )
-        try:
-            while not stop.is_set():
-                if self._poll_due() and self._poll():
-                    break
-                self.step()
-            self._drain()
-        finally:
-            self._score_pool.shutdown(wait=True)
+        while not stop.is_set():
+            if self._poll_due() and self._poll():
+                break
+            self.step()
+        self._drain()
         return self.stats
 
     def step(self) -> None:
-        """Top up the engine, advance it one step, hand finished groups to the scorer, and
-        write what has been scored."""
+        """Top up the groups in flight, advance the engine one step and the episodes as far as
+        they go, and write the groups finished and scored."""
         cfg = self.config.generator
-        while self._groups_in_flight < cfg.prompts_in_flight and self._admits():
+        while self.episodes.groups_in_flight < cfg.prompts_in_flight and self._admits():
             position = self.prompts.position
-            prompt = next(self.prompts)
-            if self.episodes is not None:
-                request_id = f"episodes-{self._next_key}"
-                self._next_key += 1
-                self.episodes.start(prompt, request_id)
-            else:
-                request_id = self.engine.submit(prompt.token_ids)
-                self._prompts_by_request[request_id] = prompt
-            self.ledger.take(request_id, position)
+            key = f"g{self._next_key}"
+            self._next_key += 1
+            self.episodes.start(next(self.prompts), key)
+            self.ledger.take(key, position)
         if self.engine.num_in_flight:
             finished = self.engine.step()
         else:  # nothing to sample (paused by flow control, or waiting for environments)
             finished = []
-            self._stop.wait(PAUSED_SLEEP_S if not self._groups_in_flight else ENV_WAIT_S)
-        if self.episodes is not None:
-            for rollout in self.episodes.advance(finished):
-                self.ledger.collected(rollout.key)
-                self._write_episodes(rollout)
-            while self.episodes.dropped:  # dropped on purpose: as good as collected
-                self.ledger.collected(self.episodes.dropped.pop())
-            finished = []
-        for group in finished:
-            prompt = self._prompts_by_request.pop(group.request_id)
-            texts = [c.text for c in group.completions]
-            future = self._score_pool.submit(
-                self.scorer.score,
-                texts,
-                [prompt.ground_truth] * len(texts),
-                [prompt.text] * len(texts),
-            )
-            self._scoring.append((group, prompt, future))
-        self._collect(wait=False)
+            in_flight = self.episodes.groups_in_flight
+            self._stop.wait(ENV_WAIT_S if in_flight else PAUSED_SLEEP_S)
+        self._write(self.episodes.advance(finished))
         if self.writer.pending_groups >= cfg.segment_groups or (
             self.writer.pending_groups and self.writer.pending_age_s >= cfg.segment_seconds
         ):
@@ -200,29 +176,24 @@ class GeneratorLoop:
         if time.monotonic() >= self._next_log:
             self._log_throughput()
 
-    @property
-    def _groups_in_flight(self) -> int:
-        """Prompts started whose groups are not yet scored (episodes waiting for their
-        environment included)."""
-        if self.episodes is not None:
-            return self.episodes.groups_in_flight
-        return self.engine.num_in_flight
-
     def _admits(self) -> bool:
         """Flow control: whether the learner can still train on one more prompt."""
-        uncommitted = self._groups_in_flight + len(self._scoring) + self.writer.pending_groups
+        uncommitted = self.episodes.groups_in_flight + self.writer.pending_groups
         return self._gate.admits(self.engine.policy_version, uncommitted)
 
-    # -- scoring and writing -----------------------------------------------------------------
+    # -- writing -----------------------------------------------------------------------------
 
-    def _collect(self, wait: bool) -> None:
-        """Turn scored groups into stream records, in the order they finished."""
-        while self._scoring and (wait or self._scoring[0][2].done()):
-            group, prompt, future = self._scoring.popleft()
-            self.ledger.collected(group.request_id)
-            scores = future.result()
+    def _write(self, rollouts: list[Rollout]) -> None:
+        """Finished groups to the stream (or dropped, per `reward.on_error`), in the order they
+        finished; the prompts of groups dropped on purpose count as collected too."""
+        for rollout in rollouts:
+            self.ledger.collected(rollout.key)
+            scored = [f.result() for f in rollout.scores]
+            scores = Scores([s.reward for s in scored], [s.failure for s in scored])
             if not self._dropped_for_failures(scores):
-                self.writer.append(self.records.single_turn(group, prompt, scores.values))
+                self.writer.append(self.records.group(rollout, scored))
+        while self.episodes.dropped:  # dropped on purpose: as good as collected
+            self.ledger.collected(self.episodes.dropped.pop())
 
     def _dropped_for_failures(self, scores: Scores) -> bool:
         """Count a group's failed reward calls (in `stats` and the next commit record); True
@@ -232,9 +203,12 @@ class GeneratorLoop:
         groups failed: a reward that never scores is a bug to fix, not data to train on."""
         self._failed_in_a_row = self._failed_in_a_row + 1 if scores.all_failed else 0
         if self._failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
+            env, reward = self.config.generator.env, self.config.generator.reward
+            what = f"the reward function {reward.fn!r}"
+            if env.multi_turn:
+                what = f"the environment {env.fn!r} (or its reward {reward.fn!r})"
             raise BrokenRewardError(
-                f"generator {self.generator_id}: the reward function "
-                f"{self.config.generator.reward.fn!r} failed on every response of the last "
+                f"generator {self.generator_id}: {what} failed on every response of the last "
                 f"{self._failed_in_a_row} groups ({self.stats.reward_errors + scores.errors} "
                 f"errors, {self.stats.reward_timeouts + scores.timeouts} timeouts so far). Its "
                 "traceback is in this generator's log; fix the function (or raise "
@@ -251,14 +225,6 @@ class GeneratorLoop:
         )
         return drop
 
-    def _write_episodes(self, rollout: Rollout) -> None:
-        """A finished multi-turn group to the stream (or dropped, per `reward.on_error`)."""
-        scored = [f.result() for f in rollout.scores]
-        failures = {"env_error": "error", "timeout": "timeout", None: None}
-        scores = Scores([s.reward for s in scored], [failures[s.failure] for s in scored])
-        if not self._dropped_for_failures(scores):
-            self.writer.append(self.records.episodes(rollout, scored))
-
     def _flush(self) -> None:
         """Commit the open segment, then record the prompts it covers as committed."""
         if self.before_commit is not None and self.writer.pending_groups:
@@ -270,13 +236,10 @@ class GeneratorLoop:
             self._gate.committed(record.num_groups)
 
     def _drain(self) -> None:
-        """On stop: drop unfinished requests, finish scoring what the engine completed and
-        flush the open segment."""
+        """On stop: drop unfinished requests, finish scoring the groups whose episodes all
+        ended and flush the open segment."""
         self.engine.abort_all()
-        self._prompts_by_request.clear()
-        if self.episodes is not None:
-            self.episodes.abort()
-        self._collect(wait=True)
+        self._write(self.episodes.drain())
         self._flush()
         log.info(
             "generator %s stopped: %d groups in %d segments, weight version %d",

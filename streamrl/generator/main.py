@@ -69,12 +69,9 @@ def _build(
     from storage.weights import WeightStore
     from streamrl.data import PromptPosition, PromptSource
     from streamrl.envs.runner import EnvRunner
-    from streamrl.generator.chat import ChatRenderer
     from streamrl.generator.engine import Engine, WeightSource, generator_seed
     from streamrl.generator.progress import PromptLedger, resume_prompts
-    from streamrl.generator.rollouts import EpisodeDriver
     from streamrl.models import resolve_model_path
-    from streamrl.rewards import RewardScorer
 
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
@@ -83,11 +80,8 @@ def _build(
     # before anything is counted or vLLM starts: a reward (or an environment) that cannot be
     # loaded fails here.
     with contextlib.ExitStack() as stack:
-        scorer = stack.enter_context(RewardScorer.from_config(cfg.reward))
-        runner = None
-        if cfg.env.multi_turn:
-            template = getattr(source.tokenizer, "chat_template", None)
-            runner = stack.enter_context(EnvRunner.from_config(cfg.env, cfg.reward, template))
+        template = getattr(source.tokenizer, "chat_template", None)
+        runner = stack.enter_context(EnvRunner.from_config(cfg.env, cfg.reward, template))
         generator_id = f"gen{index}"
         # The run's `count` generators split the data; one added later (index ≥ count) walks
         # shard index mod count from another epoch, so its prompt order differs from the
@@ -120,21 +114,16 @@ def _build(
             compression=config.storage.compression,
             level=config.storage.compression_level,
         )
-        episodes = None
-        if runner is not None:
-            renderer = ChatRenderer(engine.tokenizer, config.model.path)
-            episodes = EpisodeDriver(config, engine, runner, renderer)
         loop = GeneratorLoop(
             config=config,
             run=run,
             engine=engine,
             prompts=prompts,
-            scorer=scorer,
+            runner=runner,
             writer=writer,
             generator_id=generator_id,
             ledger=PromptLedger(prompts, run=run, progress=progress),
             before_commit=before_commit,
-            episodes=episodes,
         )
         loop.skip_unusable_weights(weights)
         yield loop

@@ -1,4 +1,4 @@
-"""A generator's stream records: a scored group as a `ScoredGroup`, its rewards shaped.
+"""A generator's stream records: a finished rollout as a `ScoredGroup`, its rewards shaped.
 
 The raw verifier scores become rule rewards (`algorithm.reward_scale`) plus DAPO's overlong
 penalty when the algorithm shapes (over sampled tokens only: `loss_masks` for multi-turn
@@ -8,7 +8,7 @@ groups); every record written is counted in the generator's `GeneratorStats`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,9 +16,7 @@ import torch
 from storage.records import ScoredGroup
 from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
 from streamrl.config import RunConfig
-from streamrl.data import Prompt
 from streamrl.envs.runner import Scored
-from streamrl.generator.engine import FinishedGroup
 from streamrl.generator.rollouts import Rollout
 
 if TYPE_CHECKING:
@@ -33,60 +31,28 @@ class GroupRecords:
     def __init__(self, config: RunConfig, generator_id: str, stats: GeneratorStats) -> None:
         self.config, self.generator_id, self.stats = config, generator_id, stats
 
-    def single_turn(self, group: FinishedGroup, prompt: Prompt, scores: list[float]) -> ScoredGroup:
-        """A single-turn group: the engine's G completions, scored."""
-        return self._scored_group(
-            prompt,
-            np.asarray(group.prompt_token_ids, dtype=np.int32),
-            [c.token_ids for c in group.completions],
-            [c.logprobs for c in group.completions],
-            scores,
-            truncated=np.array([c.truncated for c in group.completions]),
-            finish_reasons=[c.finish_reason for c in group.completions],
-            policy_version=group.policy_version,
-            created_at=group.submitted_at,
-        )
-
-    def episodes(self, rollout: Rollout, scored: list[Scored]) -> ScoredGroup:
-        """A multi-turn group: each episode's transcript and score."""
+    def group(self, rollout: Rollout, scored: list[Scored]) -> ScoredGroup:
+        """A finished group as its record: each episode's transcript, score and statistics,
+        rewards shaped (`algorithm`), counted in `stats`. The multi-turn fields are left None
+        where they hold their single-turn values (one turn, no environment token, one weight
+        version, no turn reward), so a single-turn group is stored as one."""
         arrays = [t.arrays() for t in rollout.transcripts]
-        return self._scored_group(
-            rollout.prompt,
-            np.asarray(rollout.prompt_ids, dtype=np.int32),
+        tokens, masks, versions = (
             [a[0] for a in arrays],
-            [a[1] for a in arrays],
-            [s.reward for s in scored],
-            truncated=np.array([s.finish_reason == "max_tokens" for s in scored]),
-            finish_reasons=[s.finish_reason for s in scored],
-            policy_version=rollout.policy_version,
-            created_at=rollout.submitted_at,
-            loss_masks=[a[2] for a in arrays],
-            token_versions=[a[3] for a in arrays],
-            turns=np.array([max(t.turns, 1) for t in rollout.transcripts], dtype=np.int32),
-            turn_rewards=[
-                _turn_rewards(s.turn_rewards, t.turns)
-                for s, t in zip(scored, rollout.transcripts, strict=True)
-            ],
+            [a[2] for a in arrays],
+            [a[3] for a in arrays],
         )
+        loss_masks = None if all(m.all() for m in masks) else masks
+        version = rollout.policy_version
+        turns = np.array([max(t.turns, 1) for t in rollout.transcripts], dtype=np.int32)
+        turn_rewards = [
+            _turn_rewards(s.turn_rewards, t.turns)
+            for s, t in zip(scored, rollout.transcripts, strict=True)
+        ]
+        truncated = np.array([s.finish_reason == "max_tokens" for s in scored])
 
-    def _scored_group(
-        self,
-        prompt: Prompt,
-        prompt_tokens: np.ndarray,
-        tokens: list[np.ndarray],
-        logprobs: list[np.ndarray],
-        scores: list[float],
-        *,
-        truncated: np.ndarray,
-        finish_reasons: list[str],
-        policy_version: int,
-        created_at: float,
-        **multi_turn: Any,
-    ) -> ScoredGroup:
-        """The stream record of a scored group, its rewards shaped (`algorithm`), counted in
-        `stats`."""
         algorithm = self.config.algorithm
-        raw = torch.tensor(scores, dtype=torch.float32)
+        raw = torch.tensor([s.reward for s in scored], dtype=torch.float32)
         rewards = scale_rule_reward(raw, algorithm.reward_scale)
         lengths = torch.tensor([len(t) for t in tokens])
         if algorithm.overlong.shaping:
@@ -94,30 +60,38 @@ class GroupRecords:
                 lengths,
                 self.config.generator.max_tokens,
                 self.config.overlong_cache_len,
-                loss_masks=multi_turn.get("loss_masks"),
+                loss_masks=loss_masks,
             )
         s = self.stats
         s.groups += 1
-        s.responses += len(scores)
+        s.responses += len(scored)
         s.tokens += int(lengths.sum())
         s.correct += int((raw >= 1.0).sum())
         s.reward_sum += float(rewards.sum())
         s.truncated += int(truncated.sum())
+        episodes = rollout.episodes
         return ScoredGroup(
-            prompt_id=prompt.prompt_id,
-            prompt_tokens=prompt_tokens,
-            ground_truth=prompt.ground_truth,
+            prompt_id=rollout.prompt.prompt_id,
+            prompt_tokens=np.asarray(rollout.prompt_ids, dtype=np.int32),
+            ground_truth=rollout.prompt.ground_truth,
             response_tokens=tokens,
-            behaviour_logprobs=logprobs,
+            behaviour_logprobs=[a[1] for a in arrays],
             rewards=rewards.numpy(),
             raw_scores=raw.numpy(),
             truncated=truncated,
-            finish_reasons=finish_reasons,
-            policy_version=policy_version,
+            finish_reasons=[s.finish_reason for s in scored],
+            policy_version=version,
             generator_id=self.generator_id,
-            created_at=created_at,
+            created_at=rollout.submitted_at,
             finished_at=time.time(),
-            **multi_turn,
+            loss_masks=loss_masks,
+            token_versions=None if all((v == version).all() for v in versions) else versions,
+            turns=None if (turns == 1).all() else turns,
+            turn_rewards=turn_rewards if any(len(r) for r in turn_rewards) else None,
+            tool_calls=np.array([e.tool_calls for e in episodes], dtype=np.int32),
+            tool_errors=np.array([e.tool_errors for e in episodes], dtype=np.int32),
+            env_seconds=np.array([e.env_s for e in episodes], dtype=np.float32),
+            wait_seconds=rollout.wait_seconds(),
         )
 
 

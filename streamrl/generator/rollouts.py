@@ -1,22 +1,28 @@
-"""Multi-turn rollouts: a prompt's G episodes driven through the engine and the environment.
+"""Rollouts: a prompt's G episodes driven through the engine and the environment — every group
+a generator writes, single-turn or multi-turn, goes this one way.
 
 Consumes prompts (`start`) and the engine's finished requests (`advance`); produces finished,
 scored groups (`Rollout`s whose every episode ended and was scored). Per prompt:
 
-1. the environment's `reset` (in its worker) gives the conversation; `ChatRenderer` renders it
-   (with the environment's tools) and the engine samples turn 1 G times: the group;
+1. the environment's `reset` gives the conversation; the engine samples turn 1 G times: the
+   group. Its prompt is the data source's tokens when the environment kept the row's messages
+   and gives no tools (always so for `single_turn`), else `ChatRenderer` renders it;
 2. each episode then goes on by itself: its turn's text goes to the environment's `step`; the
    observation is rendered as the chat template's delta and appended to the episode's exact
    token history, which is the next request (n = 1, at most `turn_max_tokens` and what is left
-   of `max_episode_tokens`); sampled tokens have loss mask 1 and the version of the weights
-   the request started with (the oldest that produced them), observation tokens mask 0;
-3. an episode ends when the environment says so, after `max_turns` turns (the runner), when a
-   turn is cut at its token limit or the next one would not fit `max_episode_tokens`
-   (`max_tokens`), or when an environment call failed (`env_error`, `timeout`);
-4. once all G have ended, each is scored by the environment (`score`, in its worker).
+   of `max_episode_tokens`); sampled tokens have loss mask 1 and the weight version that
+   sampled each (`Completion.versions`), observation tokens mask 0 and the version of the turn
+   before them;
+3. an episode ends when the environment says so (`single_turn`: after its first turn, answered
+   inline: `streamrl.envs.runner`), after `max_turns` turns (the runner), when a turn is cut at
+   its token limit or the next one would not fit `max_episode_tokens` (`max_tokens`), or when
+   an environment call failed (`env_error`, `timeout`);
+4. once all G have ended, each is scored by the environment (`score`: by default the reward
+   function, in isolated workers).
 
-A group waits for its slowest episode; the budgets above bound it. Nothing here blocks: the
-engine steps while environment calls run in their workers.
+A group waits for its slowest episode; the budgets above bound it, and the time each episode's
+result waited is recorded (`Transcript.ended_at` → the record's `wait_seconds`). Nothing here
+blocks: the engine steps while environment and reward calls run in their workers.
 """
 
 from __future__ import annotations
@@ -48,48 +54,62 @@ class PromptTooLongError(RuntimeError):
 
 @dataclass
 class Transcript:
-    """One response across its turns: what the stream record stores for it."""
+    """One response across its turns: what the stream record stores for it. `ended_at`: when
+    its episode ended (time.time())."""
 
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=list
+    )
+    length: int = 0
     turns: int = 0
-    tool_calls: int = 0
+    ended_at: float | None = None
 
-    def add_turn(self, completion: Completion, version: int) -> None:
+    def add_turn(self, completion: Completion) -> None:
         n = len(completion.token_ids)
-        self.token_ids += completion.token_ids.tolist()
-        self.logprobs += completion.logprobs.tolist()
-        self.loss_mask += [1] * n
-        self.versions += [version] * n
+        mask = np.ones(n, np.uint8)
+        self.chunks.append((completion.token_ids, completion.logprobs, mask, completion.versions))
+        self.length += n
         self.turns += 1
 
-    def add_observation(self, token_ids: list[int], version: int) -> None:
+    def add_observation(self, token_ids: list[int]) -> None:
+        """Environment tokens, with the version of the last sampled token before them."""
         n = len(token_ids)
-        self.token_ids += token_ids
-        self.logprobs += [0.0] * n
-        self.loss_mask += [0] * n
-        self.versions += [version] * n
+        version = next((int(c[3][-1]) for c in reversed(self.chunks) if len(c[3])), 0)
+        self.chunks.append(
+            (
+                np.asarray(token_ids, np.int32),
+                np.zeros(n, np.float32),
+                np.zeros(n, np.uint8),
+                np.full(n, version, np.int64),
+            )
+        )
+        self.length += n
+
+    def token_ids(self) -> list[int]:
+        return np.concatenate([c[0] for c in self.chunks]).tolist() if self.chunks else []
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """tokens int32, log-probs float32, loss mask uint8, versions int64."""
-        return (
-            np.asarray(self.token_ids, dtype=np.int32),
-            np.asarray(self.logprobs, dtype=np.float32),
-            np.asarray(self.loss_mask, dtype=np.uint8),
-            np.asarray(self.versions, dtype=np.int64),
+        dtypes = (np.int32, np.float32, np.uint8, np.int64)
+        if not self.chunks:
+            return tuple(np.zeros(0, d) for d in dtypes)  # type: ignore[return-value]
+        return tuple(  # type: ignore[return-value]
+            np.concatenate([c[k] for c in self.chunks]).astype(d, copy=False)
+            for k, d in enumerate(dtypes)
         )
 
 
 @dataclass
 class Rollout:
-    """One prompt's group in flight: its G episodes and, at the end, their scores."""
+    """One prompt's group in flight: its G episodes and, at the end, their scores.
+    `first_version`: the engine's weights when turn 1 was submitted (the group's version if no
+    token was sampled at all)."""
 
     prompt: Prompt
     key: str  # the generator's name for it (its prompt ledger's)
     prompt_ids: list[int]
     submitted_at: float
+    first_version: int = 0
     episodes: list[Episode] = field(default_factory=list)
     transcripts: list[Transcript] = field(default_factory=list)
     last_eos: list[bool] = field(default_factory=list)
@@ -105,23 +125,32 @@ class Rollout:
 
     @property
     def policy_version(self) -> int:
-        """The oldest version that produced any of its sampled tokens."""
+        """The oldest version that sampled any of its tokens."""
         sampled = [
-            v for t in self.transcripts for v, m in zip(t.versions, t.loss_mask, strict=True) if m
+            int(versions[mask == 1].min())
+            for t in self.transcripts
+            for _, _, mask, versions in t.chunks
+            if mask.any()
         ]
-        return min(sampled, default=0)
+        return min(sampled, default=self.first_version)
+
+    def wait_seconds(self) -> np.ndarray:
+        """`[G]` how long each episode's result waited for the group's slowest episode."""
+        ended = np.array([t.ended_at or 0.0 for t in self.transcripts], np.float64)
+        return (ended.max() - ended).astype(np.float32) if len(ended) else ended
 
 
 class EpisodeDriver:
-    """Drives multi-turn episodes for one generator (module docstring)."""
+    """Drives one generator's rollouts (module docstring)."""
 
-    def __init__(
-        self, config: RunConfig, engine: Engine, runner: EnvRunner, renderer: ChatRenderer
-    ) -> None:
+    def __init__(self, config: RunConfig, engine: Engine, runner: EnvRunner) -> None:
         self.env = config.generator.env
         self.turn_max_tokens = self.env.turn_max_tokens or config.generator.max_tokens
         self.max_episode_tokens = self.env.max_episode_tokens or config.model.max_model_len
-        self.engine, self.runner, self.renderer = engine, runner, renderer
+        self.engine, self.runner = engine, runner
+        self.renderer = (
+            ChatRenderer(engine.tokenizer, config.model.path) if self.env.multi_turn else None
+        )
         self._resets: list[tuple[Prompt, str, Future[Reply], float]] = []
         self._first: dict[str, Rollout] = {}  # turn-1 request id → its group
         self._next: dict[str, tuple[Rollout, int]] = {}  # later turns: request → (group, i)
@@ -151,24 +180,30 @@ class EpisodeDriver:
                 self._begin_episodes(self._first.pop(group.request_id), group)
             else:
                 rollout, i = self._next.pop(group.request_id)
-                self._turn_done(rollout, i, group.completions[0], group.policy_version)
+                self._turn_done(rollout, i, group.completions[0])
         self._take_observations()
-        done = []
-        for rollout in list(self._rollouts):
+        for rollout in self._rollouts:
             if rollout.ended and not rollout.scores:
                 rollout.scores = [self.runner.score(e) for e in rollout.episodes]
-            if rollout.scored:
-                self._rollouts.remove(rollout)
-                done.append(rollout)
-        return done
+        return self._take_scored()
 
-    def abort(self) -> None:
-        """Drop every group in flight (the engine's requests are aborted by the caller)."""
+    def drain(self) -> list[Rollout]:
+        """On stop (the engine's requests already aborted): the groups whose episodes have all
+        ended, once scored; every other group in flight is dropped."""
         self._resets.clear()
         self._first.clear()
         self._next.clear()
         self._steps.clear()
-        self._rollouts.clear()
+        self._rollouts = [r for r in self._rollouts if r.scores]
+        for rollout in self._rollouts:
+            for future in rollout.scores:
+                future.result()
+        return self._take_scored()
+
+    def _take_scored(self) -> list[Rollout]:
+        done = [r for r in self._rollouts if r.scored]
+        self._rollouts = [r for r in self._rollouts if not r.scored]
+        return done
 
     # -- the steps of a group -------------------------------------------------------------
 
@@ -182,16 +217,25 @@ class EpisodeDriver:
             if reply.episode.done:  # the reset failed (counted and logged by the runner)
                 self.dropped.append(key)  # no turn was sampled: nothing to train on
                 continue
-            ids = self.renderer.prompt_ids(reply.messages, reply.tools)
+            ids = self._first_prompt_ids(prompt, reply)
             if len(ids) >= self.max_episode_tokens:
                 self._drop_too_long(prompt, key, len(ids))
                 continue
             self._too_long_in_a_row = 0
-            rollout = Rollout(prompt, key, ids, started)
+            rollout = Rollout(prompt, key, ids, started, self.engine.policy_version)
             rollout.episodes = [reply.episode] * self.engine.generator.group_size
-            self._first[self.engine.submit(ids, max_tokens=self._turn_budget(0))] = rollout
+            self._first[self.engine.submit(ids, max_tokens=self._turn_budget(len(ids)))] = rollout
             self._rollouts.append(rollout)
         self._resets = waiting
+
+    def _first_prompt_ids(self, prompt: Prompt, reply: Reply) -> list[int]:
+        """The data source's tokens when the environment kept the row's conversation and gives
+        no tools (so a single-turn group's prompt is exactly the data's); else the messages
+        rendered with the tools."""
+        if reply.tools is None and reply.messages == list(prompt.messages):
+            return list(prompt.token_ids)
+        assert self.renderer is not None  # a multi-turn environment: `__init__`
+        return self.renderer.prompt_ids(reply.messages, reply.tools)
 
     def _drop_too_long(self, prompt: Prompt, key: str, length: int) -> None:
         """A first prompt (the environment's conversation, rendered with its tools) that leaves
@@ -217,18 +261,23 @@ class EpisodeDriver:
         rollout.transcripts = [Transcript() for _ in group.completions]
         rollout.last_eos = [False] * len(group.completions)
         for i, completion in enumerate(group.completions):
-            self._turn_done(rollout, i, completion, group.policy_version)
+            self._turn_done(rollout, i, completion)
 
-    def _turn_done(self, rollout: Rollout, i: int, completion: Completion, version: int) -> None:
+    def _turn_done(self, rollout: Rollout, i: int, completion: Completion) -> None:
         transcript = rollout.transcripts[i]
-        transcript.add_turn(completion, version)
-        rollout.last_eos[i] = self.renderer.ended_with_eos(completion.token_ids)
+        transcript.add_turn(completion)
+        if self.renderer is not None:
+            rollout.last_eos[i] = self.renderer.ended_with_eos(completion.token_ids)
         episode = rollout.episodes[i]
         if completion.truncated:  # cut at its token limit: the episode ends as it stands
             ended = replace(episode, turns=episode.turns + 1, final=completion.text)
-            rollout.episodes[i] = ended.finish("max_tokens")
+            self._ended(rollout, i, ended.finish("max_tokens"))
             return
         self._steps.append((rollout, i, self.runner.step(episode, completion.text)))
+
+    def _ended(self, rollout: Rollout, i: int, episode: Episode) -> None:
+        rollout.episodes[i] = episode
+        rollout.transcripts[i].ended_at = time.time()
 
     def _take_observations(self) -> None:
         waiting = []
@@ -237,20 +286,23 @@ class EpisodeDriver:
                 waiting.append((rollout, i, future))
                 continue
             reply = future.result()
-            rollout.episodes[i] = reply.episode
             if reply.episode.done:
+                self._ended(rollout, i, reply.episode)
                 continue
+            rollout.episodes[i] = reply.episode
             transcript = rollout.transcripts[i]
+            assert self.renderer is not None  # only a multi-turn environment goes on
             ids = self.renderer.observation_ids(reply.messages, rollout.last_eos[i])
-            used = len(rollout.prompt_ids) + len(transcript.token_ids) + len(ids)
+            used = len(rollout.prompt_ids) + transcript.length + len(ids)
             if used >= self.max_episode_tokens:
-                rollout.episodes[i] = reply.episode.finish("max_tokens")
+                self._ended(rollout, i, reply.episode.finish("max_tokens"))
                 continue
-            transcript.add_observation(ids, self.engine.policy_version)
-            history = rollout.prompt_ids + transcript.token_ids
+            transcript.add_observation(ids)
+            history = rollout.prompt_ids + transcript.token_ids()
             request = self.engine.submit(history, n=1, max_tokens=self._turn_budget(used))
             self._next[request] = (rollout, i)
         self._steps = waiting
 
     def _turn_budget(self, used: int) -> int:
+        """Tokens the next turn may sample, with `used` tokens of the episode already used."""
         return max(1, min(self.turn_max_tokens, self.max_episode_tokens - used))

@@ -292,14 +292,20 @@ class MetricsReporter:
             )
             self._bar.update(step - self._bar.n)
         if due:
+            turns, calls = (
+                metrics.get("rollout/turns_mean", 1.0),
+                metrics.get("rollout/tool_calls_mean", 0.0),
+            )
+            agent = f" turns {turns:.2f} tools {calls:.2f}" if turns > 1 or calls > 0 else ""
             log.info(
-                "step %d/%d: reward %+.3f acc %.3f len %.0f loss %.4f staleness %.2f "
+                "step %d/%d: reward %+.3f acc %.3f len %.0f%s loss %.4f staleness %.2f "
                 "%.0f tok/s %.0fs v%d",
                 step,
                 self.total_steps,
                 reward,
                 acc,
                 metrics.get("rollout/response_len_mean", float("nan")),
+                agent,
                 metrics.get("actor/pg_loss", float("nan")),
                 metrics.get("stream/staleness_mean", float("nan")),
                 metrics.get("perf/learner_tokens_per_s", float("nan")),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,14 @@ from streamrl.rewards.worker import STARTUP_TIMEOUT_S, RewardValueError, call_re
 if TYPE_CHECKING:
     from streamrl.rewards.config import RewardConfig
 
-__all__ = ["Failure", "RewardLoadError", "RewardScorer", "Scores", "ScoringStats"]
+__all__ = [
+    "Failure",
+    "RewardLoadError",
+    "RewardScorer",
+    "Score",
+    "Scores",
+    "ScoringStats",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,15 @@ log = logging.getLogger(__name__)
 class RewardLoadError(RewardResolutionError):
     """The reward workers could not load the reward: its import was still running at
     `startup_timeout_s`, or a worker died while starting; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """One response's outcome: `value` in [0, 1] (0.0 when the call failed), and `failure`:
+    None when the reward scored it, else "error" or "timeout" (as in `Scores`)."""
+
+    value: float
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,30 @@ class RewardScorer:
         """Stop the workers, after the batches other threads are scoring have finished."""
         self._pool.close()
 
+    def submit(self, response: str, ground_truth: str, prompt: str | None = None) -> Future[Score]:
+        """Score one response in a worker; the future never raises for what the reward did (a
+        failed call is counted, logged and scores 0.0: `Score.failure`)."""
+        if not self._pool.is_open:
+            raise RuntimeError(
+                "RewardScorer is not open; use it as `with RewardScorer(...) as scorer:`"
+            )
+        outcome = self._pool.submit(
+            call_reward, response, ground_truth, prompt, timeout_s=self.timeout_s
+        )
+        score: Future[Score] = Future()
+
+        def done(future: Future[Outcome]) -> None:
+            outcome = future.result()
+            with self._counts_lock:
+                self._counts.calls += 1
+            if outcome.failure is None:
+                score.set_result(Score(outcome.value))
+            else:
+                score.set_result(Score(0.0, self._count(response, outcome)))
+
+        outcome.add_done_callback(done)
+        return score
+
     def score(
         self,
         responses: list[str],
@@ -198,26 +239,15 @@ class RewardScorer:
                 f"{len(responses)} responses, {len(ground_truths)} ground truths, "
                 f"{'no' if prompts is None else len(prompts)} prompts"
             )
-        if not self._pool.is_open:
-            raise RuntimeError(
-                "RewardScorer is not open; use it as `with RewardScorer(...) as scorer:`"
-            )
         given: list[str | None] = [None] * len(responses) if prompts is None else list(prompts)
         futures = [
-            self._pool.submit(call_reward, response, truth, prompt, timeout_s=self.timeout_s)
+            self.submit(response, truth, prompt)
             for response, truth, prompt in zip(responses, ground_truths, given, strict=True)
         ]
-        outcomes = [future.result() for future in futures]
-        with self._counts_lock:
-            self._counts.calls += len(outcomes)
-        failures = [
-            self._count(i, responses[i], o) if o.failure is not None else None
-            for i, o in enumerate(outcomes)
-        ]
-        values = [0.0 if o.failure is not None else o.value for o in outcomes]
-        return Scores(values, failures)
+        scores = [future.result() for future in futures]
+        return Scores([s.value for s in scores], [s.failure for s in scores])
 
-    def _count(self, index: int, response: str, outcome: Outcome) -> Failure:
+    def _count(self, response: str, outcome: Outcome) -> Failure:
         """Count and log a failed call; an exception's (remote) traceback is logged for the
         first failure of its type, its one-line form for every one."""
         assert outcome.failure is not None
@@ -228,10 +258,10 @@ class RewardScorer:
                 self._counts.errors += 1
         if outcome.failure == "timeout":
             log.warning(
-                "reward %r exceeded timeout_s=%.3g on response %d of the batch (%s); its worker "
-                "was killed and the call counts as failed (score 0). Raise "
-                "generator.reward.timeout_s if such calls are legitimately slow.",
-                self.fn, self.timeout_s, index, _preview(response),
+                "reward %r exceeded timeout_s=%.3g on response %s; its worker was killed and "
+                "the call counts as failed (score 0). Raise generator.reward.timeout_s if such "
+                "calls are legitimately slow.",
+                self.fn, self.timeout_s, _preview(response),
             )  # fmt: skip
             return "timeout"
         exc, what = outcome.exception, outcome.reason
@@ -240,12 +270,13 @@ class RewardScorer:
             what, exc = str(exc), None
         elif exc is not None:
             kind = type(exc).__name__
-            with_traceback = kind not in self._tracebacks_logged
-            self._tracebacks_logged.add(kind)
+            with self._counts_lock:
+                with_traceback = kind not in self._tracebacks_logged
+                self._tracebacks_logged.add(kind)
             what = f"{what} {kind}: {exc}"
         log.warning(
-            "reward %r failed on response %d of the batch (%s): %s; it counts as failed (score 0)",
-            self.fn, index, _preview(response), what,
+            "reward %r failed on response %s: %s; it counts as failed (score 0)",
+            self.fn, _preview(response), what,
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
         return "error"

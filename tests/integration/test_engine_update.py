@@ -44,7 +44,11 @@ def _nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return nudged
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+@pytest.mark.parametrize(
+    "engine_process",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # the same sequence, over vLLM's RPC
+    ids=["in-process", "engine-process"],
+)
 def test_requests_in_flight_switch_cleanly_from_old_to_new_weights(tmp_path, engine_process):
     from transformers import AutoModelForCausalLM
 

@@ -86,6 +86,40 @@ def test_episode_tokens_are_exact_and_masked_across_a_weight_update(tmp_path):
     assert any(g.finish_reasons.count("done") for g in groups)
 
 
+def test_a_turn_sampled_across_a_weight_update_records_each_tokens_version(tmp_path):
+    """Single-turn groups go the same way: a response the update cut through carries the old
+    version on the tokens sampled before it and the new one after; its group's version is the
+    oldest."""
+    overrides = [
+        "generator.max_tokens=48",
+        "generator.group_size=2",
+        "generator.prompts_in_flight=2",
+    ]
+    config = load_config(["grpo", "tiny-cpu"], overrides=overrides)
+    run = open_location(str(tmp_path / "run"))
+    with build_generator(config, run, 0) as loop:
+        assert loop.episodes.renderer is None  # single-turn: no chat rendering at all
+        _loop_until(loop, lambda: loop.engine.num_in_flight == 2)
+        for _ in range(8):  # some tokens of every response, none finished
+            loop.step()
+        assert loop.stats.groups == 0
+        state = {name: torch.zeros_like(p) + 0.01 for name, p in _model_parameters(loop).items()}
+        WeightWriter(run).publish(1, state)
+        loop._poll()
+        assert loop.engine.policy_version == 1
+        _loop_until(loop, lambda: loop.stats.groups >= 2)
+        loop._flush()
+    groups = [g for _, g in _groups(run, loop.stats.groups)]
+    cut = [v for g in groups[:2] for v in g.effective_token_versions]
+    for versions in cut:
+        assert (versions[0], versions[-1]) == (0, 1), "sampled before and after the update"
+        assert (np.diff(versions) >= 0).all()
+    for group in groups[:2]:
+        assert group.policy_version == 0
+        assert group.finish_reasons == ["max_tokens"] * 2
+        assert not group.is_multi_turn
+
+
 @pytest.mark.slow
 def test_a_crashing_or_hanging_environment_ends_only_its_episodes(tmp_path):
     config = load_config(

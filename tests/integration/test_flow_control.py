@@ -17,14 +17,14 @@ import pytest
 from storage.fs import Location, open_location
 from storage.learner_progress import LearnerProgress, write_learner_progress
 from storage.records import Cursor
-from storage.stream import StreamWriter, read_log
+from storage.stream import StreamReader, StreamWriter, read_log
 from streamrl.config import RunConfig
 from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
+from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.models import resolve_model_path
-from streamrl.rewards import RewardScorer
 
 # Capacity (max_staleness + 1 − lag) × publish_every × batch_groups: 4 groups at first.
 OVERRIDES = [
@@ -35,12 +35,14 @@ OVERRIDES = [
     "learner.mini_batch_groups=2",
     "learner.max_staleness=1",
     "learner.publish_every=1",
+    "generator.stop=[' ']",  # a space ends a turn: episodes of random weights take several
 ]
 
 
-def _config(flow_control: str) -> RunConfig:
+def _config(flow_control: str, *overrides: str) -> RunConfig:
     return load_config(
-        ["dapo", "tiny-cpu"], overrides=[*OVERRIDES, f"generator.flow_control={flow_control}"]
+        ["dapo", "tiny-cpu"],
+        overrides=[*OVERRIDES, f"generator.flow_control={flow_control}", *overrides],
     )
 
 
@@ -60,7 +62,7 @@ def _run(
         run=run,
         engine=engine,
         prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
-        scorer=RewardScorer("math", workers=1, timeout_s=10.0),
+        runner=EnvRunner(config.generator.env, reward=config.generator.reward),
         writer=StreamWriter(run, "gen0"),
         generator_id="gen0",
     )
@@ -76,7 +78,7 @@ def _run(
             stop.set()
 
     threading.Thread(target=play, daemon=True).start()
-    with loop.scorer:
+    with loop.runner:
         loop.run(stop)
     if failure:
         raise failure[0]
@@ -131,6 +133,34 @@ def test_a_full_backlog_pauses_the_generator_until_the_learner_consumes(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("flow control pauses" in m for m in messages) == 2, messages
     assert sum("flow control resumes" in m for m in messages) == 1, messages
+
+
+def test_episodes_count_against_the_backlog_from_their_reset_to_their_commit(
+    engine: Engine, tmp_path
+):
+    """Multi-turn groups stay in flight over several turns and environment calls; each counts
+    from its reset on, so the backlog stops at exactly the capacity, as with single turns."""
+    run = open_location(str(tmp_path / "run"))
+    config = _config(
+        "staleness",
+        "generator.env.fn=tests.env_fns:KeepTalking",
+        "generator.env.max_episode_tokens=256",
+        "generator.env.workers=1",
+    )
+    seen: dict[str, int] = {}
+
+    def scenario(loop: GeneratorLoop) -> None:
+        _wait(lambda: loop._gate.paused and _committed(run) >= 4, "a pause after 4 commits", 90)
+        time.sleep(2.0)  # long enough for a gate that missed episodes in flight to show
+        seen["committed"], seen["in_flight"] = _committed(run), loop.episodes.groups_in_flight
+
+    loop = _run(config, run, engine, scenario)
+    assert seen == {"committed": 4, "in_flight": 0}
+    assert loop.stats.groups == 4
+    groups = [g for _, g in zip(range(4), StreamReader(run).groups(timeout_s=10), strict=False)]
+    assert len(groups) == 4
+    assert sum(g.is_multi_turn for g in groups) >= 2
+    assert max(int(g.effective_turns.max()) for g in groups) == 3
 
 
 def test_with_flow_control_off_the_generator_never_pauses(engine: Engine, tmp_path):

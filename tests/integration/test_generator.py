@@ -27,11 +27,13 @@ from streamrl.config import RunConfig
 from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
 from streamrl.data.rows import DatasetError
+from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.generator.main import build_generator
 from streamrl.models import ModelPathError, resolve_model_path
-from streamrl.rewards import RewardResolutionError, RewardScorer
+from streamrl.rewards import RewardResolutionError
+from streamrl.rewards.config import RewardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,13 +167,14 @@ def test_a_delta_applied_to_the_held_base_equals_the_same_weights_loaded_full(
 
 def _loop(config: RunConfig, run: Location, engine: Engine, fn: str = "math", timeout_s=10.0):
     source = PromptSource(config.data, tokenizer=engine.tokenizer)
-    scorer = RewardScorer(fn, workers=1, timeout_s=timeout_s)
+    reward = RewardConfig(fn=fn, workers=1, timeout_s=timeout_s)
+    scorer = EnvRunner(config.generator.env, reward=reward)
     loop = GeneratorLoop(
         config=config,
         run=run,
         engine=engine,
         prompts=source.iterate(),
-        scorer=scorer,
+        runner=scorer,
         writer=StreamWriter(run, "gen0"),
         generator_id="gen0",
     )

@@ -29,6 +29,7 @@ from storage.stream import StreamReader, StreamWriter, read_log
 from streamrl.config import RunConfig
 from streamrl.config_loading import load_config
 from streamrl.data import PromptSource
+from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine
 from streamrl.generator.loop import MAX_FAILED_GROUPS_IN_A_ROW, BrokenRewardError, GeneratorLoop
 from streamrl.generator.main import build_generator
@@ -72,13 +73,13 @@ def _generate(
     """A generator loop of a fresh run at `run_dir`, run until `groups` groups finished."""
     run = open_location(str(run_dir))
     create_run(run, config.model_dump(mode="json"))
-    scorer = RewardScorer.from_config(config.generator.reward)
+    scorer = EnvRunner.from_config(config.generator.env, config.generator.reward, None)
     loop = GeneratorLoop(
         config=config,
         run=run,
         engine=engine,
         prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
-        scorer=scorer,
+        runner=scorer,
         writer=StreamWriter(run, "gen0"),
         generator_id="gen0",
     )
@@ -230,6 +231,7 @@ def test_a_generator_whose_reward_import_hangs_fails_at_its_start_within_the_lim
         pass
 
 
+@pytest.mark.slow  # 20 s; a hanging first import (above) is in the default run
 def test_a_reimport_that_hangs_counts_the_waiting_calls_and_a_later_batch_scores(
     tmp_path, monkeypatch
 ):

@@ -52,6 +52,7 @@ def test_reader_rides_out_an_s3_server_restart_without_quarantining(tmp_path):
         assert quarantined(run) == []
 
 
+@pytest.mark.slow  # 40 s; the reader riding out a restart above covers the same retries
 def test_an_s3_call_waits_out_a_short_outage(tmp_path):
     """A call that cannot reach the endpoint is retried (s3fs, about a minute in all), so
     every process of a run rides out a store restarting."""

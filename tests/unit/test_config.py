@@ -346,6 +346,8 @@ def test_cli_documents_every_field() -> None:
                 assert f"{name}.{sub} = " in result.stdout
     for alg in ALGORITHM_NAMES:
         assert f"[algorithm.{alg}]" in result.stdout
+    for nested in ("generator.reward", "generator.env", "model.critic"):  # sections in sections
+        assert run_cli("config", "fields", nested).stdout.startswith(f"[{nested}]")
 
 
 def test_every_field_is_documented() -> None:

@@ -25,6 +25,7 @@ from streamrl.envs import (
 )
 from streamrl.envs.guess import GuessEnv
 from streamrl.rewards import math_reward
+from streamrl.rewards.config import RewardConfig
 
 SCRIPTED = "tests.env_fns:ScriptedTools"
 MISBEHAVING = "tests.env_fns:Misbehaving"
@@ -89,13 +90,13 @@ def test_names_fail_fast_with_the_fix() -> None:
         ("tests.env_fns:ScriptedTool", "math", "did you mean 'tests.env_fns:ScriptedTools'"),
         ("tests.env_fns:NotAnEnvironment", "math", "not a subclass of streamrl.envs.Environment"),
         ("no_such_pkg.envs:Env", "math", "no module named 'no_such_pkg'"),
-        ("single_turn", "tests.reward_fns:scriptd", "(generator.reward.fn)"),
+        ("guess", "tests.reward_fns:scriptd", "(generator.reward.fn)"),
     ],
 )
 def test_an_environment_the_workers_cannot_load_fails_on_entry(
     fn: str, reward: str, message: str
 ) -> None:
-    runner = EnvRunner(EnvConfig(fn=fn, workers=1), reward_fn=reward)
+    runner = EnvRunner(EnvConfig(fn=fn, workers=1), reward=RewardConfig(fn=reward))
     with (
         pytest.raises(EnvResolutionError, match=message.replace("(", r"\(").replace(")", r"\)")),
         runner,
@@ -133,12 +134,14 @@ def test_single_turn_scores_as_the_reward_function_does() -> None:
 
 
 def test_single_turn_passes_the_prompt_to_the_reward() -> None:
-    with EnvRunner(EnvConfig(workers=1), reward_fn="tests.reward_fns:scripted") as runner:
+    reward = RewardConfig(fn="tests.reward_fns:scripted", workers=1)
+    with EnvRunner(EnvConfig(), reward=reward) as runner:
         task = Task([{"role": "user", "content": "q"}], "rendered prompt", "rendered prompt")
         _, scored = _episode(runner, task, ["prompt"])
         assert scored.reward == 1.0
         _, failed = _episode(runner, task, ["return:1.5"])  # the reward's own failure
-        assert (failed.reward, failed.failure) == (0.0, "env_error")
+        assert (failed.reward, failed.failure) == (0.0, "error")
+        assert runner.stats.errors == 1
 
 
 # -- isolation: crashes, hangs, credentials, malformed answers --------------------------------
@@ -181,7 +184,7 @@ def test_a_crashing_and_a_hanging_tool_end_their_episodes_and_others_go_on(
         scores = [runner.score(r.episode).result() for r in (crashed, timed_out, after)]
         stats = runner.stats
     assert [(s.reward, s.failure) for s in scores] == [
-        (0.0, "env_error"),
+        (0.0, "error"),
         (0.0, "timeout"),
         (1.0, None),
     ]
@@ -202,7 +205,7 @@ def test_a_tool_that_raises_is_an_observation_not_a_failure() -> None:
             "Error: ValueError: boom",
             "Error: unknown tool 'nope'; the tools are: boom, crash, echo, getenv, hang, nap",
         ]
-        assert reply.episode.state == {"tool_calls": 2, "tool_errors": 2}
+        assert (reply.episode.tool_calls, reply.episode.tool_errors) == (2, 2)
         assert runner.stats.errors == 0
 
 
@@ -244,7 +247,7 @@ def test_malformed_answers_end_the_episode_as_env_error(turn: str, problem: str,
         assert replies[-1].episode.finish_reason == "env_error"
         assert problem in replies[-1].episode.error
         assert problem in caplog.text
-        assert (scored.reward, scored.failure, scored.turn_rewards) == (0.0, "env_error", (0.1,))
+        assert (scored.reward, scored.failure, scored.turn_rewards) == (0.0, "error", (0.1,))
         bad_reset = runner.reset(Task([{"role": "user", "content": "go"}], "bad reset")).result()
         assert bad_reset.episode.finish_reason == "env_error"
         assert "reset returned {'not': 'a Reset'}, not a Reset" in bad_reset.episode.error
@@ -260,8 +263,8 @@ def test_scores_are_checked_and_turn_rewards_recorded() -> None:
         }
     assert outcomes["score:1"] == Scored(1.0, (0.1, 0.1, 0.5), "done")
     assert outcomes["score:true"].reward == 1.0
-    assert (outcomes["score:1.5"].reward, outcomes["score:1.5"].failure) == (0.0, "env_error")
-    assert outcomes["score:text"].failure == "env_error"
+    assert (outcomes["score:1.5"].reward, outcomes["score:1.5"].failure) == (0.0, "error")
+    assert outcomes["score:text"].failure == "error"
 
 
 def test_max_turns_and_the_episode_time_limit_end_episodes() -> None:
@@ -287,7 +290,7 @@ def test_max_turns_and_the_episode_time_limit_end_episodes() -> None:
         assert replies[2].episode.finish_reason == "timeout"  # 3 s more would pass the 5 s
         assert replies[2].episode.env_s >= 5.0
         assert (scored.reward, scored.failure) == (0.0, "timeout")
-        spent = Episode(task, {"tool_calls": 0, "tool_errors": 0}, env_s=5.0)
+        spent = Episode(task, None, env_s=5.0)
         out_of_time = runner.step(spent, _call("echo", text="a")).result()
         assert out_of_time.episode.finish_reason == "timeout"
         assert "episode_timeout_s=5 used up" in out_of_time.episode.error

@@ -1,6 +1,6 @@
 """Multi-turn stream records: the fields a multi-turn group adds to `ScoredGroup`, their
-invariants, their segment encoding (format 2), format-1 segments read as single-turn, and the
-rollout sums that count sampled tokens."""
+invariants, their segment encoding (format 3), format-1 segments read as single-turn and
+format-2 ones without episode statistics, and the rollout sums that count sampled tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from storage.records import CommitRecord, InvalidRecordError, RolloutSums, ScoredGroup
+from storage.scored_group import EPISODE_STATS
 from storage.segments import CorruptSegmentError, decode_segment, encode_segment
 from tests.multi_turn_data import multi_turn_group, without_environment_tokens
 from tests.stream_data import random_group
@@ -83,16 +84,63 @@ def test_a_format_1_segment_decodes_as_single_turn_groups():
         assert group.effective_turns.tolist() == [1] * group.group_size
 
 
-def test_an_unknown_format_or_a_format_2_segment_without_its_arrays_is_corrupt():
+def test_an_unknown_format_or_a_segment_without_its_arrays_is_corrupt():
     objects = encode_segment(_groups())
     root = json.loads(objects["zarr.json"])
+    root["attributes"]["format_version"] = 4
+    with pytest.raises(CorruptSegmentError, match="unknown segment format 4"):
+        decode_segment({**objects, "zarr.json": json.dumps(root).encode()})
     root["attributes"]["format_version"] = 3
-    with pytest.raises(CorruptSegmentError, match="unknown segment format 3"):
+    del root["attributes"]["crc32"]["wait_seconds"]
+    with pytest.raises(CorruptSegmentError, match="lacks wait_seconds"):
         decode_segment({**objects, "zarr.json": json.dumps(root).encode()})
     root["attributes"]["format_version"] = 2
     del root["attributes"]["crc32"]["loss_masks"]
     with pytest.raises(CorruptSegmentError, match="lacks loss_masks"):
         decode_segment({**objects, "zarr.json": json.dumps(root).encode()})
+
+
+def _as_format_2(objects: dict[str, bytes]) -> dict[str, bytes]:
+    """The segment the encoder wrote before format 3: the same objects without the episode
+    statistics, `format_version` 2."""
+    root = json.loads(objects["zarr.json"])
+    root["attributes"]["format_version"] = 2
+    for name in EPISODE_STATS:
+        del root["attributes"]["crc32"][name]
+    old = {k: v for k, v in objects.items() if k.split("/")[0] not in EPISODE_STATS}
+    return {**old, "zarr.json": json.dumps(root, indent=2).encode()}
+
+
+def test_episode_statistics_round_trip_and_a_format_2_segment_reads_none():
+    groups = [
+        _with(g, tool_calls=np.arange(g.group_size, dtype=np.int32), tool_errors=np.zeros(
+            g.group_size, np.int32), env_seconds=np.full(g.group_size, 0.5, np.float32),
+            wait_seconds=np.linspace(0, 2, g.group_size, dtype=np.float32))
+        for g in _groups()
+    ]  # fmt: skip
+    decoded = decode_segment(encode_segment(groups))
+    assert all(a.equals(b) for a, b in zip(groups, decoded, strict=True))
+    assert decoded[0].tool_calls.tolist() == list(range(groups[0].group_size))
+    assert not decoded[0].equals(_with(decoded[0], tool_calls=decoded[0].tool_calls * 0))
+    old = decode_segment(_as_format_2(encode_segment(groups)))
+    assert all(g.tool_calls is g.env_seconds is g.wait_seconds is None for g in old)
+    assert RolloutSums.of(old).tool_calls == 0
+    assert RolloutSums.of(decoded).tool_calls == sum(int(g.tool_calls.sum()) for g in groups)
+
+
+def test_validate_rejects_bad_episode_statistics():
+    group = _groups()[0]
+    g = group.group_size
+    with pytest.raises(InvalidRecordError, match="tool_calls has 2 entries"):
+        _with(group, tool_calls=np.zeros(2, np.int32)).validate()
+    with pytest.raises(InvalidRecordError, match="env_seconds must be finite and ≥ 0"):
+        _with(group, env_seconds=np.full(g, -1.0, np.float32)).validate()
+    with pytest.raises(InvalidRecordError, match="wait_seconds must be finite and ≥ 0"):
+        _with(group, wait_seconds=np.full(g, np.nan, np.float32)).validate()
+    with pytest.raises(InvalidRecordError, match="tool_errors must be ≤ tool_calls"):
+        _with(
+            group, tool_calls=np.ones(g, np.int32), tool_errors=np.full(g, 2, np.int32)
+        ).validate()
 
 
 def test_validate_rejects_a_loss_mask_of_another_length_or_value():
@@ -178,3 +226,32 @@ def test_a_commit_record_written_before_multi_turn_sums_reads_one_turn_per_respo
     record = CommitRecord.from_json(json.dumps(old).encode(), 3)
     assert (record.rollout.env_tokens, record.rollout.turns) == (0, 8)
     assert CommitRecord.from_json(record.to_json(), 3) == record
+
+
+def test_rollout_sums_count_finish_reasons_and_episode_statistics_through_a_commit_record():
+    group = _with(
+        _groups()[0],
+        finish_reasons=["done", "max_tokens", "done"],
+        tool_calls=np.array([2, 0, 1], np.int32),
+        tool_errors=np.array([1, 0, 0], np.int32),
+        env_seconds=np.array([0.5, 0.0, 0.25], np.float32),
+        wait_seconds=np.array([0.0, 3.0, 1.0], np.float32),
+    )
+    sums = RolloutSums.of([group, group])
+    assert sums.finished == {"done": 4, "max_tokens": 2}
+    assert (sums.tool_calls, sums.tool_errors) == (6, 2)
+    assert (sums.env_s, sums.wait_s) == pytest.approx((1.5, 8.0))
+    metrics = sums.metrics("rollout")
+    assert metrics["rollout/tool_calls_mean"] == pytest.approx(1.0)
+    assert metrics["rollout/wait_s_mean"] == pytest.approx(8.0 / 6)
+    assert metrics["rollout/finish_max_tokens_frac"] == pytest.approx(1 / 3)
+    record = CommitRecord(
+        seq=0, segment="gen0-abc-000000", writer_id="gen0", incarnation="abc", num_groups=2,
+        num_responses=6, num_tokens=group.num_tokens * 2, min_policy_version=0,
+        max_policy_version=0, objects={"zarr.json": (10, 1)}, rollout=sums,
+    )  # fmt: skip
+    assert CommitRecord.from_json(record.to_json(), 0).rollout == sums
+    bad = json.loads(record.to_json())
+    bad["rollout"]["finished"] = {"done": -1}
+    with pytest.raises(InvalidRecordError, match=r"rollout.finished\['done'\] must be"):
+        CommitRecord.from_json(json.dumps(bad).encode(), 0)
