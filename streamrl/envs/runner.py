@@ -152,9 +152,10 @@ class EnvStats:
 
 
 class EnvRunner:
-    """Runs one environment's calls in `config.workers` isolated worker processes (module
-    docstring). Use as a context manager: the workers start and load the environment (and
-    the reward) on entry, so one that cannot be loaded fails there; they stop on exit.
+    """Runs one environment's calls in `config.workers` isolated worker processes — or, for
+    `single_turn`, inline with its scores in the reward scorer's workers (module docstring).
+    Use as a context manager: the workers start and load the environment (and the reward) on
+    entry, so one that cannot be loaded fails there; they stop on exit.
 
     `reward`: `generator.reward`, which scores episodes (by default; an environment may score
     them itself). `chat_template`: the tokenizer's, to resolve `tool_format: auto`
