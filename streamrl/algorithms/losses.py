@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from streamrl.algorithms.correction import correct
 from streamrl.algorithms.masked import masked_mean, zero_outside
 
 __all__ = [
@@ -144,27 +145,26 @@ def importance_weights(
         mode: "tis" truncates w at `cap`; "mask" drops tokens with w > cap from the loss;
             "none" uses w = 1.
 
-    Returns `(w [N, T], mask [N, T], metrics)` with the mask possibly narrowed.
-    Metrics: actor/is_weight_mean (raw w, token mean) and actor/is_clip_frac (share of tokens
-    with w > cap).
+    Returns `(w [N, T], mask [N, T], metrics)` with the mask possibly narrowed: the
+    correction menu's token-level truncation (tis) or rejection band [0, cap] (mask)
+    (`streamrl.algorithms.correction`). Metrics: actor/is_weight_mean (token ratio, before
+    truncation) and actor/is_clip_frac (share of tokens with w > cap).
     """
-    mask = mask.float()
-    if logp_behav is None:
-        raw = torch.ones_like(mask)
-    else:
-        raw = torch.exp(logp_prox.detach().float() - logp_behav.detach().float())
-    over_cap = (raw > cap).float()
-    metrics = {
-        "actor/is_weight_mean": masked_mean(raw, mask).detach(),
-        "actor/is_clip_frac": masked_mean(over_cap, mask).detach(),
-    }
-    if mode == "tis":
-        return raw.clamp(max=cap), mask, metrics
-    if mode == "mask":
-        return raw, mask * (1.0 - over_cap), metrics
+    if mode not in ("tis", "mask", "none"):
+        raise ValueError(f"unknown importance mode {mode!r}; use tis, mask or none")
+    corrected = correct(
+        logp_prox,
+        logp_behav,
+        mask,
+        is_level="token",  # mask: the kept tokens have w ≤ cap; none: for the metrics only
+        is_cap=cap,
+        rs_level="token" if mode == "mask" else "none",
+        rs_band=(0.0, cap),
+    )
+    metrics = {k: corrected.metrics[k] for k in ("actor/is_weight_mean", "actor/is_clip_frac")}
     if mode == "none":
-        return torch.ones_like(raw), mask, metrics
-    raise ValueError(f"unknown importance mode {mode!r}; use tis, mask or none")
+        return torch.ones_like(corrected.weights), corrected.mask, metrics
+    return corrected.weights, corrected.mask, metrics
 
 
 def _weights_in_loss(weights: Tensor, loss_mask: Tensor) -> Tensor:
