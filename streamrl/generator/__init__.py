@@ -4,6 +4,8 @@
 - `main`: one generator process (`run_generator`, what `streamrl generator` runs;
   `build_generator`).
 - `loop`: the generator loop (prompts in, scored groups out to the replay stream).
+- `rollouts`: every group's episodes through the engine and the environment (`EpisodeDriver`);
+  `chat`: an episode's exact token history; `records`: a finished rollout as a stream record.
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.
 """
