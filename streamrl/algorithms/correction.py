@@ -22,6 +22,7 @@ to ±`SAFETY_BOUND` too, so no ratio overflows: e^20 lies beyond any truncation 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -125,7 +126,7 @@ def correct(
     keep = keep * (1.0 - rejected)
     vetoed = torch.zeros_like(mask)
     if veto is not None:
-        catastrophic = (zero_outside(delta, mask) < torch.log(torch.tensor(veto))) & (mask != 0)
+        catastrophic = (delta < math.log(veto)) & (mask != 0)  # δ: 0 outside the mask
         vetoed = catastrophic.any(-1, keepdim=True).float().expand_as(mask)
         keep = keep * (1.0 - vetoed)
     metrics = {

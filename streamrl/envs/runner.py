@@ -289,8 +289,10 @@ class EnvRunner:
             def rewarded(score: Score) -> Scored:
                 if score.failure is not None:
                     with self._lock:
-                        self._stats.timeouts += score.failure == "timeout"
-                        self._stats.errors += score.failure == "error"
+                        if score.failure == "timeout":
+                            self._stats.timeouts += 1
+                        else:
+                            self._stats.errors += 1
                 return Scored(score.value, rewards, reason, score.failure)
 
             return _then(score, rewarded)
