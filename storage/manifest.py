@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -159,8 +159,16 @@ def create_run(location: Location, config: Mapping[str, Any]) -> RunManifest:
     return open_run(location, config)
 
 
-def open_run(location: Location, config: Mapping[str, Any] | None = None) -> RunManifest:
+def open_run(
+    location: Location,
+    config: Mapping[str, Any] | None = None,
+    *,
+    read_as: Callable[[Mapping[str, Any]], Mapping[str, Any]] = dict,
+) -> RunManifest:
     """Read `<run>/run.json`; with `config`, check that it may resume this run.
+
+    `read_as` turns the stored config into the caller's spelling before the comparison (a run
+    created by an older version spells some fields differently: the caller knows how).
 
     Raises `StorageError` when there is no run at `location`, when run.json is unreadable, or
     when `config` differs from the stored one outside `RESUME_SAFE_FIELDS` (the message lists
@@ -168,7 +176,7 @@ def open_run(location: Location, config: Mapping[str, Any] | None = None) -> Run
     """
     manifest = _read(location)
     if config is not None:
-        problems = config_differences(manifest.config, without_credentials(config))
+        problems = config_differences(read_as(manifest.config), without_credentials(config))
         if problems:
             lines = "\n".join(f"  - {p}" for p in problems)
             raise StorageError(

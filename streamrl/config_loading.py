@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError
 from storage.credentials import CREDENTIAL_NAME, credential_paths
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import ALGORITHM_CLASSES
+from streamrl.algorithms.correction_config import CORRECTION_CLASSES
 from streamrl.config import RunConfig
 from streamrl.config_base import ConfigError, credentials_problem
 from streamrl.placement.config import PLACEMENT_CLASSES
@@ -41,8 +42,10 @@ __all__ = [
 UNIONS: dict[str, tuple[str, Mapping[str, type[BaseModel]]]] = {
     "algorithm": ("name", ALGORITHM_CLASSES),
     "placement": ("mode", PLACEMENT_CLASSES),
+    "algorithm.correction": ("method", CORRECTION_CLASSES),
 }
-"""The sections that are discriminated unions: their tag field and the class of each tag."""
+"""The sections that are discriminated unions (by path): their tag field and the class of each
+tag."""
 
 
 def available_presets() -> list[str]:
@@ -183,11 +186,16 @@ def validate_config(data: Mapping[str, Any], source: str = "configuration") -> R
 
 
 def _model_at(
-    loc: Sequence[str | int], root: type[BaseModel] | None = None
+    loc: Sequence[str | int], tagged: Mapping[str, type[BaseModel]]
 ) -> type[BaseModel] | None:
-    """The pydantic model holding the field at `loc`, for 'did you mean' suggestions."""
-    model: type[BaseModel] = root or RunConfig
-    for part in loc[:-1]:
+    """The pydantic model holding the field at `loc`, for 'did you mean' suggestions;
+    `tagged` gives the class chosen at each union's path."""
+    model: type[BaseModel] = RunConfig
+    for depth, part in enumerate(loc[:-1], start=1):
+        path = ".".join(str(p) for p in loc[:depth])
+        if path in tagged:
+            model = tagged[path]
+            continue
         field = model.model_fields.get(str(part))
         if field is None:
             return None
@@ -199,24 +207,35 @@ def _model_at(
     return model
 
 
+def _untag(loc: list[str | int]) -> tuple[list[str | int], dict[str, type[BaseModel]]]:
+    """`loc` without the tags pydantic puts after a union's path (('algorithm', 'dapo',
+    'clip_high') → ('algorithm', 'clip_high')), and the class each tag chose, by path."""
+    tagged: dict[str, type[BaseModel]] = {}
+    for path in sorted(UNIONS, key=lambda p: p.count(".")):  # outer unions first
+        parts = path.split(".")
+        classes = UNIONS[path][1]
+        if loc[: len(parts)] == parts and len(loc) > len(parts) and loc[len(parts)] in classes:
+            tagged[path] = classes[str(loc.pop(len(parts)))]
+    return loc, tagged
+
+
 def _describe(err: Mapping[str, Any]) -> str:
     """One pydantic error → 'section.field: what is wrong; how to fix it'."""
-    loc = list(err["loc"])
-    owner: type[BaseModel] | None
-    context = ""
-    # A union puts its tag in the location: ('algorithm', 'dapo', 'clip_high').
-    union = UNIONS.get(str(loc[0])) if loc else None
-    if union is not None and len(loc) >= 2 and loc[1] in union[1]:
-        tag = str(loc.pop(1))
-        owner = _model_at(loc[1:], union[1][tag])
-        context = f" ({loc[0]} '{tag}')"
-        elsewhere = [t for t, cls in union[1].items() if loc[-1] in cls.model_fields]
-        if err["type"] == "extra_forbidden" and elsewhere and len(loc) == 2:
-            context += f"; it is a field of {loc[0]}.{union[0]}={' | '.join(elsewhere)}"
-    else:
-        owner = _model_at(loc) if loc else None
     # Drop pydantic's internal location parts (function-after[...], union members).
-    loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function")))]
+    loc = [
+        p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function")))
+    ]
+    # A union puts its tag in the location: ('algorithm', 'dapo', 'clip_high').
+    loc, tagged = _untag(loc)
+    owner = _model_at(loc, tagged) if loc else None
+    context = ""
+    if loc and str(loc[0]) in tagged:  # a top-level union: name the variant
+        tag_field, classes = UNIONS[str(loc[0])]
+        tag = next(t for t, cls in classes.items() if cls is tagged[str(loc[0])])
+        context = f" ({loc[0]} '{tag}')"
+        elsewhere = [t for t, cls in classes.items() if loc[-1] in cls.model_fields]
+        if err["type"] == "extra_forbidden" and elsewhere and len(loc) == 2:
+            context += f"; it is a field of {loc[0]}.{tag_field}={' | '.join(elsewhere)}"
     where = ".".join(str(p) for p in loc) or "configuration"
     kind = err["type"]
     if kind == "extra_forbidden":

@@ -68,6 +68,16 @@ CHARTS = (
     Chart("gradient norm", (("actor/grad_norm", "before clipping"),)),
     Chart("KL to the reference", (("actor/ref_kl", "KL"),), "{:.4f}"),
     Chart(
+        "generator–learner mismatch (k3 KL)",
+        (("mismatch/kl_k3", "all groups"), ("mismatch/kl_k3_fresh", "fresh groups")),
+        "{:.2e}",
+    ),
+    Chart(
+        "importance ratio",
+        (("mismatch/ratio_max", "token max"), ("mismatch/seq_ratio_max", "response max")),
+        "{:.2f}",
+    ),
+    Chart(
         "staleness", (("stream/staleness_mean", "mean"), ("stream/staleness_max", "max")), "{:.1f}"
     ),
     Chart("waste fraction", (("stream/waste_frac", "consumed, not trained"),), "{:.0%}"),

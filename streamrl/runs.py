@@ -27,9 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from storage.control import clear_stop, requested_generators, set_requested_generators
 from storage.fs import Location, StorageError, open_location
 from storage.manifest import create_run, open_run
+from streamrl.algorithms.correction_config import CorrectionConfig, correction_of_importance
 from streamrl.config import RunConfig
 from streamrl.config_loading import validate_config
 from streamrl.placement.config import placement_of_older_run
@@ -162,7 +165,8 @@ def prepare_run(
                 f"{ALLOW_FLAG} (`streamrl run --resume {ALLOW_FLAG}`, "
                 "prepare_run(..., allow_trusted_changes=True)); otherwise restore them"
             )
-        open_run(run, _with_trusted_of(wanted, stored))  # every other field as a resume may
+        # every other field as a resume may
+        open_run(run, _with_trusted_of(wanted, stored), read_as=as_this_version_reads)
         allowed = {path: v for path, v in wanted_trusted.items() if v != trusted[path]}
         record = CurrentConfig(wanted, allowed)
         run.fs.makedirs(run.join("control"), exist_ok=True)
@@ -213,7 +217,7 @@ def read_current_config(run: Location) -> dict[str, Any]:
         return stored
     where = f"{run.uri}/{'/'.join(CURRENT_CONFIG)}"
     try:
-        open_run(run, _with_trusted_of(current.config, stored))
+        open_run(run, _with_trusted_of(current.config, stored), read_as=as_this_version_reads)
     except StorageError as exc:
         raise StorageError(
             f"{where} does not match run.json in fields a resume cannot change ({exc}). It "
@@ -238,7 +242,22 @@ def read_current_config(run: Location) -> dict[str, Any]:
 
 def _stored_config(run: Location) -> dict[str, Any]:
     """run.json's configuration, as this version of streamrl reads it."""
-    return placement_of_older_run(open_run(run).config)
+    return as_this_version_reads(open_run(run).config)
+
+
+def as_this_version_reads(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored configuration (run.json, control/config.json) in this version's spelling, so
+    that a run created by an older version resumes: placement fields of a local run dropped
+    (`placement_of_older_run`), and `algorithm.importance` written as the `algorithm.correction`
+    block it means, every field filled in as a current config dumps it."""
+    config = placement_of_older_run(stored)
+    algorithm = config.get("algorithm")
+    if isinstance(algorithm, Mapping) and "importance" in algorithm:
+        block = correction_of_importance(algorithm["importance"])
+        dumped = TypeAdapter(CorrectionConfig).validate_python(block).model_dump(mode="json")
+        rest = {k: v for k, v in algorithm.items() if k != "importance"}
+        config["algorithm"] = {**rest, "correction": dumped}
+    return config
 
 
 def _read_current(run: Location) -> CurrentConfig | None:
@@ -248,7 +267,7 @@ def _read_current(run: Location) -> CurrentConfig | None:
     except FileNotFoundError:
         return None
     current = CurrentConfig.from_json(data, f"{run.uri}/{'/'.join(CURRENT_CONFIG)}")
-    return replace(current, config=placement_of_older_run(current.config))
+    return replace(current, config=as_this_version_reads(current.config))
 
 
 def _trusted_values(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,28 @@ _METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner ro
 )
 
 
+def mismatch_summary(metrics: dict[str, Any]) -> str | None:
+    """The gap between the generator's and the learner's log-probs in a line (k3 KL over all
+    groups and over fresh ones, the largest token ratio, what the correction rejected), or
+    None when the step logged none."""
+    if not _num(kl := metrics.get("mismatch/kl_k3")):
+        return None
+    parts = [f"KL {kl:.2e}"]
+    if _num(fresh := metrics.get("mismatch/kl_k3_fresh")):
+        parts.append(f"fresh {fresh:.2e}")
+    if _num(top := metrics.get("mismatch/ratio_max")):
+        parts.append(f"ratio max {top:.2f}")
+    dropped = [
+        f"{label} {metrics[key]:.1%}"
+        for key, label in (
+            ("mismatch/rs_token_frac", "tokens rejected"),
+            ("mismatch/veto_frac", "responses vetoed"),
+        )
+        if _num(metrics.get(key)) and metrics[key] > 0
+    ]
+    return "  ".join(parts + dropped) + " (last step)"
+
+
 def episode_summary(metrics: dict[str, Any]) -> str | None:
     """Multi-turn rollouts in a line (turns, tool calls, environment time, straggler wait,
     finish reasons), or None for single-turn ones (one turn each, no tool call)."""
@@ -145,6 +167,8 @@ def _metrics_rows(s: RunStatus) -> Iterator[tuple[str, str]]:
     if _num(m.get("stream/staleness_mean")):
         mean, top = m["stream/staleness_mean"], m.get("stream/staleness_max", 0)
         yield "staleness", f"mean {mean:.2f}, max {top:.0f} versions (last step)"
+    if (gap := mismatch_summary(m)) is not None:
+        yield "mismatch", gap
     dropped = []
     for scope, suffix in (("last step", ""), ("in all", "_total")):
         counts = [f"{int(m[k])} {label}" for k, label in _dropped_keys(suffix) if _num(m.get(k))]

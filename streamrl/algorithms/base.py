@@ -1,4 +1,4 @@
-"""What every algorithm configuration shares: the importance, KL and overlong sub-configs,
+"""What every algorithm configuration shares: the correction, KL and overlong sub-configs,
 the shared fields, and the interface through which a learner step asks an algorithm for what
 differs per algorithm, so that the step itself has no per-algorithm branches
 (`streamrl.learner.step`):
@@ -30,10 +30,14 @@ from torch import Tensor
 
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.advantages import broadcast_to_tokens
+from streamrl.algorithms.correction_config import (
+    CorrectionConfig,
+    RolloutCorrection,
+    correction_of_importance,
+)
 from streamrl.algorithms.kl import KLEstimator
 from streamrl.algorithms.losses import (
     Aggregation,
-    ImportanceMode,
     LossDenominators,
     Metrics,
     ppo_policy_loss,
@@ -44,22 +48,9 @@ from streamrl.config_base import Section
 __all__ = [
     "AlgorithmBase",
     "ClippedAlgorithmBase",
-    "ImportanceConfig",
     "KLConfig",
     "OverlongConfig",
 ]
-
-
-class ImportanceConfig(Section):
-    """Correction for the mismatch between the behaviour policy (generator) and the learner."""
-
-    mode: ImportanceMode = Field(
-        "tis",
-        description="tis: weight tokens by min(π_prox/π_behav, cap); mask: drop tokens whose "
-        "ratio exceeds cap; none: ignore the mismatch (only sound when max_staleness = 0 and "
-        "generator and learner compute identical log-probs).",
-    )
-    cap: float = Field(2.0, ge=1.0, description="Truncation / rejection threshold C (≥ 1).")
 
 
 class KLConfig(Section):
@@ -113,7 +104,7 @@ class AlgorithmBase(Section):
     @classmethod
     def _apply_paper_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return deep_merge(cls.paper_defaults, data)
+            return deep_merge(cls.paper_defaults, _importance_as_correction(data))
         return data
 
     reward_scale: RewardScale = Field(
@@ -128,8 +119,11 @@ class AlgorithmBase(Section):
     overlong: OverlongConfig = Field(
         default_factory=OverlongConfig, description="Overlong reward shaping and filtering."
     )
-    importance: ImportanceConfig = Field(
-        default_factory=ImportanceConfig, description="Behaviour-policy importance correction."
+    correction: CorrectionConfig = Field(
+        default_factory=RolloutCorrection,
+        description="Off-policy correction for the gap between the generator's and the "
+        "learner's log-probs (staleness, engine mismatch): method rollout (truncated IS, "
+        "rejection band, veto), icepop or none. The older importance: {mode, cap} still reads.",
     )
     aggregation: Aggregation = Field(
         "token-mean",
@@ -224,16 +218,16 @@ class AlgorithmBase(Section):
         denominators: LossDenominators,
     ) -> tuple[Tensor, Metrics]:
         """The policy-gradient term of one micro-batch, its exact share of the mini-batch's
-        (`ppo_policy_loss` or `pg_loss` with this algorithm's importance correction and
+        (`ppo_policy_loss` or `pg_loss` with this algorithm's off-policy correction and
         aggregation; tensors `[n, T]`)."""
         raise NotImplementedError
 
     def _aggregation(self, denominators: LossDenominators) -> dict[str, Any]:
-        """The keywords the policy losses share: importance correction and aggregation over
+        """The keywords the policy losses share: off-policy correction and aggregation over
         the mini-batch's global denominators."""
         return {
-            "importance": self.importance.mode,
-            "importance_cap": self.importance.cap,
+            "correction": self.correction,
+            "weight_mean": denominators.weight_mean,
             "aggregation": self.aggregation,
             "num_tokens": denominators.tokens,
             "num_seqs": denominators.sequences(self.aggregation),
@@ -308,3 +302,17 @@ class ClippedAlgorithmBase(AlgorithmBase):
             dual_clip=self.dual_clip,
             **self._aggregation(denominators),
         )
+
+
+def _importance_as_correction(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the older `importance: {mode, cap}` spelled as the `correction` block."""
+    if "importance" not in data:
+        return data
+    if "correction" in data:
+        raise ValueError(
+            "set algorithm.correction only: algorithm.importance is its older spelling "
+            "(importance.mode tis = correction.is_level token, mask = rs_level token)"
+        )
+    data = dict(data)
+    data["correction"] = correction_of_importance(data.pop("importance"))
+    return data

@@ -15,7 +15,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from streamrl.algorithms.base import AlgorithmBase, ImportanceConfig, KLConfig, OverlongConfig
+from streamrl.algorithms.base import AlgorithmBase, KLConfig, OverlongConfig
+from streamrl.algorithms.correction_config import CorrectionConfig
 from streamrl.algorithms.outcome import (
     DAPOConfig,
     DrGRPOConfig,
@@ -31,11 +32,11 @@ __all__ = [
     "ALGORITHM_NAMES",
     "AlgorithmBase",
     "AlgorithmConfig",
+    "CorrectionConfig",
     "DAPOConfig",
     "DrGRPOConfig",
     "GPGConfig",
     "GRPOConfig",
-    "ImportanceConfig",
     "KLConfig",
     "OverlongConfig",
     "RLOOConfig",

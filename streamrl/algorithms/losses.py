@@ -6,8 +6,9 @@ and the dual clip of Ye et al. 1912.09729), per token, to be minimised:
     r      = exp(logp_θ − logp_prox)
     ℓ_clip = −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)
     ℓ_clip = min(ℓ_clip, −c·A)                         where A < 0 (dual clip)
-    w      = exp(logp_prox − logp_behav), detached       (behaviour mismatch and staleness)
-             tis: w ← min(w, C);  mask: m ← m·[w ≤ C];  none: w ← 1
+    w, m   = the off-policy correction's weights and narrowed mask, detached (behaviour
+             mismatch and staleness: `streamrl.algorithms.correction`; by default
+             w = min(exp(logp_prox − logp_behav), 2))
     ℓ      = w · ℓ_clip
 
 logp_prox is the learner's log-prob under the weights at the start of the step; with one
@@ -23,9 +24,10 @@ Pass the global counts (`num_tokens`, `num_seqs`) and every micro-batch loss is 
 of the full-batch loss: summing the micro-batch losses (and the ranks' gradients) reproduces
 it. Without them the counts of the tensors at hand are used.
 
-Denominator convention for `importance="mask"`: tokens rejected by the IS mask contribute 0
-to the numerator but still count in the denominator (they are rejected samples of the batch,
-known only after the forward pass, while the denominator must be fixed before it).
+Denominator convention for rejections (a rejection band, the veto, IcePop): rejected tokens
+contribute 0 to the numerator but still count in the denominator (they are rejected samples
+of the batch, known only after the forward pass, while the denominator must be fixed before
+it).
 
 Every mask here is the loss mask: the tokens the policy sampled (ALGORITHMS.md "Multi-turn
 rollouts": environment tokens are 0 in it), less filtered ones. Whatever values the other
@@ -40,18 +42,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from streamrl.algorithms.correction import correct
+from streamrl.algorithms.correction_config import CorrectionConfig, RolloutCorrection
 from streamrl.algorithms.masked import masked_mean, zero_outside
+from streamrl.algorithms.reductions import StepMetric
 
 __all__ = [
     "Aggregation",
-    "ImportanceMode",
     "LossDenominators",
     "aggregate",
     "explained_variance",
     "explained_variance_from_stats",
     "explained_variance_stats",
-    "importance_weights",
     "pg_loss",
     "positive_nll_loss",
     "ppo_policy_loss",
@@ -59,8 +60,9 @@ __all__ = [
 ]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-ImportanceMode = Literal["tis", "mask", "none"]
-Metrics = dict[str, Tensor]
+Metrics = dict[str, StepMetric]
+DEFAULT_CORRECTION = RolloutCorrection()
+"""Token-level truncated importance sampling at C = 2 (every preset's correction)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class LossDenominators:
     scored_responses  responses with at least one loss token (seq-mean-token-mean)
     positive_tokens   loss tokens of correct responses (VAPO's positive-example loss)
     max_len           L_max, the generator's max_tokens (seq-mean-token-sum-norm)
+    weight_mean       the mean truncated importance weight over the kept loss tokens, when
+                      the correction normalises its weights (`RolloutCorrection.is_normalize`)
     """
 
     tokens: int
@@ -80,6 +84,7 @@ class LossDenominators:
     scored_responses: int
     positive_tokens: int
     max_len: int
+    weight_mean: float | None = None
 
     def sequences(self, aggregation: Aggregation) -> int:
         """The sequence denominator of `aggregation`: seq-mean-token-mean averages over the
@@ -129,48 +134,10 @@ def aggregate(
     )
 
 
-def importance_weights(
-    logp_prox: Tensor,
-    logp_behav: Tensor | None,
-    mask: Tensor,
-    mode: ImportanceMode,
-    cap: float,
-) -> tuple[Tensor, Tensor, Metrics]:
-    """Behaviour-mismatch correction w = exp(logp_prox − logp_behav), detached.
-
-    Args:
-        logp_prox, logp_behav: `[N, T]` log-probs of the sampled tokens under the proximal
-            (learner) and behaviour (generator) policies. `logp_behav=None` means on-policy.
-        mask: `[N, T]` loss mask (sampled tokens only: environment tokens get no weight).
-        mode: "tis" truncates w at `cap`; "mask" drops tokens with w > cap from the loss;
-            "none" uses w = 1.
-
-    Returns `(w [N, T], mask [N, T], metrics)` with the mask possibly narrowed: the
-    correction menu's token-level truncation (tis) or rejection band [0, cap] (mask)
-    (`streamrl.algorithms.correction`). Metrics: actor/is_weight_mean (token ratio, before
-    truncation) and actor/is_clip_frac (share of tokens with w > cap).
-    """
-    if mode not in ("tis", "mask", "none"):
-        raise ValueError(f"unknown importance mode {mode!r}; use tis, mask or none")
-    corrected = correct(
-        logp_prox,
-        logp_behav,
-        mask,
-        is_level="token",  # mask: the kept tokens have w ≤ cap; none: for the metrics only
-        is_cap=cap,
-        rs_level="token" if mode == "mask" else "none",
-        rs_band=(0.0, cap),
-    )
-    metrics = {k: corrected.metrics[k] for k in ("actor/is_weight_mean", "actor/is_clip_frac")}
-    if mode == "none":
-        return torch.ones_like(corrected.weights), corrected.mask, metrics
-    return corrected.weights, corrected.mask, metrics
-
-
 def _weights_in_loss(weights: Tensor, loss_mask: Tensor) -> Tensor:
     """w where the token enters the loss, exactly 0 elsewhere.
 
-    Rejected tokens (importance="mask") and padding then add 0 to the numerator, while the
+    Rejected tokens and padding then add 0 to the numerator, while the
     aggregation still counts them in the denominator through the unnarrowed mask. Selecting
     instead of multiplying keeps an overflowed w = inf from turning the loss or grad into NaN.
     """
@@ -187,8 +154,8 @@ def ppo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     dual_clip: float | None = None,
-    importance: ImportanceMode = "tis",
-    importance_cap: float = 2.0,
+    correction: CorrectionConfig = DEFAULT_CORRECTION,
+    weight_mean: float | Tensor | None = None,
     aggregation: Aggregation = "token-mean",
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
@@ -206,19 +173,18 @@ def ppo_policy_loss(
             denominator counts only these tokens.
         clip_low, clip_high: ε_low, ε_high.
         dual_clip: c > 1 bounds the loss of negative-advantage tokens at −c·A; None disables.
-        importance, importance_cap: behaviour-mismatch correction and its cap C.
+        correction: the off-policy correction (`algorithm.correction`); `weight_mean` its
+            batch normaliser when it normalises (the scoring pass's mean weight).
         aggregation, num_tokens, num_seqs, max_len: see `aggregate`.
 
     Returns `(loss, metrics)`; metrics are token means over this micro-batch's mask:
     actor/pg_loss, actor/clip_frac (tokens where the clipped branch is taken),
-    actor/dual_clip_frac, actor/ppo_kl (logp_prox − logp_θ), actor/is_weight_mean,
-    actor/is_clip_frac.
+    actor/dual_clip_frac, actor/ppo_kl (logp_prox − logp_θ), and the correction's
+    (`streamrl.algorithms.correction.correct`).
     """
     mask = mask.float()
-    weights, loss_mask, metrics = importance_weights(
-        logp_prox, logp_behav, mask, importance, importance_cap
-    )
-    weights = _weights_in_loss(weights, loss_mask)
+    corrected = correction.apply(logp_prox, logp_behav, mask, weight_mean)
+    weights, metrics = _weights_in_loss(corrected.weights, corrected.mask), corrected.metrics
     advantages = zero_outside(advantages, mask)
     # Padding may hold any value; selecting (not multiplying) keeps exp() and its grad finite.
     log_ratio = zero_outside(logp.float() - logp_prox.detach().float(), mask)
@@ -260,8 +226,8 @@ def pg_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    importance: ImportanceMode = "tis",
-    importance_cap: float = 2.0,
+    correction: CorrectionConfig = DEFAULT_CORRECTION,
+    weight_mean: float | Tensor | None = None,
     aggregation: Aggregation = "token-mean",
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
@@ -269,15 +235,13 @@ def pg_loss(
 ) -> tuple[Tensor, Metrics]:
     """Plain policy-gradient loss (GPG): ℓ = −w · A · logp_θ, no ratio, no clip.
 
-    GPG itself is on-policy; w = exp(logp_prox − logp_behav) (capped per `importance`) is the
+    GPG itself is on-policy; the off-policy correction's weight (`correction`) is the
     streaming system's correction for stale behaviour data, 1 when `logp_behav` is None.
     Shapes and aggregation as in `ppo_policy_loss`.
     """
     mask = mask.float()
-    weights, loss_mask, metrics = importance_weights(
-        logp_prox, logp_behav, mask, importance, importance_cap
-    )
-    weights = _weights_in_loss(weights, loss_mask)
+    corrected = correction.apply(logp_prox, logp_behav, mask, weight_mean)
+    weights, metrics = _weights_in_loss(corrected.weights, corrected.mask), corrected.metrics
     per_token = -weights * zero_outside(advantages, mask) * zero_outside(logp, mask)
     loss = aggregate(
         per_token,

@@ -202,7 +202,7 @@ class Learner:
         batch, stream_metrics = self.stream.next_batch()
         self.state.trained_on(batch)
         collected = time.perf_counter()
-        train = TrainBatch.from_groups(batch.groups)
+        train = TrainBatch.from_groups(batch.groups, self.state.version)
         mini_batches = make_mini_batches(
             train,
             cfg.mini_batch_groups,

@@ -26,7 +26,9 @@ class TrainBatch:
     """The N responses of B groups, group by group in stream order.
 
     Per response `[N]`: `group_index` int64 (dense 0..B−1), `rewards` float32, `raw_scores`
-    float32, `truncated` bool, `policy_version` int64, `response_length` int64 (L),
+    float32, `truncated` bool, `policy_version` int64, `fresh` bool (its group was generated
+    by the weights the learner holds: `policy_version` = the learner's version, when the
+    batch was built with it), `response_length` int64 (L),
     `prompt_length` int64 (P). Response i is the sequence prompt + response, P + L tokens, at
     `tokens[seq_start[i] : seq_start[i] + P + L]` (`tokens: [Σ(P+L)] int64`); its behaviour
     log-probs are `logprobs[logprob_start[i] : logprob_start[i] + L]` (`logprobs: [ΣL] f32`),
@@ -41,6 +43,7 @@ class TrainBatch:
     raw_scores: Tensor
     truncated: Tensor
     policy_version: Tensor
+    fresh: Tensor
     response_length: Tensor
     prompt_length: Tensor
     tokens: Tensor
@@ -50,8 +53,11 @@ class TrainBatch:
     sampled: Tensor
 
     @classmethod
-    def from_groups(cls, groups: Sequence[ScoredGroup]) -> TrainBatch:
-        """Concatenate `groups` (Python loops over responses only, never over tokens)."""
+    def from_groups(
+        cls, groups: Sequence[ScoredGroup], learner_version: int | None = None
+    ) -> TrainBatch:
+        """Concatenate `groups` (Python loops over responses only, never over tokens);
+        `learner_version` tells the fresh groups (none without it)."""
         sizes = np.array([g.group_size for g in groups], np.int64)
         group_index = np.repeat(np.arange(len(groups)), sizes)
         prompts = [np.asarray(g.prompt_tokens) for g in groups]
@@ -67,13 +73,15 @@ class TrainBatch:
             joined = np.concatenate(arrays) if arrays else np.zeros(0)
             return torch.from_numpy(joined.astype(dtype))
 
+        policy_version = torch.from_numpy(np.repeat([g.policy_version for g in groups], sizes))
         return cls(
             groups=tuple(groups),
             group_index=torch.from_numpy(group_index),
             rewards=flat([g.rewards for g in groups], np.float32),
             raw_scores=flat([g.raw_scores for g in groups], np.float32),
             truncated=flat([g.truncated for g in groups], np.bool_),
-            policy_version=torch.from_numpy(np.repeat([g.policy_version for g in groups], sizes)),
+            policy_version=policy_version.long(),
+            fresh=policy_version == (-1 if learner_version is None else learner_version),
             response_length=torch.from_numpy(response_length),
             prompt_length=torch.from_numpy(prompt_length),
             tokens=flat(pieces, np.int64),
@@ -123,6 +131,7 @@ class MicroBatch:
     group_index         `[n]      int64`  group in the batch
     rewards             `[n]      f32`    the response's reward
     positive            `[n]      bool`   its answer is correct (raw score ≥ 1)
+    fresh               `[n]      bool`   its group came from the learner's current weights
     num_tokens          loss tokens here, loss_mask.sum()
     is_dummy            a padding micro-batch (one row of two pad tokens, no loss tokens)
     """
@@ -140,6 +149,7 @@ class MicroBatch:
     group_index: Tensor
     rewards: Tensor
     positive: Tensor
+    fresh: Tensor
     num_tokens: int
     block_mask: Tensor | None = None
     is_dummy: bool = False
@@ -163,6 +173,7 @@ class MicroBatch:
             group_index=row,
             rewards=torch.zeros(1),
             positive=torch.zeros(1, dtype=torch.bool),
+            fresh=torch.zeros(1, dtype=torch.bool),
             num_tokens=0,
             is_dummy=True,
         )
@@ -320,6 +331,7 @@ def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) 
         group_index=batch.group_index[rows],
         rewards=batch.rewards[rows],
         positive=batch.raw_scores[rows] >= 1.0,
+        fresh=batch.fresh[rows],
         num_tokens=int(loss_mask.sum()),
     )
 

@@ -6,7 +6,9 @@ exactly the full mini-batch's gradient, whatever the token budget or the world s
 
 Policy loss = the algorithm's policy-gradient term (clipped surrogate or plain policy
 gradient) + β·KL to the reference when the KL is a loss term + μ·NLL of correct responses
-(VAPO) − c_H·entropy; the critic's loss is the algorithm's (VAPO: clipped value loss).
+(VAPO) − c_H·entropy; the critic's loss is the algorithm's (VAPO: clipped value loss). Every
+policy micro-batch also reports the mismatch between behaviour and proximal log-probs
+(`streamrl.algorithms.correction.mismatch_metrics`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from streamrl.algorithms.config import AlgorithmConfig
+from streamrl.algorithms.correction import mismatch_metrics
 from streamrl.algorithms.kl import kl_estimate
 from streamrl.algorithms.losses import (
     LossDenominators,
@@ -22,6 +25,7 @@ from streamrl.algorithms.losses import (
     positive_nll_loss,
 )
 from streamrl.algorithms.masked import masked_mean
+from streamrl.algorithms.reductions import StepMetric
 from streamrl.learner.forward import token_scores
 from streamrl.learner.mini_batches import MicroBatch, MiniBatch
 from streamrl.learner.scoring import MicroTargets, _values
@@ -30,14 +34,18 @@ from streamrl.learner.step_inputs import StepSettings
 __all__ = ["critic_loss", "loss_denominators", "policy_loss"]
 
 
-def loss_denominators(mini: MiniBatch, settings: StepSettings) -> LossDenominators:
-    """The mini-batch's global loss denominators (counted when the batch was cut)."""
+def loss_denominators(
+    mini: MiniBatch, settings: StepSettings, weight_mean: float | None = None
+) -> LossDenominators:
+    """The mini-batch's global loss denominators (counted when the batch was cut; the mean
+    importance weight by the scoring pass)."""
     return LossDenominators(
         tokens=mini.num_loss_tokens,
         responses=mini.num_responses,
         scored_responses=mini.num_scored_responses,
         positive_tokens=mini.num_positive_tokens,
         max_len=settings.max_response_len,
+        weight_mean=weight_mean,
     )
 
 
@@ -48,7 +56,7 @@ def policy_loss(
     targets: MicroTargets,
     algorithm: AlgorithmConfig,
     settings: StepSettings,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, dict[str, StepMetric]]:
     """This micro-batch's exact share of the mini-batch's policy loss, and its metrics."""
     logp, entropy = token_scores(
         model,
@@ -59,10 +67,11 @@ def policy_loss(
     )
     mask = micro.loss_mask
     prox = logp.detach() if targets.logp_prox is None else targets.logp_prox
-    counts = loss_denominators(mini, settings)
+    counts = loss_denominators(mini, settings, targets.weight_mean)
     loss, metrics = algorithm.policy_gradient_loss(
         logp, prox, micro.behaviour_logprobs, targets.advantages, mask, counts
     )
+    metrics.update(mismatch_metrics(prox, micro.behaviour_logprobs, mask, micro.fresh))
     if (kl_cfg := algorithm.kl_loss) is not None:
         kl = kl_estimate(logp, targets.logp_ref, kl_cfg.estimator)
         kl_loss = aggregate(kl, mask, "token-mean", num_tokens=counts.tokens)

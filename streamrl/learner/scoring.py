@@ -7,7 +7,9 @@ pass); reference log-probs when the algorithm has a KL term; the critic's values
 has a value model. From them, the algorithm's token advantages `[n, T−1]` for every
 micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`): per response on
 the whole batch, per token in each micro-batch, then normalised over every micro-batch of
-every rank (REINFORCE++ whitens there).
+every rank (REINFORCE++ whitens there). When the off-policy correction normalises its weights,
+their mean over each mini-batch's kept loss tokens on every rank (one all-reduce for all
+mini-batches), from the proximal log-probs it then always computes.
 
 Per token, advantages (and returns) run over the tokens the policy sampled
 (`MicroBatch.sampled_mask`): an outcome advantage is broadcast to those only, a reward-to-go
@@ -43,6 +45,7 @@ class MicroTargets:
     logp_ref        reference log-probs (a KL term), or None
     old_values      critic values when scored (a value model), or None
     value_targets   critic targets (a value model), or None
+    weight_mean     the mini-batch's mean importance weight (a normalising correction)
     """
 
     advantages: Tensor
@@ -50,6 +53,7 @@ class MicroTargets:
     logp_ref: Tensor | None = None
     old_values: Tensor | None = None
     value_targets: Tensor | None = None
+    weight_mean: float | None = None
 
 
 def _logprobs(model: nn.Module, micro: MicroBatch, settings: StepSettings) -> Tensor:
@@ -90,12 +94,18 @@ def score_batch(
     reference = models.reference if kl_cfg is not None else None
     critic = models.critic.model if algorithm.uses_value_model else None
 
+    correction = algorithm.correction if proximal and algorithm.correction.normalises else None
+    weight_sums = torch.zeros(len(micros), 2, dtype=torch.float64, device=topology.device)
     scored: list[list[MicroTargets]] = []
     kl_sum = torch.zeros((), dtype=torch.float64, device=topology.device)
-    for mini in micros:
+    for k, mini in enumerate(micros):
         row = []
         for micro in mini:
             logp_prox = _logprobs(models.policy.model, micro, settings) if proximal else None
+            if correction is not None:
+                weight_sums[k] += correction.weight_sums(
+                    logp_prox, micro.behaviour_logprobs, micro.loss_mask
+                ).to(weight_sums.device)
             logp_ref = ref_kl = None
             if reference is not None:
                 logp_ref = _logprobs(reference, micro, settings)
@@ -115,7 +125,14 @@ def score_batch(
             dist.group.WORLD if topology.world_size > 1 else None,
         )
     )
-    scored = [[replace(t, advantages=next(normalised)) for t in row] for row in scored]
+    means: list[float | None] = [None] * len(micros)
+    if correction is not None:  # Σw / count per mini-batch, over every rank
+        sums = topology.all_reduce_sum(weight_sums).tolist()
+        means = [total / count if count > 0 else 1.0 for total, count in sums]
+    scored = [
+        [replace(t, advantages=next(normalised), weight_mean=mean) for t in row]
+        for row, mean in zip(scored, means, strict=True)
+    ]
 
     metrics = {}
     if reference is not None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from streamrl.algorithms.config import AlgorithmConfig
 from streamrl.algorithms.kl import ema_update_
+from streamrl.algorithms.reductions import StepMetric
 from streamrl.learner.mini_batches import MiniBatch, TrainBatch, shard_for_rank
 from streamrl.learner.objective import critic_loss, policy_loss
 from streamrl.learner.scoring import score_batch
@@ -59,7 +60,9 @@ def train_on_batch(
     _check_batch(batch, algorithm)
     rank, world, device = topology.rank, topology.world_size, topology.device
     micros = [[m.to(device) for m in shard_for_rank(mini, rank, world)] for mini in mini_batches]
-    proximal = train_policy and len(mini_batches) > 1
+    # Several updates share the batch, or the correction needs every weight before the first
+    # loss (its batch mean): the proximal log-probs come from a scoring forward pass.
+    proximal = train_policy and (len(mini_batches) > 1 or algorithm.correction.normalises)
     scored, scoring_metrics = score_batch(
         models, batch, micros, algorithm, settings, topology, proximal=proximal
     )
@@ -74,7 +77,7 @@ def train_on_batch(
         for part in trained.values():
             part.zero_grad()
         for micro, target in zip(mine, targets, strict=True):
-            micro_metrics: dict[str, Tensor] = {}
+            micro_metrics: dict[str, StepMetric] = {}
             value_stats = None
             if train_policy:
                 loss, micro_metrics = policy_loss(

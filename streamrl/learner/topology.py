@@ -127,6 +127,14 @@ class Topology:
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed.to(tensor.device)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of `tensor` over ranks, as `all_reduce_sum` returns."""
+        if self.world_size == 1:
+            return tensor.clone()
+        top = tensor.detach().to(self.device, copy=True)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return top.to(tensor.device)
+
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         """`obj` as rank `src` has it, on every rank (picklable objects only)."""
         if self.world_size == 1:

@@ -28,8 +28,10 @@ from storage.records import ScoredGroup
 from storage.stream import StreamTimeoutError, StreamWriter
 from storage.weights import WeightStore
 from streamrl.config_loading import load_config
+from streamrl.curves import curve_data, text_charts
 from streamrl.learner.loop import DivergedError, IncompatibleCheckpointError, Learner
 from streamrl.learner.topology import Topology
+from streamrl.status_format import mismatch_summary
 from tests.stream_data import RecordingFS, random_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +92,16 @@ def test_learner_publishes_checkpoints_logs_and_stops_the_run(tmp_path, topology
         assert m["stream/accepted"] == 4
         assert m["stream/consumed"] == 4 + m["stream/dropped_zero_var"] + m["stream/dropped_stale"]
         assert np.isfinite(m["actor/pg_loss"])
+        assert m["mismatch/kl_k3"] > 0  # the stream's log-probs are not the model's
+        assert m["mismatch/ratio_min"] <= m["mismatch/ratio_mean"] <= m["mismatch/ratio_max"]
+    # The stream is all version 0: fresh at step 1 only, so its KL is all groups' there.
+    assert metrics[0]["mismatch/kl_k3_fresh"] == pytest.approx(metrics[0]["mismatch/kl_k3"])
+    assert all("mismatch/kl_k3_fresh" not in m for m in metrics[1:])
+    shown = mismatch_summary(metrics[-1])  # streamrl status's mismatch row
+    assert shown.startswith(f"KL {metrics[-1]['mismatch/kl_k3']:.2e}  ratio max")
+    charts = text_charts(curve_data(metrics))
+    assert any(line.startswith("generator–learner mismatch") for line in charts)
+    assert [e["condition"] for e in metrics[0]["health"]] == ["mismatch-high"]  # random data
     # The published weights are the learner's own, loadable as a full state dict.
     published, _ = WeightStore(run).load(3)
     for name, param in learner.models.policy.model.state_dict().items():
@@ -390,7 +402,9 @@ def test_a_batch_with_infinite_loss_is_skipped_and_nothing_published_is_broken(t
     run_dir = tmp_path / "run"
     _write_poisoned_stream(run_dir, poisoned=4)  # the whole first batch (two updates)
     run = open_location(str(run_dir))
-    learner = Learner(_config(run_dir, total_steps=2), run, topology)
+    config = _config(run_dir, total_steps=2)
+    config.health.mismatch_kl_max = 1e9  # the stream's random log-probs are not the model's
+    learner = Learner(config, run, topology)
     initial = {k: _full(v).clone() for k, v in learner.models.policy.model.state_dict().items()}
     learner.train_step()
     for name, value in learner.models.policy.model.state_dict().items():  # nothing applied
@@ -442,6 +456,7 @@ def test_a_health_condition_is_logged_and_recorded_once_and_not_again_after_resu
         config = _config(run_dir, total_steps)
         config.health.length_frac = 0.01  # threshold 0.24 tokens: every batch is over it
         config.health.waste_max = 1.0  # never: dynamic sampling's drops are random here
+        config.health.mismatch_kl_max = 1e9  # never: the stream's log-probs are random
         return Learner(config, run, topology)
 
     with caplog.at_level(logging.WARNING, logger="streamrl.learner.loop"):

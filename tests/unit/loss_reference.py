@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import TypeAdapter
 from torch import Tensor
 
+from streamrl.algorithms.correction_config import CorrectionConfig, correction_of_importance
 from streamrl.algorithms.losses import pg_loss, ppo_policy_loss
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -26,6 +28,14 @@ def close(actual: Tensor, expected) -> None:
     """assert_close against a Python float / nested list computed by a reference."""
     expected_t = torch.tensor(expected, dtype=torch.float64).to(actual.dtype)
     torch.testing.assert_close(actual.detach(), expected_t, **TOL)
+
+
+def metrics_finite(metrics: dict) -> bool:
+    """Every metric finite: a tensor, or both parts of a `Mean` (counts may be 0)."""
+    parts = [
+        p for v in metrics.values() for p in ((v.total, v.count) if hasattr(v, "count") else (v,))
+    ]
+    return all(torch.isfinite(part).all() for part in parts)
 
 
 def ragged_mask(gen: torch.Generator, N: int, T: int, min_len: int = 0) -> Tensor:
@@ -164,7 +174,8 @@ def ref_policy(
         for t in range(T):
             behav = None if bh is None else bh[i][t]
             w, keep[i][t], raw_w[i][t] = ref_weights(px[i][t], behav, m[i][t], importance, cap)
-            over[i][t] = 1.0 if raw_w[i][t] > cap else 0.0
+            truncates = importance != "none"  # none has no cap: no weight is truncated
+            over[i][t] = 1.0 if truncates and raw_w[i][t] > cap else 0.0
             a = adv[i][t]
             log_ratio_neg[i][t] = px[i][t] - lp[i][t]
             if kind == "pg":
@@ -204,9 +215,27 @@ def ref_policy(
     return loss, grad, metrics
 
 
+def correction(mode: str = "tis", cap: float = 2.0):
+    """The off-policy correction the older `importance: {mode, cap}` spelled (the alias every
+    existing config still reads: `correction_of_importance`)."""
+    block = correction_of_importance({"mode": mode, "cap": cap})
+    return TypeAdapter(CorrectionConfig).validate_python(block)
+
+
+def importance_weights(logp_prox, logp_behav, mask, mode: str, cap: float):
+    """(w, narrowed mask, metrics) of the importance mode `mode`, as the losses apply it."""
+    got = correction(mode, cap).apply(logp_prox, logp_behav, mask)
+    return got.weights, got.mask, got.metrics
+
+
 def run_policy(kind: str, b: dict[str, Tensor], **kwargs):
-    """Call the implementation with a fresh leaf logp; return (loss, logp.grad, metrics)."""
+    """Call the implementation with a fresh leaf logp; return (loss, logp.grad, metrics).
+    `importance=` and `importance_cap=` name the correction as the older config did."""
     logp = as_leaf(b["logp"])
+    if "importance" in kwargs or "importance_cap" in kwargs:
+        kwargs["correction"] = correction(
+            kwargs.pop("importance", "tis"), kwargs.pop("importance_cap", 2.0)
+        )
     fn = ppo_policy_loss if kind == "ppo" else pg_loss
     if kind == "pg":
         for key in ("clip_low", "clip_high", "dual_clip"):

@@ -203,9 +203,12 @@ def test_unknown_algorithm_field_names_the_algorithm() -> None:
         load_config(["gpg"], overrides=["algorithm.clip_high=0.3"])
     assert "algorithm.clip_high: unknown field (algorithm 'gpg')" in problems(excinfo)
     with pytest.raises(ConfigError) as excinfo:
+        load_config(["dapo"], overrides=["algorithm.correction.is_cpa=3"])
+    assert "algorithm.correction.is_cpa" in problems(excinfo)
+    assert "Did you mean 'is_cap'?" in problems(excinfo)
+    with pytest.raises(ConfigError) as excinfo:  # the older spelling names its own fields
         load_config(["dapo"], overrides=["algorithm.importance.cpa=3"])
-    assert "algorithm.importance.cpa" in problems(excinfo)
-    assert "Did you mean 'cap'?" in problems(excinfo)
+    assert "algorithm.importance has no field cpa: it takes mode and cap" in problems(excinfo)
 
 
 def test_unknown_algorithm_name() -> None:

@@ -1,16 +1,29 @@
 """The off-policy correction menu (`streamrl.algorithms.correction`, ALGORITHMS.md "Off-policy
 correction: the full menu") against references written here as plain loops over responses and
-tokens: ratio levels, truncated weights at token and sequence level, rejection bands at every
-level, the veto, IcePop, a response without loss tokens and ratios at the safety bound."""
+tokens: ratio levels, truncated weights at token and sequence level, batch normalisation,
+rejection bands at every level, the veto, IcePop, the mismatch metrics (fresh groups only for
+kl_k3_fresh), a response without loss tokens and ratios at the safety bound; and the
+`algorithm.correction` block with its older `importance` spelling."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 
-from streamrl.algorithms.correction import SAFETY_BOUND, correct, log_ratio, ratio
+from streamrl.algorithms.config import AlgorithmConfig
+from streamrl.algorithms.correction import (
+    SAFETY_BOUND,
+    correct,
+    log_ratio,
+    mismatch_metrics,
+    ratio,
+)
+from streamrl.algorithms.correction_config import RolloutCorrection
+from streamrl.algorithms.reductions import Extreme, Mean
 from tests.unit.loss_reference import close, random_batch
 
 
@@ -98,7 +111,8 @@ def test_the_veto_drops_whole_responses_with_a_catastrophic_token():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
     got = correct(prox, behav, mask, veto=1e-4)
     assert got.mask.tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
-    close(got.metrics["mismatch/veto_frac"], 3 / 7)
+    veto_frac = got.metrics["mismatch/veto_frac"]  # vetoed responses of those with a loss token
+    assert (veto_frac.total.item(), veto_frac.count.item()) == (1.0, 3.0)
 
 
 def test_the_veto_reads_the_unclamped_ratio():
@@ -139,3 +153,158 @@ def test_on_policy_is_weight_one_and_rejects_nothing():
     got = correct(torch.tensor([[-2.0, 5.0]]), None, mask, rs_level="token", rs_band=(0.9, 1.1))
     assert got.weights.tolist() == [[1.0, 1.0]]
     assert got.mask.tolist() == [[1.0, 0.0]]
+
+
+def _value(metric):
+    """A metric's value on its own (a `Mean` divided, an `Extreme`'s value)."""
+    if isinstance(metric, Mean):
+        return (metric.total / metric.count).item()
+    if isinstance(metric, Extreme):
+        return metric.value.item()
+    return metric.item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mismatch_metrics_match_the_reference(seed):
+    b = random_batch(seed, N=7)
+    px, bh, m = _lists(b)
+    fresh = [i % 2 == 0 for i in range(len(px))]
+    got = mismatch_metrics(b["logp_prox"], b["logp_behav"], b["mask"], torch.tensor(fresh))
+    k1 = k3 = count = fresh_k3 = fresh_count = 0.0
+    ratios, response_diffs, geometric = [], [], []
+    for i in range(len(px)):
+        tokens = [t for t in range(len(px[i])) if m[i][t]]
+        for t in tokens:
+            d = px[i][t] - bh[i][t]
+            rho = _clamped_exp(d)
+            k1 += bh[i][t] - px[i][t]
+            k3 += rho - d - 1.0
+            count += 1
+            ratios.append(rho)
+            if fresh[i]:
+                fresh_k3 += rho - d - 1.0
+                fresh_count += 1
+        if tokens:
+            mean_prox = sum(px[i][t] for t in tokens) / len(tokens)
+            mean_behav = sum(bh[i][t] for t in tokens) / len(tokens)
+            response_diffs.append(mean_prox - mean_behav)
+            geometric.append(math.exp(mean_prox - mean_behav))
+    expected = {
+        "mismatch/kl_k1": k1 / count,
+        "mismatch/kl_k3": k3 / count,
+        "mismatch/log_ppl_diff": sum(response_diffs) / len(response_diffs),
+        "mismatch/ratio_mean": sum(ratios) / len(ratios),
+        "mismatch/ratio_min": min(ratios),
+        "mismatch/ratio_max": max(ratios),
+        "mismatch/seq_ratio_max": max(geometric),
+        "mismatch/kl_k3_fresh": fresh_k3 / fresh_count,
+    }
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert _value(got[name]) == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert k3 / count > 0  # the data has a gap: the check could fail
+
+
+def test_mismatch_metrics_without_fresh_groups_or_loss_tokens_have_no_mean():
+    mask = torch.zeros(2, 3)
+    got = mismatch_metrics(torch.zeros(2, 3), torch.ones(2, 3), mask, torch.tensor([True, False]))
+    assert got["mismatch/kl_k3_fresh"].count.item() == 0  # left out of the step's metrics
+    assert got["mismatch/log_ppl_diff"].count.item() == 0
+    assert got["mismatch/ratio_max"].value.item() == -math.inf
+    assert mismatch_metrics(torch.zeros(1, 1), None, torch.ones(1, 1), torch.ones(1)) == {}
+
+
+def test_identical_log_probs_show_no_mismatch():
+    b = random_batch(3)
+    got = mismatch_metrics(b["logp_prox"], b["logp_prox"].clone(), b["mask"], torch.ones(6) > 0)
+    for name in ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/log_ppl_diff"):
+        assert _value(got[name]) == pytest.approx(0.0, abs=1e-7)
+    for name in ("mismatch/ratio_min", "mismatch/ratio_max", "mismatch/seq_ratio_max"):
+        assert _value(got[name]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("rs_level", ["token", "sequence", "geometric"])
+def test_rejected_responses_are_counted_once_each(rs_level):
+    b = random_batch(4, N=8)
+    px, bh, m = _lists(b)
+    band = (1 / 5, 5.0) if rs_level == "sequence" else (1 / 1.3, 1.3)
+    got = correct(b["logp_prox"], b["logp_behav"], b["mask"], rs_level=rs_level, rs_band=band)
+    rho = ref_ratios(px, bh, m, rs_level)
+    scored = [i for i in range(len(m)) if sum(m[i])]
+    rejected = [
+        i for i in scored if any(m[i][t] and not band[0] <= rho[i][t] <= band[1] for t in range(7))
+    ]
+    frac = got.metrics["mismatch/rs_seq_frac"]
+    assert (frac.total.item(), frac.count.item()) == (len(rejected), len(scored))
+
+
+@pytest.mark.parametrize("is_level", ["token", "sequence"])
+def test_normalised_weights_average_one_over_the_kept_tokens(is_level):
+    """w / mean(w): the mean over the kept loss tokens of the batch — here two micro-batches,
+    summed by `weight_sums` as the learner sums them over micro-batches and ranks."""
+    b = random_batch(5, N=8)
+    config = RolloutCorrection(
+        is_level=is_level, is_cap=1.5, is_normalize=True, rs_level="token", rs_high=3.0
+    )
+    halves = (slice(0, 3), slice(3, 8))
+    sums = sum(
+        config.weight_sums(b["logp_prox"][h], b["logp_behav"][h], b["mask"][h]) for h in halves
+    )
+    px, bh, m = _lists(b)
+    rho, token_rho = ref_ratios(px, bh, m, is_level), ref_ratios(px, bh, m, "token")
+    kept = [
+        (i, t)
+        for i in range(len(m))
+        for t in range(len(m[i]))
+        if m[i][t] and 1 / 3 <= token_rho[i][t] <= 3.0
+    ]
+    mean = sum(min(rho[i][t], 1.5) for i, t in kept) / len(kept)
+    assert sums[1].item() == len(kept)
+    assert (sums[0] / sums[1]).item() == pytest.approx(mean, rel=1e-6)
+    weight_mean = float(sums[0] / sums[1])
+    got = config.apply(b["logp_prox"], b["logp_behav"], b["mask"], weight_mean)
+    normalised = sum(got.weights[i, t].item() for i, t in kept) / len(kept)
+    assert normalised == pytest.approx(1.0, rel=1e-6)
+    for i, t in kept:
+        assert got.weights[i, t].item() == pytest.approx(min(rho[i][t], 1.5) / mean, rel=1e-6)
+    plain = RolloutCorrection(is_level=is_level, is_cap=1.5, rs_level="token", rs_high=3.0)
+    plain_weights = plain.apply(b["logp_prox"], b["logp_behav"], b["mask"], weight_mean).weights
+    torch.testing.assert_close(got.weights * weight_mean, plain_weights)  # only the scale
+
+
+ALGORITHM = TypeAdapter(AlgorithmConfig)
+
+
+@pytest.mark.parametrize(
+    ("importance", "block"),
+    [
+        ({"mode": "tis", "cap": 3.0}, {"is_level": "token", "is_cap": 3.0}),
+        (
+            {"mode": "mask", "cap": 1.5},
+            {"is_cap": 1.5, "rs_level": "token", "rs_low": 0.0, "rs_high": 1.5},
+        ),
+        ({"mode": "none"}, {"method": "none"}),
+        ({}, {}),
+    ],
+)
+def test_the_older_importance_block_reads_as_its_correction(importance, block):
+    older = ALGORITHM.validate_python({"name": "dapo", "importance": importance})
+    newer = ALGORITHM.validate_python({"name": "dapo", "correction": block})
+    assert older == newer
+    assert "importance" not in older.model_dump()
+
+
+def test_the_correction_block_refuses_contradictions():
+    for block, words in [
+        ({"rs_level": "token", "rs_low": 2.0, "rs_high": 1.5}, "rs_low (2.0) must be below"),
+        ({"is_level": "none", "is_normalize": True}, "is_normalize needs an importance weight"),
+        ({"method": "icepop", "low": 5.0, "high": 0.5}, "low (5.0) must be below high"),
+    ]:
+        with pytest.raises(ValidationError, match=re.escape(words)):
+            ALGORITHM.validate_python({"name": "grpo", "correction": block})
+    with pytest.raises(ValidationError, match=r"set algorithm\.correction only"):
+        ALGORITHM.validate_python({"name": "grpo", "correction": {}, "importance": {"mode": "tis"}})
+
+
+def test_the_rejection_band_defaults_to_the_reciprocal_of_its_top():
+    assert RolloutCorrection(rs_level="geometric", rs_high=1.25).rejection_band == (0.8, 1.25)

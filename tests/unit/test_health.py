@@ -143,6 +143,16 @@ def test_staleness_at_the_bound() -> None:
     assert "learner.max_staleness" in event.message
 
 
+def test_mismatch_high_on_the_fresh_group_kl() -> None:
+    """Only the fresh-group KL counts: a large KL over stale groups is staleness, not a
+    broken engine."""
+    mon = monitor(mismatch_kl_max=0.01)
+    assert mon.check({"step": 1, "mismatch/kl_k3": 0.5, "mismatch/kl_k3_fresh": 0.002}) == []
+    event = only(run(mon, "mismatch/kl_k3_fresh", [0.005, 0.02]))
+    assert (event.condition, event.value, event.threshold) == ("mismatch-high", 0.02, 0.01)
+    assert "health.mismatch_kl_max" in event.message
+
+
 def test_staleness_is_not_checked_on_policy() -> None:
     """max_staleness 0: every group is at the bound by construction."""
     assert run(monitor(max_staleness=0), "stream/staleness_max", [0.0, 0.0]) == []
@@ -175,6 +185,7 @@ def test_several_conditions_fire_in_one_step() -> None:
             "actor/skipped_updates": 1.0,
             "stream/waste_frac": 0.9,
             "stream/staleness_max": 4.0,
+            "mismatch/kl_k3_fresh": 0.5,
         }
     )
     assert [e.condition for e in events] == [c for c in CONDITIONS if c != "grad-norm-spike"]

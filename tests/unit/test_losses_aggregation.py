@@ -16,7 +16,9 @@ from tests.unit.loss_reference import (
     TOL,
     as_leaf,
     close,
+    correction,
     global_counts,
+    metrics_finite,
     ragged_mask,
     random_batch,
     ref_aggregate,
@@ -94,7 +96,7 @@ def test_micro_batches_with_global_counts_sum_to_full_batch(
     full_logp = as_leaf(b["logp"])
     full_loss, _ = fn(
         full_logp, b["logp_prox"], b["logp_behav"], b["advantages"], b["mask"],
-        importance=importance, aggregation=aggregation, **extra,
+        correction=correction(importance), aggregation=aggregation, **extra,
     )  # fmt: skip
     full_loss.backward()
 
@@ -110,7 +112,7 @@ def test_micro_batches_with_global_counts_sum_to_full_batch(
         part = {k: v[rows, :T_mb] for k, v in b.items()}
         loss, _ = fn(
             logp[rows, :T_mb], part["logp_prox"], part["logp_behav"], part["advantages"],
-            part["mask"], importance=importance, aggregation=aggregation,
+            part["mask"], correction=correction(importance), aggregation=aggregation,
             num_tokens=num_tokens, num_seqs=num_seqs, max_len=mask.shape[1], **extra,
         )  # fmt: skip
         loss.backward()
@@ -131,7 +133,7 @@ def test_micro_batches_mask_mode_with_global_counts():
     for rows in (slice(0, 4), slice(4, 8)):
         loss, _ = ppo_policy_loss(
             logp[rows], b["logp_prox"][rows], b["logp_behav"][rows], b["advantages"][rows],
-            b["mask"][rows], importance="mask", num_tokens=counts["num_tokens"],
+            b["mask"][rows], correction=correction("mask"), num_tokens=counts["num_tokens"],
         )  # fmt: skip
         loss.backward()
         total += loss.item()
@@ -155,7 +157,7 @@ def test_fully_masked_rows_contribute_nothing(aggregation, kind):
     torch.testing.assert_close(loss_p, loss_k, **TOL)
     torch.testing.assert_close(grad_p[~empty], grad_k, **TOL)
     assert torch.equal(grad_p[empty], torch.zeros_like(grad_p[empty]))
-    assert all(torch.isfinite(v).all() for v in metrics.values())
+    assert metrics_finite(metrics)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -168,7 +170,7 @@ def test_all_masked_batch_gives_zero_loss(aggregation, kind, importance):
     loss, grad, metrics = run_policy(kind, b, aggregation=aggregation, importance=importance)
     assert loss.item() == 0.0
     assert torch.equal(grad, torch.zeros(3, 4))
-    assert all(torch.isfinite(v).all() for v in metrics.values())
+    assert metrics_finite(metrics)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -13,6 +13,7 @@ from tests.unit.loss_reference import (
     AGGREGATIONS,
     IMPORTANCE,
     close,
+    correction,
     random_batch,
     ref_kwargs,
     ref_policy,
@@ -41,7 +42,7 @@ def test_pg_loss_hand_example():
     prox = torch.tensor([[-1.0, -2.0, -0.5]])
     behav = prox - torch.log(torch.tensor([[1.0, 0.5, 4.0]]))  # w = 1, 0.5, 4 → capped to 2
     adv = torch.tensor([[2.0, -1.0, 1.0]])
-    loss, _ = pg_loss(logp, prox, behav, adv, torch.ones(1, 3), importance="tis")
+    loss, _ = pg_loss(logp, prox, behav, adv, torch.ones(1, 3), correction=correction("tis"))
     loss.backward()
     expected = (-1.0 * 2.0 * -1.0 + -0.5 * -1.0 * -2.0 + -2.0 * 1.0 * -0.5) / 3
     close(loss, expected)

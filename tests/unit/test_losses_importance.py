@@ -12,14 +12,17 @@ import math
 import pytest
 import torch
 
-from streamrl.algorithms.losses import importance_weights, pg_loss, ppo_policy_loss
+from streamrl.algorithms.losses import pg_loss, ppo_policy_loss
 from tests.unit.loss_reference import (
     AGGREGATIONS,
     IMPORTANCE,
     TOL,
     as_leaf,
     close,
+    correction,
     global_counts,
+    importance_weights,
+    metrics_finite,
     random_batch,
     ref_kwargs,
     ref_masked_mean,
@@ -44,7 +47,7 @@ def test_importance_weights_match_reference(seed, mode):
         ref_w.append([r[0] for r in rows])
         ref_m.append([r[1] for r in rows])
         raw.append([r[2] for r in rows])
-        over.append([1.0 if r[2] > 2.0 else 0.0 for r in rows])
+        over.append([1.0 if mode != "none" and r[2] > 2.0 else 0.0 for r in rows])
     close(mask, ref_m)
     # w only matters where the token counts (the narrowed mask); outside it must be finite.
     assert torch.isfinite(w).all()
@@ -73,7 +76,7 @@ def test_importance_weights_tis_cap_hand_example():
     w, m, metrics = importance_weights(prox, behav, mask, "none", 2.0)
     close(w, [[1.0, 1.0, 1.0, 1.0]])
     close(m, [[1.0, 1.0, 1.0, 1.0]])
-    close(metrics["actor/is_clip_frac"], 0.5)
+    close(metrics["actor/is_clip_frac"], 0.0)  # none truncates nothing
 
 
 @pytest.mark.parametrize("mode", IMPORTANCE)
@@ -89,7 +92,7 @@ def test_importance_weights_on_policy_is_one(mode):
 
 def test_importance_weights_rejects_unknown_mode():
     """An unknown importance mode raises ValueError."""
-    with pytest.raises(ValueError, match="unknown importance mode"):
+    with pytest.raises(ValueError, match=r"unknown algorithm\.importance\.mode .clip."):
         importance_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "clip", 2.0)
 
 
@@ -101,14 +104,20 @@ def test_ppo_tis_cap_hand_example(importance):
     behav = prox - torch.log(torch.tensor([raw]))
     logp = prox.clone().requires_grad_(True)
     loss, metrics = ppo_policy_loss(
-        logp, prox, behav, torch.ones(1, 4), torch.ones(1, 4), importance=importance, num_tokens=4
+        logp,
+        prox,
+        behav,
+        torch.ones(1, 4),
+        torch.ones(1, 4),
+        correction=correction(importance),
+        num_tokens=4,
     )
     loss.backward()
     weights = {"tis": [0.5, 1.0, 2.0, 2.0], "mask": [0.5, 1.0, 0.0, 0.0], "none": [1.0] * 4}
     w = weights[importance]
     close(loss, -sum(w) / 4)
     close(logp.grad, [[-x / 4 for x in w]])  # r = 1: ∂ℓ/∂logp = −w·A
-    close(metrics["actor/is_clip_frac"], 0.5)
+    close(metrics["actor/is_clip_frac"], 0.0 if importance == "none" else 0.5)  # none: no cap
     close(metrics["actor/is_weight_mean"], sum(raw) / 4)
 
 
@@ -140,7 +149,7 @@ def test_mask_mode_rejected_tokens_stay_in_denominator(aggregation, kind):
     logp = prox.clone().requires_grad_(True)
     fn = ppo_policy_loss if kind == "ppo" else pg_loss
     loss, _ = fn(
-        logp, prox, behav, torch.ones(1, 2), torch.ones(1, 2), importance="mask",
+        logp, prox, behav, torch.ones(1, 2), torch.ones(1, 2), correction=correction("mask"),
         aggregation=aggregation,
     )  # fmt: skip
     loss.backward()
@@ -157,7 +166,7 @@ def test_mask_mode_fully_rejected_response_still_counts_as_a_response():
     behav = torch.tensor([[-1.0, -1.0], [-6.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     loss, _ = ppo_policy_loss(
-        prox.clone(), prox, behav, torch.ones(2, 2), mask, importance="mask",
+        prox.clone(), prox, behav, torch.ones(2, 2), mask, correction=correction("mask"),
         aggregation="seq-mean-token-mean",
     )  # fmt: skip
     close(loss, -0.5)
@@ -197,7 +206,13 @@ def test_mask_mode_huge_rejected_weight_gives_no_nan():
     behav = torch.tensor([[-1.0, -101.0]])
     logp = prox.clone().requires_grad_(True)
     loss, _ = ppo_policy_loss(
-        logp, prox, behav, torch.ones(1, 2), torch.ones(1, 2), importance="mask", num_tokens=2
+        logp,
+        prox,
+        behav,
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        correction=correction("mask"),
+        num_tokens=2,
     )
     loss.backward()
     close(loss, -0.5)
@@ -218,4 +233,4 @@ def test_extreme_padding_values_do_not_leak(pad_behav, importance):
     ref_loss, ref_grad, _ = run_policy("ppo", b, importance=importance)
     torch.testing.assert_close(loss, ref_loss, **TOL)
     torch.testing.assert_close(grad, ref_grad, **TOL)
-    assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+    assert metrics_finite(metrics), metrics

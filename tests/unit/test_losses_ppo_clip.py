@@ -17,6 +17,7 @@ from tests.unit.loss_reference import (
     IMPORTANCE,
     as_leaf,
     close,
+    correction,
     random_batch,
     ref_aggregate,
     ref_kwargs,
@@ -83,7 +84,7 @@ def test_ppo_clip_and_dual_clip_hand_example():
     prox = torch.full((1, 7), -2.0)
     logp = (prox + torch.log(torch.tensor([ratios]))).requires_grad_(True)
     loss, metrics = ppo_policy_loss(
-        logp, prox, None, adv, torch.ones(1, 7), dual_clip=3.0, importance="none"
+        logp, prox, None, adv, torch.ones(1, 7), dual_clip=3.0, correction=correction("none")
     )
     loss.backward()
     per_token = [-1.28, -0.01, 0.8, 1.5, 3.0, -1.1, 0.9]
@@ -143,7 +144,7 @@ def test_ppo_with_detached_prox_is_plain_policy_gradient(seed, aggregation, impo
     logp = as_leaf(b["logp"])
     loss, metrics = ppo_policy_loss(
         logp, logp.detach(), b["logp_behav"], b["advantages"], b["mask"],
-        dual_clip=3.0, importance=importance, aggregation=aggregation,
+        dual_clip=3.0, correction=correction(importance), aggregation=aggregation,
     )  # fmt: skip
     loss.backward()
     lp, bh, adv, m = (b[k].tolist() for k in ("logp", "logp_behav", "advantages", "mask"))

@@ -29,6 +29,7 @@ from streamrl.learner.forward import token_scores, use_hidden_states_head
 from streamrl.learner.mini_batches import MicroBatch, TrainBatch, make_mini_batches
 from streamrl.learner.objective import loss_denominators
 from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
+from streamrl.learner.step_metrics import StepMetrics
 from streamrl.learner.topology import Topology
 from tests.multi_turn_data import multi_turn_group, without_environment_tokens
 from tests.stream_data import random_group
@@ -110,16 +111,18 @@ def _view(batch: TrainBatch, micro: MicroBatch, flat: torch.Tensor) -> torch.Ten
     return torch.where(micro.response_mask, flat[at.clamp(0, flat.numel() - 1)], 0.0)
 
 
-def _policy_loss(batch: TrainBatch, algorithm, theta: torch.Tensor, garbage: dict) -> tuple:
-    """The mini-batch's policy loss summed over its micro-batches (token-weighted metrics, as
-    the step reduces them) with logp_θ = `theta` at the sampled tokens and `garbage` (logp,
-    prox, advantages) at the environment tokens."""
+def _policy_loss(
+    batch: TrainBatch, algorithm, theta: torch.Tensor, garbage: dict, topology: Topology
+) -> tuple:
+    """The mini-batch's policy loss summed over its micro-batches (metrics reduced as the step
+    reduces them: `StepMetrics`) with logp_θ = `theta` at the sampled tokens and `garbage`
+    (logp, prox, advantages) at the environment tokens."""
     (mini,) = make_mini_batches(batch, 4, 40)
     assert len(mini.micro_batches) > 1
     logp = _flat(batch, theta, garbage["logp"])
     prox = _flat(batch, garbage["prox_sampled"], garbage["prox"])
     advantages = _flat(batch, garbage["adv_sampled"], garbage["adv"])
-    total, metrics = torch.zeros(()), {}
+    total, metrics = torch.zeros(()), StepMetrics(torch.device("cpu"))
     for micro in mini.micro_batches:
         loss, micro_metrics = algorithm.policy_gradient_loss(
             _view(batch, micro, logp),
@@ -130,15 +133,15 @@ def _policy_loss(batch: TrainBatch, algorithm, theta: torch.Tensor, garbage: dic
             loss_denominators(mini, SETTINGS),
         )
         total = total + loss
-        for name, value in micro_metrics.items():
-            weight = 1.0 if name == "actor/pg_loss" else micro.num_tokens / mini.num_loss_tokens
-            metrics[name] = metrics.get(name, 0.0) + float(value) * weight
-    return total, metrics, _denominators(mini)
+        metrics.add_micro_batch(micro_metrics, micro.num_tokens)
+    return total, metrics.reduce(topology, {}, 1), _denominators(mini)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("loss", ["ppo-tis", "ppo-mask", "pg-tis"])
-def test_environment_tokens_change_no_policy_loss_gradient_denominator_or_metric(aggregation, loss):
+def test_environment_tokens_change_no_policy_loss_gradient_denominator_or_metric(
+    aggregation, loss, topology
+):
     multi, single = _batches()
     importance = {"mode": loss.split("-")[1], "cap": 1.5}
     if loss.startswith("ppo"):
@@ -162,11 +165,11 @@ def test_environment_tokens_change_no_policy_loss_gradient_denominator_or_metric
     with_env, without_env = theta.clone().requires_grad_(), theta.clone().requires_grad_()
 
     loss_env, metrics_env, denominators_env = _policy_loss(
-        multi, algorithm, with_env, {**values, **arbitrary, "logp": env_logp}
+        multi, algorithm, with_env, {**values, **arbitrary, "logp": env_logp}, topology
     )
     empty = {name: torch.zeros(0) for name in ("prox", "adv", "logp")}
     loss_cut, metrics_cut, denominators_cut = _policy_loss(
-        single, algorithm, without_env, {**values, **empty}
+        single, algorithm, without_env, {**values, **empty}, topology
     )
     (loss_env + 0 * env_logp.sum()).backward()
     loss_cut.backward()

@@ -148,3 +148,32 @@ def test_streamrl_run_resume_names_the_flag(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "generator.reward.fn" in error
     assert FLAG in error
+
+
+def _as_older_run(run: Location, importance: dict) -> None:
+    """Rewrite run.json as a version before the correction block wrote it: importance
+    {mode, cap} where the correction block is now."""
+    body = json.loads(run.fs.cat_file(run.join("run.json")))
+    algorithm = body["config"]["algorithm"]
+    del algorithm["correction"]
+    algorithm["importance"] = importance
+    run.fs.pipe_file(run.join("run.json"), json.dumps(body).encode())
+
+
+def test_a_run_stored_with_the_older_importance_block_resumes(tmp_path):
+    older = _config(tmp_path, "algorithm.importance.mode=mask", "algorithm.importance.cap=1.5")
+    _, run = prepare_run(older)
+    _as_older_run(run, {"mode": "mask", "cap": 1.5})
+    resumed, _ = prepare_run(older, resume=True)  # the same config, as a user still writes it
+    assert resumed.algorithm.correction.rs_level == "token"
+    same = _config(
+        tmp_path,
+        "algorithm.correction.rs_level=token",
+        "algorithm.correction.rs_low=0.0",
+        "algorithm.correction.rs_high=1.5",
+        "algorithm.correction.is_cap=1.5",
+    )
+    prepare_run(same, resume=True)  # the new spelling of the same correction
+    assert load_run_config(run).algorithm.correction == same.algorithm.correction
+    with pytest.raises(StorageError, match=r"algorithm\.correction\.rs_high: 1\.5 → 2\.0"):
+        prepare_run(_config(tmp_path, "algorithm.correction.rs_level=token"), resume=True)

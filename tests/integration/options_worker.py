@@ -1,0 +1,178 @@
+"""The exactness check of the algorithm options (the off-policy correction menu, the framework
+guide's variants) on 2 gloo ranks, run by torchrun from test_option_exactness.py, and the helpers
+that test shares with it.
+
+    torchrun --nproc_per_node 2 options_worker.py --out DIR OPTION...
+
+Every rank trains the FSDP2-sharded tiny model once per option, from the same weights, on a
+batch whose behaviour log-probs are the model's own plus noise (so weights, bands and the veto
+all act) and whose groups are half fresh; rank 0 writes `<out>/rank0.json`: per option, the
+gathered parameter update (SGD at lr 1: the gradient) and the step's metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from streamrl.config_loading import load_config
+from streamrl.learner.forward import token_scores
+from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
+from streamrl.learner.model import load_policy, shard_model
+from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
+from streamrl.learner.topology import Topology, exit_process
+from tests.stream_data import random_group
+
+MAX_TOKENS = 24
+VERSION = 3  # the learner's version: groups generated at it are fresh
+SETTINGS = StepSettings(temperature=1.0, max_response_len=MAX_TOKENS, grad_clip=None)
+
+OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # name: (preset, overrides). Mini-batches of 2 groups: two updates per step, so the
+    # proximal log-probs come from the scoring pass and the weight mean is per mini-batch.
+    "tis-sequence-normalised": (
+        "dapo",
+        (
+            "algorithm.correction.is_level=sequence",
+            "algorithm.correction.is_cap=3.0",
+            "algorithm.correction.is_normalize=true",
+        ),
+    ),
+    "token-band-veto-normalised-one-update": (
+        "grpo",
+        (
+            "algorithm.correction.rs_level=token",
+            "algorithm.correction.rs_high=2.5",
+            "algorithm.correction.veto=0.45",
+            "algorithm.correction.is_normalize=true",
+            "algorithm.kl=null",
+            "learner.mini_batch_groups=4",
+        ),
+    ),
+    "geometric-band": (
+        "dapo",
+        ("algorithm.correction.rs_level=geometric", "algorithm.correction.rs_high=1.15"),
+    ),
+    "sequence-band": (
+        "gpg",
+        ("algorithm.correction.rs_level=sequence", "algorithm.correction.rs_high=20.0"),
+    ),
+    "icepop": ("dapo", ("algorithm.correction.method=icepop", "algorithm.correction.low=0.7")),
+}
+
+
+def config_for(option: str):
+    preset, overrides = OPTIONS[option]
+    return load_config(
+        [preset, "tiny-cpu"],
+        overrides=[
+            f"generator.max_tokens={MAX_TOKENS}",
+            "learner.batch_groups=4",
+            "learner.mini_batch_groups=2",
+            *overrides,
+        ],
+    )
+
+
+def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
+    """Four groups of random tokens (one of a single response) whose behaviour log-probs are
+    `policy`'s own plus N(0, 0.4²) noise; groups 0 and 2 generated at `VERSION` (fresh)."""
+    rng = np.random.default_rng(11)
+    vocab = policy.config.vocab_size
+    groups = [
+        random_group(
+            rng,
+            prompt_id=f"p{i}",
+            vocab=vocab,
+            max_len=MAX_TOKENS,
+            prompt_len=8 + i,
+            group_size=1 if i == 3 else 4,
+            policy_version=VERSION if i % 2 == 0 else VERSION - 2,
+        )
+        for i in range(4)
+    ]
+    for group in groups:
+        group.raw_scores[:] = (group.rewards > 0).astype(np.float32)
+        if group.group_size > 1:
+            group.rewards[:2], group.raw_scores[:2] = [1.0, -1.0], [1.0, 0.0]
+    batch = TrainBatch.from_groups(groups, VERSION)
+    (whole,) = make_mini_batches(batch, batch.num_groups, 4096)
+    (micro,) = whole.micro_batches
+    with torch.no_grad():
+        own = token_scores(policy, micro, temperature=SETTINGS.temperature)[0]
+    logprobs = batch.logprobs.clone()
+    rows, j = micro.response_mask.nonzero(as_tuple=True)
+    sample = micro.sample_index[rows]
+    at = batch.logprob_start[sample] + j - (batch.prompt_length[sample] - 1)
+    noise = torch.from_numpy(np.random.default_rng(12).normal(0.0, 0.4, len(at))).float()
+    logprobs[at] = own[rows, j] + noise
+    return replace(batch, logprobs=logprobs)
+
+
+def one_update(option: str, *, budget: int, topology: Topology) -> tuple[list, dict]:
+    """Train on the option's batch once from fixed weights: (the whole parameter update,
+    the step's metrics)."""
+    config = config_for(option)
+    torch.manual_seed(0)
+    policy = load_policy("tiny-qwen2", config.model)
+    batch = behaviour_batch(policy)
+    if topology.world_size > 1:
+        policy = shard_model(policy, topology)
+    models = StepModels(Trainable(policy, torch.optim.SGD(policy.parameters(), lr=1.0)))
+    minis = make_mini_batches(batch, config.learner.mini_batch_groups, budget)
+    before = _parameters(policy, topology)
+    metrics = train_on_batch(models, batch, minis, config.algorithm, SETTINGS, topology)
+    after = _parameters(policy, topology)
+    return [a - b for a, b in zip(after, before, strict=True)], metrics
+
+
+def _parameters(model: torch.nn.Module, topology: Topology) -> list[torch.Tensor]:
+    """Every state-dict tensor, whole (gathered from every rank when sharded)."""
+    if topology.world_size == 1:
+        return [t.detach().clone() for t in model.state_dict().values()]
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return [t.clone() for t in get_model_state_dict(model, options=options).values()]
+
+
+def compare(a: tuple[list, dict], b: tuple[list, dict]) -> dict:
+    """The largest update difference, the largest update, and the metrics that differ by
+    more than 1e-5 (absolute and relative) or exist in one only."""
+    (updates_a, metrics_a), (updates_b, metrics_b) = a, b
+    worst = max(float((x - y).abs().max()) for x, y in zip(updates_a, updates_b, strict=True))
+    mismatches = sorted(set(metrics_a) ^ set(metrics_b))
+    for name in set(metrics_a) & set(metrics_b):
+        x, y = float(metrics_a[name]), float(metrics_b[name])
+        if abs(x - y) > 1e-5 + 1e-5 * abs(x) and not (math.isnan(x) and math.isnan(y)):
+            mismatches.append(f"{name}: {x} vs {y}")
+    return {
+        "max_update_diff": worst,
+        "max_update": max(float(u.abs().max()) for u in updates_a),
+        "metric_mismatches": mismatches,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("options", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with Topology.from_env("cpu") as topology:
+        results = {}
+        for option in args.options:  # every rank trains; rank 0 holds the gathered update
+            updates, metrics = one_update(option, budget=80, topology=topology)
+            results[option] = {"updates": [u.tolist() for u in updates], "metrics": metrics}
+        if topology.is_main:
+            Path(args.out, "rank0.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
+    exit_process(0)  # no interpreter teardown for gloo's threads to race
