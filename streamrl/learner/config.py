@@ -17,6 +17,7 @@ from streamrl.config_base import (
     AdamBeta,
     Section,
 )
+from streamrl.learner.optim import Schedule
 from streamrl.models.config import ModelConfig
 from streamrl.placement.cores import CoreSetting
 
@@ -66,8 +67,12 @@ class LearnerConfig(Section):
     warmup_steps: int = Field(
         10, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up steps."
     )
-    schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="Learning-rate schedule after warm-up."
+    schedule: Schedule = Field(
+        "constant",
+        description="Learning-rate schedule: constant or cosine after the linear warm-up; "
+        "warmup-times-cosine, the framework guide's eq 57: lr·min(1, t/warmup_steps)·"
+        "cos(π·t/(2·total_steps)), the warm-up multiplying a quarter cosine that runs from "
+        "the first update and reaches 0 at the last (min_lr_ratio unused).",
     )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of the peak lr."

@@ -13,14 +13,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from functools import partial
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm", "lr_factor"]
+__all__ = ["Schedule", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_factor"]
+
+Schedule = Literal["constant", "cosine", "warmup-times-cosine"]
 
 
 def build_optimizer(
@@ -49,15 +51,23 @@ def lr_factor(
     step: int,
     warmup_steps: int,
     total_steps: int,
-    schedule: Literal["constant", "cosine"],
+    schedule: Schedule,
     min_lr_ratio: float,
 ) -> float:
     """Multiplier of the peak lr for the update after `step` scheduler steps (0-based).
 
     With n = step + 1 the number of that update: n/W while n ≤ W (linear warm-up; W =
     `warmup_steps`, none when 0); then 1 (constant) or a cosine from 1 at n = W down to
-    `min_lr_ratio` at n = `total_steps`, held there afterwards."""
+    `min_lr_ratio` at n = `total_steps`, held there afterwards.
+
+    `warmup-times-cosine` is the framework guide's eq 57, "linear warm-up with cosine
+    annealing" as a product: min(1, n/W)·cos(π·n/(2T)), T = `total_steps`, n held at T
+    afterwards (so 0 from the last update on). The guide prints min(1, W/n), which would start
+    at full rate and decay as 1/n — the opposite of the warm-up it names; read as a typo."""
     n = step + 1
+    if schedule == "warmup-times-cosine":
+        warm = min(1.0, n / warmup_steps) if warmup_steps else 1.0
+        return warm * math.cos(math.pi * min(n, total_steps) / (2 * max(1, total_steps)))
     if n <= warmup_steps:
         return n / warmup_steps
     if schedule == "constant":
@@ -70,7 +80,7 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer,
     warmup_steps: int,
     total_steps: int,
-    schedule: Literal["constant", "cosine"] = "constant",
+    schedule: Schedule = "constant",
     min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
     """`LambdaLR` following `lr_factor`; call `scheduler.step()` after each `optimizer.step()`.
@@ -78,8 +88,10 @@ def build_scheduler(
     Steps count scheduler calls: pass `total_steps` in the unit the caller steps it in (learner
     steps, or optimiser updates = learner steps × updates per batch). Its `state_dict` holds
     the position, so a resumed scheduler continues where it stopped."""
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"learner.schedule must be constant or cosine, not {schedule!r}")
+    if schedule not in get_args(Schedule):
+        raise ValueError(
+            f"learner.schedule must be one of {', '.join(get_args(Schedule))}, not {schedule!r}"
+        )
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(
             f"need warmup_steps ≥ 0 and total_steps ≥ 1 (got {warmup_steps}, {total_steps})"
