@@ -25,6 +25,7 @@ from storage.credentials import CREDENTIAL_NAME, credential_paths
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import ALGORITHM_CLASSES
 from streamrl.algorithms.correction_config import CORRECTION_CLASSES
+from streamrl.algorithms.outcome import ADVANTAGE_CLASSES
 from streamrl.config import RunConfig
 from streamrl.config_base import ConfigError, credentials_problem
 from streamrl.placement.config import PLACEMENT_CLASSES
@@ -43,6 +44,7 @@ UNIONS: dict[str, tuple[str, Mapping[str, type[BaseModel]]]] = {
     "algorithm": ("name", ALGORITHM_CLASSES),
     "placement": ("mode", PLACEMENT_CLASSES),
     "algorithm.correction": ("method", CORRECTION_CLASSES),
+    "algorithm.advantage": ("kind", ADVANTAGE_CLASSES),
 }
 """The sections that are discriminated unions (by path): their tag field and the class of each
 tag."""

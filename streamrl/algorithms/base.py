@@ -7,9 +7,10 @@ differs per algorithm, so that the step itself has no per-algorithm branches
   policy, frozen or EMA);
 * data: `multi_turn_refusal` (why it cannot train on multi-turn responses, if it cannot);
 * advantages, in the three stages of the learner's micro-batched scoring pass:
-  `response_outcomes` on the whole batch (`[N]`), `token_advantages` per micro-batch
-  (`[n, T]`, and value targets for a critic), `normalise_advantages` over all micro-batches
-  of all ranks;
+  `response_outcomes` on the whole batch (`Responses` → `[N]`), `token_advantages` per
+  micro-batch (`[n, T]`, and value targets for a critic), `normalise_advantages` over all
+  micro-batches of all ranks; then `sequence_weights` (the guide's eq 30) scales each
+  response's advantages, and so its policy loss;
 * loss terms: `policy_gradient_loss` (the clipped surrogate, or GPG's plain policy gradient),
   `kl_loss` (β·KL as a loss term), `positive_nll_coef` (VAPO's μ), `entropy_coef`, and the
   critic's `critic_loss`; their denominators follow `aggregation` (`LossDenominators`).
@@ -22,6 +23,7 @@ joins them as a discriminated union.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -43,6 +45,7 @@ from streamrl.algorithms.losses import (
     ppo_policy_loss,
 )
 from streamrl.algorithms.shaping import RewardScale
+from streamrl.algorithms.variants import sequence_length_weights
 from streamrl.config_base import Section
 
 __all__ = [
@@ -50,7 +53,35 @@ __all__ = [
     "ClippedAlgorithmBase",
     "KLConfig",
     "OverlongConfig",
+    "Responses",
 ]
+
+
+@dataclass(frozen=True)
+class Responses:
+    """What the first stage of the advantages reads of a training batch, per response `[N]`:
+
+    rewards          float32, the shaped outcome reward
+    scores           float32, the raw verifier score (correctness)
+    group_index      int64, dense group ids 0..num_groups − 1
+    lengths          float32, the tokens the policy sampled (|o_i|)
+    mean_logp_behav  float32, the mean behaviour log-prob over them (0 without any)
+    optimiser_batch  int64, the mini-batch (optimiser update) the response trains in
+    median_length    float32, the median |o| of the loss-bearing responses of that mini-batch
+    """
+
+    rewards: Tensor
+    scores: Tensor
+    group_index: Tensor
+    num_groups: int
+    lengths: Tensor
+    mean_logp_behav: Tensor
+    optimiser_batch: Tensor
+    median_length: Tensor
+
+    def to(self, device: torch.device) -> Responses:
+        moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        return Responses(**moved)
 
 
 class KLConfig(Section):
@@ -133,6 +164,14 @@ class AlgorithmBase(Section):
     entropy_coef: float = Field(
         0.0, ge=0.0, description="c_H: loss −= c_H · token-mean entropy (T1). 0 disables."
     )
+    length_reweight: float = Field(
+        0.0,
+        ge=0.0,
+        le=0.5,
+        description="α_w of sequence-level reweighting (the framework guide's eq 30): each "
+        "response's policy loss times (|o| / L_median)^(−α_w), L_median the median length of "
+        "the loss-bearing responses of its optimiser batch; 0 disables.",
+    )
 
     # -- models -----------------------------------------------------------------------------
 
@@ -165,14 +204,10 @@ class AlgorithmBase(Section):
 
     # -- advantages ---------------------------------------------------------------------------
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
+    def response_outcomes(self, responses: Responses) -> Tensor:
         """Stage 1, on the whole batch: what each response's outcome brings to its token
         advantages, `[N]` float32 — its outcome advantage (the outcome family), or its reward
-        (less the group mean for REINFORCE++-baseline).
-
-        `rewards`, `scores` (raw verifier scores): `[N]`; `group_index`: `[N]` int64."""
+        (less the group mean for REINFORCE++-baseline)."""
         raise NotImplementedError
 
     def token_advantages(
@@ -205,6 +240,14 @@ class AlgorithmBase(Section):
         """Stage 3, over every micro-batch (`[n_k, T_k]` each, with its loss mask) on every
         rank of `process_group`: the advantages the losses use. Unchanged by default."""
         return list(advantages)
+
+    def sequence_weights(self, lengths: Tensor, median_length: Tensor) -> Tensor | None:
+        """Each response's factor on its advantages (eq 30, `length_reweight`): `[n]`, or None
+        when off. Scaling a response's advantages scales its clipped (or plain) policy loss
+        alike: both are positively homogeneous in A."""
+        if self.length_reweight == 0.0:
+            return None
+        return sequence_length_weights(lengths, median_length, self.length_reweight)
 
     # -- loss terms ---------------------------------------------------------------------------
 

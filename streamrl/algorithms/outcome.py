@@ -11,14 +11,17 @@ broadcast to each of its tokens.
   KL). Departs from the paper in one place: the importance weight of stale behaviour data
   (`pg_loss`), 1 when the data is on-policy.
 
+GRPO, Dr. GRPO and DAPO take the framework guide's variants of their group advantage as
+`advantage` (`streamrl.algorithms.variants`): a weighted baseline, rank-based, hierarchical.
+
 The formulas and their degenerate cases: `streamrl.algorithms.advantages`.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 from torch import Tensor
 
 from streamrl.algorithms.advantages import (
@@ -27,10 +30,105 @@ from streamrl.algorithms.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
-from streamrl.algorithms.base import AlgorithmBase, ClippedAlgorithmBase
+from streamrl.algorithms.base import AlgorithmBase, ClippedAlgorithmBase, Responses
 from streamrl.algorithms.losses import LossDenominators, Metrics, pg_loss
+from streamrl.algorithms.variants import (
+    BaselineWeights,
+    hierarchical_advantages,
+    rank_advantages,
+    weighted_baseline_advantages,
+)
+from streamrl.config_base import Section
 
-__all__ = ["DAPOConfig", "DrGRPOConfig", "GPGConfig", "GRPOConfig", "RLOOConfig"]
+__all__ = [
+    "DAPOConfig",
+    "DrGRPOConfig",
+    "GPGConfig",
+    "GRPOConfig",
+    "GroupAdvantage",
+    "HierarchicalAdvantage",
+    "RLOOConfig",
+    "RankAdvantage",
+]
+
+
+class GroupAdvantage(Section):
+    """R − the group's baseline (over std + ε where the algorithm normalises): the paper's
+    advantage with `baseline: mean`, or the guide's weighted baseline (eqs 39, 52)."""
+
+    kind: Literal["group"] = Field("group", description="group: R less the group baseline.")
+    baseline: Literal["mean"] | BaselineWeights = Field(
+        "mean",
+        description="mean: the paper's group mean; the guide's weighted mean Σq·R/Σq with q "
+        "uniform (the same mean), inv_sqrt_len (1/√|o|: long responses weigh less) or "
+        "confidence (exp of the mean behaviour log-prob: confident responses weigh more).",
+    )
+
+    def outcomes(self, responses: Responses, std_eps: float | None) -> Tensor:
+        r, g, n = responses.rewards, responses.group_index, responses.num_groups
+        if self.baseline == "mean":
+            return (
+                dr_grpo_advantages(r, g, n)
+                if std_eps is None
+                else grpo_advantages(r, g, n, eps=std_eps)
+            )
+        return weighted_baseline_advantages(
+            r, g, n, weights=self.baseline, lengths=responses.lengths,
+            mean_logp_behav=responses.mean_logp_behav, std_eps=std_eps,
+        )  # fmt: skip
+
+
+class RankAdvantage(Section):
+    """The guide's rank-based advantage (eq 40): (rank − (G + 1)/2) / (G/2), ties averaged."""
+
+    kind: Literal["rank"] = Field("rank", description="rank: the reward's rank in its group.")
+
+    def outcomes(self, responses: Responses, std_eps: float | None) -> Tensor:
+        return rank_advantages(responses.rewards, responses.group_index, responses.num_groups)
+
+
+class HierarchicalAdvantage(Section):
+    """The guide's hierarchical advantage (eq 51): α·(R − mean_g) + (1 − α)·(R − mean_B),
+    mean_B over the optimiser batch."""
+
+    kind: Literal["hierarchical"] = Field(
+        "hierarchical", description="hierarchical: group and batch baselines blended."
+    )
+    alpha: float = Field(0.8, ge=0.0, le=1.0, description="α, the weight of the group baseline.")
+
+    def outcomes(self, responses: Responses, std_eps: float | None) -> Tensor:
+        return hierarchical_advantages(
+            responses.rewards, responses.group_index, responses.num_groups,
+            responses.optimiser_batch, self.alpha,
+        )  # fmt: skip
+
+
+def _kind(value: Any) -> str:
+    """The advantage's kind; `group` when a block leaves it out."""
+    if isinstance(value, dict):
+        return str(value.get("kind", "group"))
+    return str(getattr(value, "kind", "group"))
+
+
+OutcomeAdvantage = Annotated[
+    Annotated[GroupAdvantage, Tag("group")]
+    | Annotated[RankAdvantage, Tag("rank")]
+    | Annotated[HierarchicalAdvantage, Tag("hierarchical")],
+    Discriminator(_kind),
+]
+ADVANTAGE_CLASSES: dict[str, type[Section]] = {
+    "group": GroupAdvantage,
+    "rank": RankAdvantage,
+    "hierarchical": HierarchicalAdvantage,
+}
+
+
+def _advantage_field() -> Any:
+    return Field(
+        default_factory=GroupAdvantage,
+        description="The group advantage: kind group (the paper's, or a weighted baseline), "
+        "rank (eq 40) or hierarchical (eq 51).",
+    )
 
 
 class GRPOConfig(ClippedAlgorithmBase):
@@ -42,11 +140,10 @@ class GRPOConfig(ClippedAlgorithmBase):
         "kl": {"estimator": "k3", "coef": 0.001, "reference": "frozen"},
     }
     std_eps: float = Field(1e-6, gt=0.0, description="ε in A = (R − mean) / (std + ε).")
+    advantage: OutcomeAdvantage = _advantage_field()
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
-        return grpo_advantages(rewards, group_index, num_groups, eps=self.std_eps)
+    def response_outcomes(self, responses: Responses) -> Tensor:
+        return self.advantage.outcomes(responses, self.std_eps)
 
 
 class DrGRPOConfig(ClippedAlgorithmBase):
@@ -54,11 +151,10 @@ class DrGRPOConfig(ClippedAlgorithmBase):
 
     name: Literal["dr_grpo"] = "dr_grpo"
     paper_defaults: ClassVar[dict[str, Any]] = {"aggregation": "seq-mean-token-sum-norm"}
+    advantage: OutcomeAdvantage = _advantage_field()
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
-        return dr_grpo_advantages(rewards, group_index, num_groups)
+    def response_outcomes(self, responses: Responses) -> Tensor:
+        return self.advantage.outcomes(responses, None)
 
 
 class DAPOConfig(ClippedAlgorithmBase):
@@ -72,12 +168,11 @@ class DAPOConfig(ClippedAlgorithmBase):
         "overlong": {"shaping": True},
     }
     std_eps: float = Field(1e-6, gt=0.0, description="ε in A = (R − mean) / (std + ε).")
+    advantage: OutcomeAdvantage = _advantage_field()
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
+    def response_outcomes(self, responses: Responses) -> Tensor:
         """GRPO's group-normalised advantages (dynamic sampling happens in the collector)."""
-        return grpo_advantages(rewards, group_index, num_groups, eps=self.std_eps)
+        return self.advantage.outcomes(responses, self.std_eps)
 
 
 class RLOOConfig(ClippedAlgorithmBase):
@@ -85,10 +180,8 @@ class RLOOConfig(ClippedAlgorithmBase):
 
     name: Literal["rloo"] = "rloo"
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
-        return rloo_advantages(rewards, group_index, num_groups)
+    def response_outcomes(self, responses: Responses) -> Tensor:
+        return rloo_advantages(responses.rewards, responses.group_index, responses.num_groups)
 
 
 class GPGConfig(AlgorithmBase):
@@ -96,11 +189,10 @@ class GPGConfig(AlgorithmBase):
 
     name: Literal["gpg"] = "gpg"
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
-        """α·(R_i − mean_g R), M counted on the raw verifier `scores`."""
-        return gpg_advantages(rewards, group_index, num_groups, scores)[0]
+    def response_outcomes(self, responses: Responses) -> Tensor:
+        """α·(R_i − mean_g R), M counted on the raw verifier scores."""
+        r = responses
+        return gpg_advantages(r.rewards, r.group_index, r.num_groups, r.scores)[0]
 
     def policy_gradient_loss(
         self,

@@ -16,7 +16,7 @@ from pydantic import Field
 from torch import Tensor
 
 from streamrl.algorithms.advantages import reinforce_pp_returns
-from streamrl.algorithms.base import ClippedAlgorithmBase
+from streamrl.algorithms.base import ClippedAlgorithmBase, Responses
 from streamrl.algorithms.masked import group_centred, masked_whiten_jointly
 
 __all__ = ["ReinforcePPConfig"]
@@ -38,12 +38,12 @@ class ReinforcePPConfig(ClippedAlgorithmBase):
     def needs_groups(self) -> bool:
         return self.baseline
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
+    def response_outcomes(self, responses: Responses) -> Tensor:
         """R_i, less the group mean for REINFORCE++-baseline."""
-        rewards = rewards.float()
-        return group_centred(rewards, group_index, num_groups) if self.baseline else rewards
+        rewards = responses.rewards.float()
+        if not self.baseline:
+            return rewards
+        return group_centred(rewards, responses.group_index, responses.num_groups)
 
     def token_advantages(
         self,

@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import Tensor
 
 from streamrl.algorithms.advantages import vapo_advantages
-from streamrl.algorithms.base import ClippedAlgorithmBase
+from streamrl.algorithms.base import ClippedAlgorithmBase, Responses
 from streamrl.algorithms.losses import Metrics, value_loss
 
 __all__ = ["VAPOConfig"]
@@ -68,11 +68,9 @@ class VAPOConfig(ClippedAlgorithmBase):
     def positive_nll_coef(self) -> float:
         return self.nll_coef
 
-    def response_outcomes(
-        self, rewards: Tensor, group_index: Tensor, num_groups: int, scores: Tensor
-    ) -> Tensor:
+    def response_outcomes(self, responses: Responses) -> Tensor:
         """The reward itself: GAE places it on the last token."""
-        return rewards.float()
+        return responses.rewards.float()
 
     def token_advantages(
         self,

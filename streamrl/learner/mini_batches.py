@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from storage.records import ScoredGroup
+from streamrl.algorithms.base import Responses
 from streamrl.learner.packing import PAD_ID, forward_rows
 
 __all__ = ["MicroBatch", "MiniBatch", "TrainBatch", "make_mini_batches", "shard_for_rank"]
@@ -94,6 +95,30 @@ class TrainBatch:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    def responses(self, mini_batches: Sequence[MiniBatch]) -> Responses:
+        """What the advantages read of each response (`Responses`), with `mini_batches` (the
+        batch's, from `make_mini_batches`) telling each response's optimiser batch."""
+        n = len(self.rewards)
+        owner = torch.repeat_interleave(torch.arange(n), self.response_length)
+        sampled = self.sampled.float()
+        lengths = torch.zeros(n).index_add_(0, owner, sampled)
+        logp_sums = torch.zeros(n).index_add_(0, owner, self.logprobs * sampled)
+        optimiser_batch = torch.zeros(n, dtype=torch.long)
+        median_length = torch.zeros(n)
+        for k, mini in enumerate(mini_batches):
+            optimiser_batch[mini.sample_index] = k
+            median_length[mini.sample_index] = mini.median_length
+        return Responses(
+            rewards=self.rewards.float(),
+            scores=self.raw_scores,
+            group_index=self.group_index,
+            num_groups=self.num_groups,
+            lengths=lengths,
+            mean_logp_behav=logp_sums / lengths.clamp(min=1.0),
+            optimiser_batch=optimiser_batch,
+            median_length=median_length,
+        )
 
     @property
     def seq_length(self) -> Tensor:
@@ -197,7 +222,8 @@ class MiniBatch:
     (ALGORITHMS.md "Aggregation") count the whole mini-batch, all micro-batches and so all
     ranks: `num_loss_tokens` (token-mean), `num_responses` (seq-mean-token-sum-norm),
     `num_scored_responses`, those with ≥ 1 loss token (seq-mean-token-mean), and
-    `num_positive_tokens`, loss tokens of correct responses (VAPO's positive-example loss).
+    `num_positive_tokens`, loss tokens of correct responses (VAPO's positive-example loss);
+    and `median_length`, the median sampled length of its loss-bearing responses (eq 30).
     Loss tokens are the micro-batches' `loss_mask`: sampled tokens only, never environment
     tokens."""
 
@@ -208,6 +234,7 @@ class MiniBatch:
     num_responses: int
     num_scored_responses: int
     num_positive_tokens: int = 0
+    median_length: float = 0.0
 
 
 def make_mini_batches(
@@ -250,6 +277,7 @@ def make_mini_batches(
             for chunk in chunks
         ]
         per_row = torch.cat([m.loss_mask.sum(1) for m in micro])  # loss tokens per response
+        sampled = torch.cat([m.sampled_mask.sum(1) for m in micro]).float()
         positive = torch.cat([m.positive for m in micro])
         mini_batches.append(
             MiniBatch(
@@ -260,9 +288,19 @@ def make_mini_batches(
                 num_responses=len(rows),
                 num_scored_responses=int((per_row > 0).sum()),
                 num_positive_tokens=int(per_row[positive].sum()),
+                median_length=_median(sampled[per_row > 0]),
             )
         )
     return mini_batches
+
+
+def _median(values: Tensor) -> float:
+    """The median (the mean of the middle two of an even count); 0 of nothing."""
+    if values.numel() == 0:
+        return 0.0
+    ordered = values.sort().values
+    middle = (len(ordered) - 1) / 2
+    return float((ordered[int(middle)] + ordered[int(middle + 0.5)]) / 2)
 
 
 def _units(batch: TrainBatch, rows: Tensor, shared_budget: int) -> list[Tensor]:

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from streamrl.algorithms.base import Responses
 from streamrl.algorithms.config import AlgorithmConfig
 from streamrl.algorithms.kl import kl_estimate
 from streamrl.learner.forward import token_scores, values
-from streamrl.learner.mini_batches import MicroBatch, TrainBatch
+from streamrl.learner.mini_batches import MicroBatch
 from streamrl.learner.step_inputs import StepModels, StepSettings
 from streamrl.learner.topology import Topology
 
@@ -56,6 +57,16 @@ class MicroTargets:
     weight_mean: float | None = None
 
 
+def _reweighted(
+    algorithm: AlgorithmConfig, advantages: Tensor, micro: MicroBatch, responses: Responses
+) -> Tensor:
+    """The advantages times each response's sequence weight (eq 30), when the algorithm
+    reweights."""
+    rows = micro.sample_index
+    weights = algorithm.sequence_weights(responses.lengths[rows], responses.median_length[rows])
+    return advantages if weights is None else advantages * weights.unsqueeze(-1)
+
+
 def _logprobs(model: nn.Module, micro: MicroBatch, settings: StepSettings) -> Tensor:
     """log p(targets) at `micro`'s sampled response targets, `[n, T − 1]`
     (`forward.token_scores`)."""
@@ -75,7 +86,7 @@ def _values(critic: nn.Module, micro: MicroBatch) -> Tensor:
 @torch.no_grad()
 def score_batch(
     models: StepModels,
-    batch: TrainBatch,
+    responses: Responses,
     micros: list[list[MicroBatch]],
     algorithm: AlgorithmConfig,
     settings: StepSettings,
@@ -87,9 +98,8 @@ def score_batch(
 
     Returns their `MicroTargets` in the same layout and the scoring metrics (`actor/ref_kl`,
     the behaviour policy's KL to the reference, when there is one)."""
-    outcomes = algorithm.response_outcomes(  # [N], on the whole batch
-        batch.rewards.float(), batch.group_index, batch.num_groups, batch.raw_scores
-    ).to(topology.device)
+    responses = responses.to(topology.device)
+    outcomes = algorithm.response_outcomes(responses)  # [N], on the whole batch
     kl_cfg = algorithm.reference_kl
     reference = models.reference if kl_cfg is not None else None
     critic = models.critic.model if algorithm.uses_value_model else None
@@ -130,9 +140,13 @@ def score_batch(
         sums = topology.all_reduce_sum(weight_sums).tolist()
         means = [total / count if count > 0 else 1.0 for total, count in sums]
     scored = [
-        [replace(t, advantages=next(normalised), weight_mean=mean) for t in row]
-        for row, mean in zip(scored, means, strict=True)
-    ]
+        [
+            replace(t, advantages=_reweighted(algorithm, next(normalised), m, responses),
+                    weight_mean=mean)
+            for t, m in zip(row, mini, strict=True)
+        ]
+        for row, mini, mean in zip(scored, micros, means, strict=True)
+    ]  # fmt: skip
 
     metrics = {}
     if reference is not None:

@@ -63,8 +63,9 @@ def train_on_batch(
     # Several updates share the batch, or the correction needs every weight before the first
     # loss (its batch mean): the proximal log-probs come from a scoring forward pass.
     proximal = train_policy and (len(mini_batches) > 1 or algorithm.correction.normalises)
+    responses = batch.responses(mini_batches)
     scored, scoring_metrics = score_batch(
-        models, batch, micros, algorithm, settings, topology, proximal=proximal
+        models, responses, micros, algorithm, settings, topology, proximal=proximal
     )
 
     trained: dict[str, Trainable] = {"actor": models.policy} if train_policy else {}

@@ -65,6 +65,20 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("algorithm.correction.rs_level=sequence", "algorithm.correction.rs_high=20.0"),
     ),
     "icepop": ("dapo", ("algorithm.correction.method=icepop", "algorithm.correction.low=0.7")),
+    # The framework guide's advantage variants, and their presets as they are.
+    "grpo-as-is": ("grpo", ("algorithm.kl=null",)),
+    "dapo-as-is": ("dapo", ()),
+    "dr_grpo-as-is": ("dr_grpo", ()),
+    "rank-advantage": ("grpo", ("algorithm.advantage.kind=rank", "algorithm.kl=null")),
+    "confidence-baseline-length-reweight": (
+        "dapo",
+        ("algorithm.advantage.baseline=confidence", "algorithm.length_reweight=0.4"),
+    ),
+    "inv-sqrt-len-baseline": ("dr_grpo", ("algorithm.advantage.baseline=inv_sqrt_len",)),
+    "hierarchical-advantage": (
+        "dr_grpo",
+        ("algorithm.advantage.kind=hierarchical", "algorithm.advantage.alpha=0.6"),
+    ),
 }
 
 

@@ -129,7 +129,13 @@ def _scored(models, config, topology, budget=80):
     minis = make_mini_batches(batch, 2, budget)
     micros = [shard_for_rank(m, 0, 1) for m in minis]
     scored, metrics = score_batch(
-        models, batch, micros, config.algorithm, _settings(), topology, proximal=False
+        models,
+        batch.responses(minis),
+        micros,
+        config.algorithm,
+        _settings(),
+        topology,
+        proximal=False,
     )
     pairs = [(t, m) for ts, ms in zip(scored, micros) for t, m in zip(ts, ms)]  # noqa: B905
     return batch, pairs, metrics

@@ -1,4 +1,5 @@
-"""Every algorithm option (the off-policy correction menu; `options_worker.OPTIONS`) trains
+"""Every algorithm option (the off-policy correction menu, the framework guide's advantage
+variants; `options_worker.OPTIONS`) trains
 exactly alike — update (SGD at lr 1: the gradient) and every metric within 1e-5 — whatever
 the micro-batch budget, and on 2 gloo ranks as on one: batch-normalised weights, response-level
 rejection and the mismatch metrics' means and extremes are global, not per micro-batch or
@@ -56,6 +57,20 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
         assert values["mismatch/kl_k3_fresh"] > 0
         assert values["mismatch/ratio_min"] < 1 < values["mismatch/ratio_max"]
         assert values["mismatch/seq_ratio_max"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("variant", "as_is"),
+    [
+        ("rank-advantage", "grpo-as-is"),
+        ("confidence-baseline-length-reweight", "dapo-as-is"),
+        ("inv-sqrt-len-baseline", "dr_grpo-as-is"),
+        ("hierarchical-advantage", "dr_grpo-as-is"),
+    ],
+)
+def test_an_advantage_variant_changes_the_update(one_rank, variant, as_is):
+    check = worker.compare(one_rank[variant], one_rank[as_is])
+    assert check["max_update_diff"] > 1e-4 * check["max_update"], check
 
 
 def test_every_option_trains_alike_on_two_ranks(tmp_path, one_rank):
