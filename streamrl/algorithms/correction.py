@@ -183,7 +183,9 @@ def mismatch_metrics(
     delta = log_ratio(logp_prox, logp_behav, mask)
     log_rho = delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     rho = torch.exp(log_rho)
-    k3 = zero_outside(rho - log_rho - 1.0, mask)
+    # ρ − log ρ − 1 as expm1(δ) − δ: no cancellation when δ is tiny (engines that nearly
+    # agree), where the plain form rounds to either sign; mathematically it is ≥ 0.
+    k3 = zero_outside((torch.expm1(log_rho) - log_rho).clamp(min=0.0), mask)
     tokens = mask.sum(-1)
     scored = tokens > 0
     response_means = delta.sum(-1) / tokens.clamp(min=1.0)  # mean_t δ, 0 without loss tokens

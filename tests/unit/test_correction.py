@@ -308,3 +308,15 @@ def test_the_correction_block_refuses_contradictions():
 
 def test_the_rejection_band_defaults_to_the_reciprocal_of_its_top():
     assert RolloutCorrection(rs_level="geometric", rs_high=1.25).rejection_band == (0.8, 1.25)
+
+
+def test_the_k3_kl_of_nearly_agreeing_engines_is_small_and_never_negative():
+    """δ ~ 1e-5 (fp32 engines that nearly agree): k3 ≈ δ²/2, where ρ − log ρ − 1 in float32
+    rounds to either sign."""
+    gen = torch.Generator().manual_seed(0)
+    prox = -2.0 * torch.rand(64, 32, generator=gen)
+    behav = prox + 1e-5 * torch.randn(64, 32, generator=gen)
+    got = mismatch_metrics(prox, behav, torch.ones(64, 32), torch.ones(64) > 0)
+    delta = (prox.double() - behav.double()).flatten()
+    expected = float((delta.exp() - delta - 1).mean())
+    assert 0 <= got["mismatch/kl_k3"].item() == pytest.approx(expected, rel=0.05)
