@@ -34,6 +34,7 @@ from streamrl.algorithms.masked import (
 
 __all__ = [
     "broadcast_to_tokens",
+    "decoupled_gae_advantages",
     "dr_grpo_advantages",
     "gae",
     "gpg_advantages",
@@ -262,21 +263,36 @@ def vapo_advantages(
     lam_critic: float = 1.0,
     alpha: float = 0.05,
 ) -> tuple[Tensor, Tensor]:
-    """VAPO decoupled, length-adaptive GAE.
+    """VAPO decoupled, length-adaptive GAE: `decoupled_gae_advantages` with
+    λ_policy = 1 − 1/(α·|o_i|) per response (`length_adaptive_lambda`), |o_i| the row sums of
+    `mask`."""
+    lam_policy = length_adaptive_lambda(mask.float().sum(-1), alpha)
+    return decoupled_gae_advantages(
+        rewards, values, mask, gamma=gamma, lam_critic=lam_critic, lam_policy=lam_policy
+    )
 
-    The outcome reward sits on the last token. The critic's targets use λ_critic (1.0: the
-    unbiased Monte-Carlo return); the policy's advantages use λ_policy = 1 − 1/(α·|o_i|) per
-    response, with the same γ (1.0 in VAPO).
+
+def decoupled_gae_advantages(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam_critic: float,
+    lam_policy: Tensor | float,
+) -> tuple[Tensor, Tensor]:
+    """Decoupled GAE (VAPO, VC-PPO): the outcome reward on the last token; the critic's
+    targets with λ_critic (1.0: the unbiased Monte-Carlo return), the policy's advantages with
+    λ_policy (`[N]` per response, or one for all), the same γ.
 
     Args:
         rewards: `[N]` outcome rewards.
         values: `[N, T]` critic values V_t (detached).
-        mask: `[N, T]` sampled-token mask (|o_i| = its row sums).
+        mask: `[N, T]` sampled-token mask.
 
     Returns `(policy_advantages [N, T], value_targets [N, T])`.
     """
     token_rewards = outcome_token_rewards(rewards, mask)
-    lam_policy = length_adaptive_lambda(mask.float().sum(-1), alpha)
     policy_advantages, _ = gae(token_rewards, values, mask, gamma, lam_policy)
     _, value_targets = gae(token_rewards, values, mask, gamma, lam_critic)
     return policy_advantages, value_targets

@@ -25,7 +25,7 @@ from streamrl.algorithms.outcome import (
     RLOOConfig,
 )
 from streamrl.algorithms.reinforce_pp import ReinforcePPConfig
-from streamrl.algorithms.vapo import VAPOConfig
+from streamrl.algorithms.vapo import PPOConfig, VAPOConfig
 
 __all__ = [
     "ALGORITHM_CLASSES",
@@ -39,6 +39,7 @@ __all__ = [
     "GRPOConfig",
     "KLConfig",
     "OverlongConfig",
+    "PPOConfig",
     "RLOOConfig",
     "ReinforcePPConfig",
     "VAPOConfig",
@@ -50,6 +51,7 @@ AlgorithmConfig = Annotated[
     | DrGRPOConfig
     | DAPOConfig
     | VAPOConfig
+    | PPOConfig
     | RLOOConfig
     | ReinforcePPConfig
     | GPGConfig,
@@ -63,6 +65,7 @@ ALGORITHM_CLASSES: dict[str, type[AlgorithmBase]] = {
         DrGRPOConfig,
         DAPOConfig,
         VAPOConfig,
+        PPOConfig,
         RLOOConfig,
         ReinforcePPConfig,
         GPGConfig,
