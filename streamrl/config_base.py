@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
 from storage.credentials import credential_paths
 
@@ -24,6 +24,7 @@ __all__ = [
     "ConfigError",
     "Section",
     "credentials_problem",
+    "tag_or",
 ]
 
 MAX_WAIT_S = 30 * 24 * 3600.0
@@ -38,6 +39,18 @@ MAX_STEPS = 10**9
 
 # An Adam moment decay: 1 would never forget (and divide by zero in the bias correction).
 AdamBeta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+def tag_or(field: str, default: str) -> Discriminator:
+    """A discriminated union's discriminator on `field`, `default` when a block leaves it out
+    (so `correction: {is_cap: 3}` means the default method)."""
+
+    def tag(value: Any) -> str:
+        if isinstance(value, Mapping):
+            return str(value.get(field, default))
+        return str(getattr(value, field, default))
+
+    return Discriminator(tag)
 
 
 class ConfigError(ValueError):

@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, Tag, model_validator
 from torch import Tensor
 
 from streamrl.algorithms.correction import Correction, correct
 from streamrl.algorithms.masked import zero_outside
-from streamrl.config_base import Section
+from streamrl.config_base import Section, tag_or
 
 __all__ = [
     "CORRECTION_CLASSES",
@@ -190,18 +190,11 @@ class NoCorrection(Section):
         return correct(logp_prox, logp_behav, mask, is_level="none")
 
 
-def _method(value: Any) -> str:
-    """The correction's method; `rollout` when a block leaves it out."""
-    if isinstance(value, Mapping):
-        return str(value.get("method", "rollout"))
-    return str(getattr(value, "method", "rollout"))
-
-
 CorrectionConfig = Annotated[
     Annotated[RolloutCorrection, Tag("rollout")]
     | Annotated[IcePopCorrection, Tag("icepop")]
     | Annotated[NoCorrection, Tag("none")],
-    Discriminator(_method),
+    tag_or("method", "rollout"),
 ]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field, Tag
 from torch import Tensor
 
 from streamrl.algorithms.advantages import (
@@ -38,7 +38,7 @@ from streamrl.algorithms.variants import (
     rank_advantages,
     weighted_baseline_advantages,
 )
-from streamrl.config_base import Section
+from streamrl.config_base import Section, tag_or
 
 __all__ = [
     "DAPOConfig",
@@ -103,18 +103,11 @@ class HierarchicalAdvantage(Section):
         )  # fmt: skip
 
 
-def _kind(value: Any) -> str:
-    """The advantage's kind; `group` when a block leaves it out."""
-    if isinstance(value, dict):
-        return str(value.get("kind", "group"))
-    return str(getattr(value, "kind", "group"))
-
-
 OutcomeAdvantage = Annotated[
     Annotated[GroupAdvantage, Tag("group")]
     | Annotated[RankAdvantage, Tag("rank")]
     | Annotated[HierarchicalAdvantage, Tag("hierarchical")],
-    Discriminator(_kind),
+    tag_or("kind", "group"),
 ]
 ADVANTAGE_CLASSES: dict[str, type[Section]] = {
     "group": GroupAdvantage,

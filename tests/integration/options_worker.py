@@ -7,14 +7,14 @@ that test shares with it.
 Every rank trains the FSDP2-sharded tiny model once per option, from the same weights, on a
 batch whose behaviour log-probs are the model's own plus noise (so weights, bands and the veto
 all act) and whose groups are half fresh; rank 0 writes `<out>/rank0.json`: per option, the
-gathered parameter update (SGD at lr 1: the gradient) and the step's metrics.
+gathered parameter update (SGD at lr 1: the gradient) and the step's metrics, for the test to
+`compare` (shared_prompt_worker's) with one rank's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -153,23 +153,6 @@ def _parameters(model: torch.nn.Module, topology: Topology) -> list[torch.Tensor
         return [t.detach().clone() for t in model.state_dict().values()]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return [t.clone() for t in get_model_state_dict(model, options=options).values()]
-
-
-def compare(a: tuple[list, dict], b: tuple[list, dict]) -> dict:
-    """The largest update difference, the largest update, and the metrics that differ by
-    more than 1e-5 (absolute and relative) or exist in one only."""
-    (updates_a, metrics_a), (updates_b, metrics_b) = a, b
-    worst = max(float((x - y).abs().max()) for x, y in zip(updates_a, updates_b, strict=True))
-    mismatches = sorted(set(metrics_a) ^ set(metrics_b))
-    for name in set(metrics_a) & set(metrics_b):
-        x, y = float(metrics_a[name]), float(metrics_b[name])
-        if abs(x - y) > 1e-5 + 1e-5 * abs(x) and not (math.isnan(x) and math.isnan(y)):
-            mismatches.append(f"{name}: {x} vs {y}")
-    return {
-        "max_update_diff": worst,
-        "max_update": max(float(u.abs().max()) for u in updates_a),
-        "metric_mismatches": mismatches,
-    }
 
 
 def main() -> None:

@@ -124,9 +124,10 @@ def _parameters(models: list, topology: Topology) -> list[torch.Tensor]:
 
 
 def compare(today: tuple[list, dict], fast: tuple[list, dict]) -> dict:
-    """How the fast path's update and metrics differ from today's: the largest update
-    difference, the largest update, and the metrics that differ by more than 1e-5 (absolute
-    and relative)."""
+    """How one training's update and metrics differ from another's (the fast path's from
+    today's; an option's on 2 ranks from 1): the largest update difference, the largest
+    update, and the metrics that differ by more than 1e-5 (absolute and relative) or exist in
+    one only."""
     (updates_a, metrics_a), (updates_b, metrics_b) = today, fast
     worst = max(float((a - b).abs().max()) for a, b in zip(updates_a, updates_b, strict=True))
     mismatches = sorted(set(metrics_a) ^ set(metrics_b))

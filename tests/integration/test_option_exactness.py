@@ -15,6 +15,7 @@ import torch
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
 from tests.integration import options_worker as worker
+from tests.integration.shared_prompt_worker import compare
 from tests.integration.torchrun import torchrun
 
 
@@ -37,7 +38,7 @@ def one_rank(topology) -> dict[str, tuple[list, dict]]:
 @pytest.mark.parametrize("option", list(worker.OPTIONS))
 def test_an_option_trains_alike_whatever_the_micro_batch_budget(topology, one_rank, option):
     split = worker.one_update(option, budget=80, topology=topology)
-    check = worker.compare(one_rank[option], split)
+    check = compare(one_rank[option], split)
     assert check["max_update_diff"] <= 1e-5, check
     assert check["max_update"] > 0, check
     assert check["metric_mismatches"] == [], check
@@ -69,7 +70,7 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
     ],
 )
 def test_an_advantage_variant_changes_the_update(one_rank, variant, as_is):
-    check = worker.compare(one_rank[variant], one_rank[as_is])
+    check = compare(one_rank[variant], one_rank[as_is])
     assert check["max_update_diff"] > 1e-4 * check["max_update"], check
 
 
@@ -79,6 +80,6 @@ def test_every_option_trains_alike_on_two_ranks(tmp_path, one_rank):
     results = json.loads((tmp_path / "rank0.json").read_text())
     for option, got in results.items():
         sharded = ([torch.tensor(u) for u in got["updates"]], got["metrics"])
-        check = worker.compare(one_rank[option], sharded)
+        check = compare(one_rank[option], sharded)
         assert check["max_update_diff"] <= 1e-5, (option, check)
         assert check["metric_mismatches"] == [], (option, check)
