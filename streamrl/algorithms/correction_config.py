@@ -37,7 +37,32 @@ __all__ = [
 ]
 
 
-class RolloutCorrection(Section):
+class _CorrectionMethod(Section):
+    """What every method offers the losses: `apply` (its weights and narrowed mask for one
+    micro-batch) from the keywords of `correct` it sets (`options`)."""
+
+    normalises: ClassVar[bool] = False
+    """Whether the weights are divided by their batch mean (the learner's scoring pass
+    computes it: `RolloutCorrection.weight_sums`)."""
+
+    def options(self) -> dict[str, Any]:
+        """The keywords of `correct` this method sets."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        logp_prox: Tensor,
+        logp_behav: Tensor | None,
+        mask: Tensor,
+        weight_mean: float | Tensor | None = None,
+    ) -> Correction:
+        """The correction of one micro-batch (`correct`; tensors `[N, T]`); `weight_mean` is
+        used only by a method that normalises."""
+        normaliser = weight_mean if self.normalises else None
+        return correct(logp_prox, logp_behav, mask, weight_mean=normaliser, **self.options())
+
+
+class RolloutCorrection(_CorrectionMethod):
     """Truncated importance sampling, a rejection band and the veto, in any combination
     (verl's rollout correction, AReaL's decoupled PPO). The default, token-level truncation
     at C = 2, is every preset's correction."""
@@ -98,49 +123,28 @@ class RolloutCorrection(Section):
         return (1.0 / self.rs_high if self.rs_low is None else self.rs_low, self.rs_high)
 
     @property
-    def normalises(self) -> bool:
-        """Whether the weights are divided by their batch mean (the learner's scoring pass
-        computes it: `weight_sums`)."""
+    def normalises(self) -> bool:  # type: ignore[override]
         return self.is_normalize
 
-    def apply(
-        self,
-        logp_prox: Tensor,
-        logp_behav: Tensor | None,
-        mask: Tensor,
-        weight_mean: float | Tensor | None = None,
-    ) -> Correction:
-        """The correction of one micro-batch (`correct`; tensors `[N, T]`)."""
-        return correct(
-            logp_prox,
-            logp_behav,
-            mask,
-            is_level=self.is_level,
-            is_cap=self.is_cap,
-            rs_level=self.rs_level,
-            rs_band=self.rejection_band,
-            veto=self.veto,
-            weight_mean=weight_mean if self.is_normalize else None,
-        )
+    def options(self) -> dict[str, Any]:
+        return {
+            "is_level": self.is_level,
+            "is_cap": self.is_cap,
+            "rs_level": self.rs_level,
+            "rs_band": self.rejection_band,
+            "veto": self.veto,
+        }
 
     def weight_sums(self, logp_prox: Tensor, logp_behav: Tensor | None, mask: Tensor) -> Tensor:
-        """`[2]` float64: Σ w over the kept loss tokens of this micro-batch, and their count;
-        summed over the optimiser batch on every rank, their ratio is `weight_mean`."""
-        got = correct(
-            logp_prox,
-            logp_behav,
-            mask,
-            is_level=self.is_level,
-            is_cap=self.is_cap,
-            rs_level=self.rs_level,
-            rs_band=self.rejection_band,
-            veto=self.veto,
-        )
+        """`[2]` float64: Σ w over the kept loss tokens of this micro-batch (before any
+        normalisation), and their count; summed over the optimiser batch on every rank, their
+        ratio is `weight_mean`."""
+        got = correct(logp_prox, logp_behav, mask, **self.options())
         kept = zero_outside(got.weights, got.mask).sum()
         return torch.stack([kept, got.mask.sum()]).double()
 
 
-class IcePopCorrection(Section):
+class IcePopCorrection(_CorrectionMethod):
     """IcePop: a two-sided token mask [low, high]; inside it the token is weighted by its full
     ratio ρ_t (no truncation), outside it leaves the loss. With an optional veto."""
 
@@ -159,35 +163,19 @@ class IcePopCorrection(Section):
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
         return self
 
-    normalises: ClassVar[bool] = False
-
-    def apply(
-        self,
-        logp_prox: Tensor,
-        logp_behav: Tensor | None,
-        mask: Tensor,
-        weight_mean: float | Tensor | None = None,
-    ) -> Correction:
-        return correct(logp_prox, logp_behav, mask, icepop=(self.low, self.high), veto=self.veto)
+    def options(self) -> dict[str, Any]:
+        return {"icepop": (self.low, self.high), "veto": self.veto}
 
 
-class NoCorrection(Section):
+class NoCorrection(_CorrectionMethod):
     """No correction: w = 1 and nothing rejected. Sound only when the generator and the
     learner compute the same log-probs and max_staleness = 0; the mismatch metrics still
     show the gap."""
 
     method: Literal["none"] = Field("none", description="none: no correction.")
 
-    normalises: ClassVar[bool] = False
-
-    def apply(
-        self,
-        logp_prox: Tensor,
-        logp_behav: Tensor | None,
-        mask: Tensor,
-        weight_mean: float | Tensor | None = None,
-    ) -> Correction:
-        return correct(logp_prox, logp_behav, mask, is_level="none")
+    def options(self) -> dict[str, Any]:
+        return {"is_level": "none"}
 
 
 CorrectionConfig = Annotated[

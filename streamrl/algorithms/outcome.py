@@ -54,19 +54,19 @@ __all__ = [
 
 class GroupAdvantage(Section):
     """R − the group's baseline (over std + ε where the algorithm normalises): the paper's
-    advantage with `baseline: mean`, or the guide's weighted baseline (eqs 39, 52)."""
+    advantage with `baseline: uniform`, or the guide's weighted baseline (eqs 39, 52)."""
 
     kind: Literal["group"] = Field("group", description="group: R less the group baseline.")
-    baseline: Literal["mean"] | BaselineWeights = Field(
-        "mean",
-        description="mean: the paper's group mean; the guide's weighted mean Σq·R/Σq with q "
-        "uniform (the same mean), inv_sqrt_len (1/√|o|: long responses weigh less) or "
-        "confidence (exp of the mean behaviour log-prob: confident responses weigh more).",
+    baseline: BaselineWeights = Field(
+        "uniform",
+        description="The group baseline Σq·R/Σq (eqs 39, 52): q uniform (the paper's group "
+        "mean), inv_sqrt_len (1/√|o|: long responses weigh less) or confidence (exp of the "
+        "mean behaviour log-prob: confident responses weigh more).",
     )
 
     def outcomes(self, responses: Responses, std_eps: float | None) -> Tensor:
         r, g, n = responses.rewards, responses.group_index, responses.num_groups
-        if self.baseline == "mean":
+        if self.baseline == "uniform":  # the paper's own function: presets unchanged, bitwise
             return (
                 dr_grpo_advantages(r, g, n)
                 if std_eps is None

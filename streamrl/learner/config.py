@@ -17,15 +17,18 @@ from streamrl.config_base import (
     AdamBeta,
     Section,
 )
-from streamrl.learner.optim import Schedule
 from streamrl.models.config import ModelConfig
 from streamrl.placement.cores import CoreSetting
 
 __all__ = [
     "LearnerConfig",
     "LoggingConfig",
+    "Schedule",
     "WeightsConfig",
 ]
+
+Schedule = Literal["constant", "cosine", "warmup-times-cosine"]
+"""The learning-rate schedules (`streamrl.learner.optim.lr_factor`)."""
 
 
 class LearnerConfig(Section):

@@ -82,7 +82,11 @@ class TrainBatch:
             raw_scores=flat([g.raw_scores for g in groups], np.float32),
             truncated=flat([g.truncated for g in groups], np.bool_),
             policy_version=policy_version.long(),
-            fresh=policy_version == (-1 if learner_version is None else learner_version),
+            fresh=(
+                policy_version == learner_version
+                if learner_version is not None
+                else torch.zeros(len(policy_version), dtype=torch.bool)
+            ),
             response_length=torch.from_numpy(response_length),
             prompt_length=torch.from_numpy(prompt_length),
             tokens=flat(pieces, np.int64),

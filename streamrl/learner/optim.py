@@ -13,16 +13,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from functools import partial
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["Schedule", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_factor"]
+from streamrl.learner.config import Schedule
 
-Schedule = Literal["constant", "cosine", "warmup-times-cosine"]
+__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm", "lr_factor"]
 
 
 def build_optimizer(
