@@ -23,7 +23,7 @@ joins them as a discriminated union.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -68,6 +68,12 @@ class Responses:
     mean_logp_behav  float32, the mean behaviour log-prob over them (0 without any)
     optimiser_batch  int64, the mini-batch (optimiser update) the response trains in
     median_length    float32, the median |o| of the loss-bearing responses of that mini-batch
+
+    and the prompts' earlier rewards (temporal groups; empty unless the algorithm keeps them,
+    `reward_history`), `[M]` each:
+
+    past_rewards     float32, a reward of an earlier batch for the prompt of ...
+    past_group       int64, ... this batch's group
     """
 
     rewards: Tensor
@@ -78,6 +84,8 @@ class Responses:
     mean_logp_behav: Tensor
     optimiser_batch: Tensor
     median_length: Tensor
+    past_rewards: Tensor = field(default_factory=lambda: torch.zeros(0))
+    past_group: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def to(self, device: torch.device) -> Responses:
         moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
@@ -119,6 +127,60 @@ class OverlongConfig(Section):
     )
 
 
+class LengthPenaltyConfig(Section):
+    """The framework guide's adaptive length penalty (eqs 31–33), an alternative to overlong
+    shaping: R = R_base − λ(R_base)·pen(|o|, R_base), with R_base the rule reward
+    (`reward_scale`) and |o| the tokens the policy sampled;
+    pen = a·ln(1 + |o|/L_target) if R_base > r_th, else b·(|o|/L_target)²;
+    λ(r) = λ_base·exp(−γ·max(0, r − r_th)).
+
+    The guide gives no values; the defaults keep correctness dominant on both reward scales: a
+    correct answer (R_base = 1 on either) loses at most λ_base·e^(−γ)·a·ln 3 ≈ 0.04 at
+    generator.max_tokens = 2·L_target, a wrong one (−1 or 0) at most λ_base·b·4 = 0.4.
+    """
+
+    target: int | None = Field(
+        None,
+        gt=0,
+        le=2**20,
+        description="L_target, the length in tokens the penalty is measured against (at most "
+        "generator.max_tokens for single-turn responses); default: generator.max_tokens / 2, "
+        "so a wrong answer that fills the budget pays 4·b·λ_base.",
+    )
+    a: float = Field(
+        1.0,
+        ge=0.0,
+        description="Scale of the logarithmic penalty a·ln(1 + |o|/L_target) on answers above "
+        "r_th (eq 32): mild pressure toward shorter correct answers. 1: λ_base sets the size.",
+    )
+    b: float = Field(
+        1.0,
+        ge=0.0,
+        description="Scale of the quadratic penalty b·(|o|/L_target)² on answers at or below "
+        "r_th (eq 32): long wrong answers pay most. 1: λ_base sets the size.",
+    )
+    r_th: float = Field(
+        0.0,
+        ge=-1.0,
+        le=1.0,
+        description="r_th, the reward above which an answer counts as good (eqs 32–33). 0 "
+        "splits correct from wrong on both scales: +1 vs −1 (plus_minus_one), 1 vs 0 (zero_one; "
+        "R_base = r_th takes the quadratic branch).",
+    )
+    lambda_base: float = Field(
+        0.1,
+        gt=0.0,
+        description="λ_base, the penalty's weight (eq 33). 0.1 keeps the whole penalty well under "
+        "the reward gap between a correct and a wrong answer (1 on zero_one).",
+    )
+    gamma: float = Field(
+        1.0,
+        ge=0.0,
+        description="γ, how fast λ decays as the reward rises above r_th (eq 33): by default a "
+        "correct answer (R_base − r_th = 1) pays e^(−γ) ≈ 0.37 of λ_base.",
+    )
+
+
 class AlgorithmBase(Section):
     """Fields every algorithm shares, and what a learner step asks of an algorithm (see the
     module docstring): the outcome family's behaviour by default, overridden where a family
@@ -149,6 +211,11 @@ class AlgorithmBase(Section):
     )
     overlong: OverlongConfig = Field(
         default_factory=OverlongConfig, description="Overlong reward shaping and filtering."
+    )
+    length_penalty: LengthPenaltyConfig | None = Field(
+        None,
+        description="The framework guide's adaptive length penalty (eqs 31–33) on the reward, an "
+        "alternative to overlong.shaping (set one); null disables.",
     )
     correction: CorrectionConfig = Field(
         default_factory=RolloutCorrection,
@@ -195,6 +262,13 @@ class AlgorithmBase(Section):
         """Why this algorithm cannot train on multi-turn groups (environment tokens between
         sampled ones), or None: it can. The outcome family can: advantages broadcast over the
         sampled tokens, every loss term and denominator counts only them."""
+        return None
+
+    @property
+    def reward_history(self) -> tuple[int, int] | None:
+        """Temporal groups: `(H, max_age)`, the learner keeps each prompt's last H rewards of
+        at most max_age versions ago for the advantages (`Responses.past_rewards`) and
+        checkpoints them; None (default): advantages see the current batch only."""
         return None
 
     @property

@@ -12,7 +12,8 @@ broadcast to each of its tokens.
   (`pg_loss`), 1 when the data is on-policy.
 
 GRPO, Dr. GRPO and DAPO take the framework guide's variants of their group advantage as
-`advantage` (`streamrl.algorithms.variants`): a weighted baseline, rank-based, hierarchical.
+`advantage` (`streamrl.algorithms.variants`): a weighted baseline, rank-based, hierarchical,
+temporal groups.
 
 The formulas and their degenerate cases: `streamrl.algorithms.advantages`.
 """
@@ -36,6 +37,7 @@ from streamrl.algorithms.variants import (
     BaselineWeights,
     hierarchical_advantages,
     rank_advantages,
+    temporal_advantages,
     weighted_baseline_advantages,
 )
 from streamrl.config_base import Section, tag_or
@@ -49,10 +51,25 @@ __all__ = [
     "HierarchicalAdvantage",
     "RLOOConfig",
     "RankAdvantage",
+    "TemporalAdvantage",
 ]
 
 
-class GroupAdvantage(Section):
+class AdvantageVariant(Section):
+    """What a group-advantage variant gives the algorithm that uses it."""
+
+    def outcomes(self, responses: Responses, std_eps: float | None) -> Tensor:
+        """Each response's outcome advantage `[N]`, over (std + `std_eps`) where the
+        algorithm normalises by the group std (`std_eps` None: it does not)."""
+        raise NotImplementedError
+
+    @property
+    def reward_history(self) -> tuple[int, int] | None:
+        """`AlgorithmBase.reward_history`: None, the current batch alone."""
+        return None
+
+
+class GroupAdvantage(AdvantageVariant):
     """R − the group's baseline (over std + ε where the algorithm normalises): the paper's
     advantage with `baseline: uniform`, or the guide's weighted baseline (eqs 39, 52)."""
 
@@ -78,7 +95,7 @@ class GroupAdvantage(Section):
         )  # fmt: skip
 
 
-class RankAdvantage(Section):
+class RankAdvantage(AdvantageVariant):
     """The guide's rank-based advantage (eq 40): (rank − (G + 1)/2) / (G/2), ties averaged."""
 
     kind: Literal["rank"] = Field("rank", description="rank: the reward's rank in its group.")
@@ -87,7 +104,7 @@ class RankAdvantage(Section):
         return rank_advantages(responses.rewards, responses.group_index, responses.num_groups)
 
 
-class HierarchicalAdvantage(Section):
+class HierarchicalAdvantage(AdvantageVariant):
     """The guide's hierarchical advantage (eq 51): α·(R − mean_g) + (1 − α)·(R − mean_B),
     mean_B over the optimiser batch."""
 
@@ -103,28 +120,71 @@ class HierarchicalAdvantage(Section):
         )  # fmt: skip
 
 
+class TemporalAdvantage(AdvantageVariant):
+    """The guide's temporal groups (Alg. 5): the baseline (and GRPO's std) over the group's
+    rewards pooled with its prompt's last `history` rewards from earlier batches, sampled at
+    most `max_age` versions before the learner's; only the current responses train."""
+
+    kind: Literal["temporal"] = Field(
+        "temporal", description="temporal: the prompt's earlier rewards join the baseline."
+    )
+    history: int = Field(
+        16,
+        ge=1,
+        le=65_536,
+        description="H: earlier rewards kept per prompt (the most recent), learner state "
+        "saved in its checkpoints.",
+    )
+    max_age: int = Field(
+        8,
+        ge=0,
+        le=1_000_000,
+        description="Use an earlier reward only if its group was sampled at most this many "
+        "weight versions before the learner's current one.",
+    )
+
+    def outcomes(self, responses: Responses, std_eps: float | None) -> Tensor:
+        r = responses
+        return temporal_advantages(
+            r.rewards, r.group_index, r.num_groups, r.past_rewards, r.past_group, std_eps
+        )
+
+    @property
+    def reward_history(self) -> tuple[int, int] | None:
+        return self.history, self.max_age
+
+
 OutcomeAdvantage = Annotated[
     Annotated[GroupAdvantage, Tag("group")]
     | Annotated[RankAdvantage, Tag("rank")]
-    | Annotated[HierarchicalAdvantage, Tag("hierarchical")],
+    | Annotated[HierarchicalAdvantage, Tag("hierarchical")]
+    | Annotated[TemporalAdvantage, Tag("temporal")],
     tag_or("kind", "group"),
 ]
 ADVANTAGE_CLASSES: dict[str, type[Section]] = {
     "group": GroupAdvantage,
     "rank": RankAdvantage,
     "hierarchical": HierarchicalAdvantage,
+    "temporal": TemporalAdvantage,
 }
 
 
-def _advantage_field() -> Any:
-    return Field(
+class GroupAlgorithmBase(ClippedAlgorithmBase):
+    """GRPO, Dr. GRPO and DAPO: a group advantage, the paper's or one of the guide's."""
+
+    advantage: OutcomeAdvantage = Field(
         default_factory=GroupAdvantage,
         description="The group advantage: kind group (the paper's, or a weighted baseline), "
-        "rank (eq 40) or hierarchical (eq 51).",
+        "rank (eq 40), hierarchical (eq 51) or temporal (Alg. 5: earlier rewards of the "
+        "prompt join the baseline).",
     )
 
+    @property
+    def reward_history(self) -> tuple[int, int] | None:
+        return self.advantage.reward_history
 
-class GRPOConfig(ClippedAlgorithmBase):
+
+class GRPOConfig(GroupAlgorithmBase):
     """GRPO (Shao et al., DeepSeekMath): group-normalised advantages, KL k3 to a frozen ref."""
 
     name: Literal["grpo"] = "grpo"
@@ -133,24 +193,22 @@ class GRPOConfig(ClippedAlgorithmBase):
         "kl": {"estimator": "k3", "coef": 0.001, "reference": "frozen"},
     }
     std_eps: float = Field(1e-6, gt=0.0, description="ε in A = (R − mean) / (std + ε).")
-    advantage: OutcomeAdvantage = _advantage_field()
 
     def response_outcomes(self, responses: Responses) -> Tensor:
         return self.advantage.outcomes(responses, self.std_eps)
 
 
-class DrGRPOConfig(ClippedAlgorithmBase):
+class DrGRPOConfig(GroupAlgorithmBase):
     """Dr. GRPO (Liu et al., 2503.20783): no std division, constant length normaliser."""
 
     name: Literal["dr_grpo"] = "dr_grpo"
     paper_defaults: ClassVar[dict[str, Any]] = {"aggregation": "seq-mean-token-sum-norm"}
-    advantage: OutcomeAdvantage = _advantage_field()
 
     def response_outcomes(self, responses: Responses) -> Tensor:
         return self.advantage.outcomes(responses, None)
 
 
-class DAPOConfig(ClippedAlgorithmBase):
+class DAPOConfig(GroupAlgorithmBase):
     """DAPO (Yu et al., 2503.14476): Clip-Higher, dynamic sampling, token-mean, overlong shaping."""
 
     name: Literal["dapo"] = "dapo"
@@ -161,7 +219,6 @@ class DAPOConfig(ClippedAlgorithmBase):
         "overlong": {"shaping": True},
     }
     std_eps: float = Field(1e-6, gt=0.0, description="ε in A = (R − mean) / (std + ε).")
-    advantage: OutcomeAdvantage = _advantage_field()
 
     def response_outcomes(self, responses: Responses) -> Tensor:
         """GRPO's group-normalised advantages (dynamic sampling happens in the collector)."""

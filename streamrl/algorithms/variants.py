@@ -10,6 +10,9 @@ ALGORITHMS.md "Framework-guide variants"), each `[N]` → `[N]` float32 over gro
   sharing the mean of their ranks; a group of one gets 0;
 * hierarchical (eq 51): A_i = α·(R_i − mean_g R) + (1 − α)·(R_i − mean_B R), mean_B over the
   responses of the response's optimiser batch;
+* temporal groups (Alg. 5): R_i less the mean over its group's current rewards pooled with the
+  prompt's earlier rewards (`streamrl.learner.reward_history` keeps them), over (the pooled
+  std + ε) where the algorithm normalises; only current responses get an advantage;
 * sequence-level reweighting (eq 30): each response's loss times (|o_i| / L_median)^(−α_w),
   L_median the median length of the loss-bearing responses of its optimiser batch.
 
@@ -33,6 +36,7 @@ __all__ = [
     "hierarchical_advantages",
     "rank_advantages",
     "sequence_length_weights",
+    "temporal_advantages",
     "weighted_baseline_advantages",
 ]
 
@@ -110,6 +114,29 @@ def hierarchical_advantages(
     batches = int(optimiser_batch.max()) + 1 if optimiser_batch.numel() else 0
     batch = group_mean(rewards, optimiser_batch, batches)[optimiser_batch]
     return alpha * (rewards - group) + (1.0 - alpha) * (rewards - batch)
+
+
+def temporal_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    num_groups: int,
+    past_rewards: Tensor,
+    past_group: Tensor,
+    std_eps: float | None = None,
+) -> Tensor:
+    """R_i − mean over the pooled set {the group's rewards} ∪ {its prompt's past rewards}, over
+    (the pooled set's unbiased std + `std_eps`) when `std_eps` is given (0 for a pooled set of
+    equal rewards, as GRPO's). `past_rewards: [M]` float32, `past_group: [M]` int64: each past
+    reward's group in this batch. Without past rewards: the paper's group advantage, bitwise."""
+    rewards = rewards.float()
+    pooled = torch.cat([rewards, past_rewards.float().to(rewards.device)])
+    index = torch.cat([group_index, past_group.to(group_index.device)])
+    centred = rewards - group_mean(pooled, index, num_groups)[group_index]
+    if std_eps is None:
+        return centred
+    std = group_std(pooled, index, num_groups)[group_index]
+    signal = groups_with_signal(pooled, index, num_groups)[group_index]
+    return torch.where(signal, centred / (std + std_eps), torch.zeros_like(rewards))
 
 
 def sequence_length_weights(lengths: Tensor, median_length: Tensor, alpha: float) -> Tensor:

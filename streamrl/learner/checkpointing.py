@@ -3,7 +3,8 @@
 A checkpoint (`storage.checkpoints`) holds the models that learn with their optimisers (the
 policy; a critic; an EMA reference policy — a frozen one is rebuilt from the model path), each
 rank's RNG states, and the learner state record (`LearnerState`): the `TrainingState` (step,
-policy version, stream cursor, filter totals, whether the critic was pre-trained), the
+policy version, stream cursor, filter totals, whether the critic was pre-trained, the
+prompts' earlier rewards for temporal groups), the
 skipped-update counts, and the layout of the models (what decides the shapes of the saved
 state: it must match to resume). `LearnerCheckpoints` writes that record and reads it back
 (`_record` and `_restored`, side by side). The newest checkpoint that passes its checks is
@@ -25,6 +26,7 @@ from storage.records import Cursor
 from storage.stream_retention import oldest_resume_cursor, release_consumed
 from streamrl.config import RunConfig
 from streamrl.learner.batching import FilterCounts, StreamBatch
+from streamrl.learner.reward_history import PastRewards, RewardHistory
 from streamrl.learner.step_inputs import StepModels
 from streamrl.learner.topology import Topology
 
@@ -43,17 +45,26 @@ class TrainingState:
     gives back. `version` is the newest policy version published (a checkpoint is written only
     once it is committed); `cursor` and `totals` are the stream position and filter totals after
     the last batch trained on; `value_pretrained` is false only before VAPO's critic
-    pre-training. The loop advances it; the stream source reads `step` and `version` live."""
+    pre-training; `rewards`, the prompts' earlier rewards when the algorithm pools them
+    (temporal groups). The loop advances it; the stream source reads `step` and `version`
+    live."""
 
     step: int = 0
     version: int = 0
     cursor: Cursor = field(default_factory=Cursor)
     totals: FilterCounts = field(default_factory=FilterCounts)
     value_pretrained: bool = True
+    rewards: RewardHistory | None = None
+
+    def past_rewards(self, batch: StreamBatch) -> PastRewards | None:
+        """The earlier rewards of `batch`'s prompts (before `trained_on(batch)`), when kept."""
+        return None if self.rewards is None else self.rewards.past(batch.groups, self.version)
 
     def trained_on(self, batch: StreamBatch) -> None:
-        """Move the stream position past `batch`."""
+        """Move the stream position past `batch`; remember its rewards when they are kept."""
         self.cursor, self.totals = batch.cursor_after, batch.totals
+        if self.rewards is not None:
+            self.rewards.record(batch.groups, self.version)
 
 
 class LearnerCheckpoints:
@@ -76,7 +87,10 @@ class LearnerCheckpoints:
         return the state it recorded; a fresh state at step 0 for a run without one."""
         latest = self.store.latest_verified()
         if latest is None:
-            return TrainingState(value_pretrained=not self.config.algorithm.uses_value_model)
+            return TrainingState(
+                value_pretrained=not self.config.algorithm.uses_value_model,
+                rewards=self._reward_history(None),
+            )
         self._check_compatible(self.store.read_state(latest), latest)
         state = self._restored(self.store.load(latest, self._app_state()))
         log.info(
@@ -105,6 +119,7 @@ class LearnerCheckpoints:
                     for name, part in self.models.trainables().items()
                 },
                 "layout": self._layout(),
+                "reward_history": state.rewards and state.rewards.to_record(),
             },
         )
 
@@ -120,7 +135,18 @@ class LearnerCheckpoints:
             cursor=Cursor.from_dict(record.stream_cursor),
             totals=FilterCounts(**record.extra.get("filter_totals", {})),
             value_pretrained=record.extra.get("value_pretrained", True),
+            rewards=self._reward_history(record.extra.get("reward_history")),
         )
+
+    def _reward_history(self, record: object) -> RewardHistory | None:
+        """The temporal groups' state: from a checkpoint's `record` (None: empty), when the
+        algorithm keeps one."""
+        kept = self.config.algorithm.reward_history
+        if kept is None:
+            return None
+        if record is None:
+            return RewardHistory(*kept)
+        return RewardHistory.from_record(record, *kept)
 
     def _release_consumed(self) -> None:
         try:  # on every rank: reading the checkpoints' cursors is a collective

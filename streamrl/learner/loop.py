@@ -30,11 +30,11 @@ check before each step's writes), and a learner that lost it (`LeaseLostError`) 
 writing anything more. A weight version that could not be committed fails the learner
 (`PublishFailedError`, see `streamrl.learner.publish`), also while it waits for data.
 
-Resume is exact: parameters, optimiser, version, cursor and RNG come from the checkpoint, and a
-weight version that an earlier life already published is not published again (the same steps
-on the same stream produce the same weights). A checkpoint written for other models (another
-architecture, algorithm family, critic or reference) is refused before anything is loaded or
-written, naming the differences.
+Resume is exact: parameters, optimiser, version, cursor, RNG and the prompts' earlier rewards
+(temporal groups) come from the checkpoint, and a weight version that an earlier life already
+published is not published again (the same steps on the same stream produce the same weights).
+A checkpoint written for other models (another architecture, algorithm family, critic or
+reference) is refused before anything is loaded or written, naming the differences.
 """
 
 from __future__ import annotations
@@ -200,9 +200,10 @@ class Learner:
         """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
         batch, stream_metrics = self.stream.next_batch()
+        past = self.state.past_rewards(batch)
         self.state.trained_on(batch)
         collected = time.perf_counter()
-        train = TrainBatch.from_groups(batch.groups, self.state.version)
+        train = TrainBatch.from_groups(batch.groups, self.state.version, past)
         mini_batches = make_mini_batches(
             train,
             cfg.mini_batch_groups,

@@ -9,7 +9,7 @@ forward rows from `streamrl.learner.packing`), and each rank's share of those.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor
 from storage.records import ScoredGroup
 from streamrl.algorithms.base import Responses
 from streamrl.learner.packing import PAD_ID, forward_rows
+from streamrl.learner.reward_history import PastRewards
 
 __all__ = ["MicroBatch", "MiniBatch", "TrainBatch", "make_mini_batches", "shard_for_rank"]
 
@@ -35,7 +36,8 @@ class TrainBatch:
     log-probs are `logprobs[logprob_start[i] : logprob_start[i] + L]` (`logprobs: [ΣL] f32`),
     and `sampled` (`[ΣL] bool`, the same layout) tells the tokens the policy sampled (True)
     from environment tokens of a multi-turn response (False: in the sequence, never scored).
-    L counts both.
+    L counts both. `past`: the earlier rewards of the groups' prompts that temporal groups pool
+    (`streamrl.learner.reward_history`), empty otherwise.
     """
 
     groups: tuple[ScoredGroup, ...]
@@ -52,13 +54,18 @@ class TrainBatch:
     logprobs: Tensor
     logprob_start: Tensor
     sampled: Tensor
+    past: PastRewards = field(default_factory=PastRewards)
 
     @classmethod
     def from_groups(
-        cls, groups: Sequence[ScoredGroup], learner_version: int | None = None
+        cls,
+        groups: Sequence[ScoredGroup],
+        learner_version: int | None = None,
+        past: PastRewards | None = None,
     ) -> TrainBatch:
         """Concatenate `groups` (Python loops over responses only, never over tokens);
-        `learner_version` tells the fresh groups (none without it)."""
+        `learner_version` tells the fresh groups (none without it); `past`: the earlier
+        rewards of their prompts (temporal groups)."""
         sizes = np.array([g.group_size for g in groups], np.int64)
         group_index = np.repeat(np.arange(len(groups)), sizes)
         prompts = [np.asarray(g.prompt_tokens) for g in groups]
@@ -94,6 +101,7 @@ class TrainBatch:
             logprobs=flat(logprobs, np.float32),
             logprob_start=torch.from_numpy(np.cumsum(response_length) - response_length),
             sampled=flat(sampled, np.bool_),
+            past=past or PastRewards(),
         )
 
     @property
@@ -122,6 +130,8 @@ class TrainBatch:
             mean_logp_behav=logp_sums / lengths.clamp(min=1.0),
             optimiser_batch=optimiser_batch,
             median_length=median_length,
+            past_rewards=self.past.rewards,
+            past_group=self.past.group,
         )
 
     @property

@@ -26,6 +26,7 @@ from streamrl.config_loading import load_config
 from streamrl.learner.forward import token_scores
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.model import load_policy, shard_model
+from streamrl.learner.reward_history import PastRewards
 from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
 from streamrl.learner.topology import Topology, exit_process
 from tests.stream_data import random_group
@@ -79,7 +80,11 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         "dr_grpo",
         ("algorithm.advantage.kind=hierarchical", "algorithm.advantage.alpha=0.6"),
     ),
+    "temporal-groups": ("grpo", ("algorithm.advantage.kind=temporal", "algorithm.kl=null")),
 }
+# Earlier rewards of the batch's prompts (temporal groups pool them; other options ignore them):
+# the group of one (3) gets a baseline from them.
+PAST = PastRewards(torch.tensor([0.5, -1.0, 1.0, 1.0]), torch.tensor([0, 1, 3, 3]))
 
 
 def config_for(option: str):
@@ -97,7 +102,8 @@ def config_for(option: str):
 
 def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
     """Four groups of random tokens (one of a single response) whose behaviour log-probs are
-    `policy`'s own plus N(0, 0.4²) noise; groups 0 and 2 generated at `VERSION` (fresh)."""
+    `policy`'s own plus N(0, 0.4²) noise; groups 0 and 2 generated at `VERSION` (fresh); the
+    prompts' earlier rewards `PAST`."""
     rng = np.random.default_rng(11)
     vocab = policy.config.vocab_size
     groups = [
@@ -116,7 +122,7 @@ def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
         group.raw_scores[:] = (group.rewards > 0).astype(np.float32)
         if group.group_size > 1:
             group.rewards[:2], group.raw_scores[:2] = [1.0, -1.0], [1.0, 0.0]
-    batch = TrainBatch.from_groups(groups, VERSION)
+    batch = TrainBatch.from_groups(groups, VERSION, PAST)
     (whole,) = make_mini_batches(batch, batch.num_groups, 4096)
     (micro,) = whole.micro_batches
     with torch.no_grad():

@@ -49,7 +49,12 @@ def topology():
     topo.destroy()
 
 
-def _config(run_dir, total_steps: int):
+# Temporal groups (the guide's Alg. 5): each prompt's earlier rewards are learner state that a
+# resume must restore exactly; the resume tests use them over a stream whose prompts repeat.
+TEMPORAL = ("algorithm.advantage.kind=temporal", "algorithm.advantage.history=6")
+
+
+def _config(run_dir, total_steps: int, *extra: str):
     return load_config(
         ["dapo", "tiny-cpu"],
         overrides=[
@@ -61,16 +66,20 @@ def _config(run_dir, total_steps: int):
             "learner.max_staleness=100",  # the pre-written stream is all version 0
             "learner.lr=1e-3",
             "generator.max_tokens=24",
+            *extra,
         ],
     )
 
 
-def _write_stream(run_dir, groups: int = 40) -> None:
+def _write_stream(run_dir, groups: int = 40, prompts: int | None = None) -> None:
+    """`groups` random groups, of `prompts` distinct prompt ids taken in turn (default: all
+    distinct)."""
     rng = np.random.default_rng(0)
     writer = StreamWriter(open_location(str(run_dir)), "gen0")
     batch = []
     for i in range(groups):
-        batch.append(random_group(rng, prompt_id=f"p{i}", vocab=600, max_len=24, prompt_len=10))
+        prompt_id = f"p{i % (prompts or groups)}"
+        batch.append(random_group(rng, prompt_id=prompt_id, vocab=600, max_len=24, prompt_len=10))
         if len(batch) == 5:
             writer.write(batch)
             batch = []
@@ -112,17 +121,19 @@ def test_learner_publishes_checkpoints_logs_and_stops_the_run(tmp_path, topology
 
 def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _write_stream(straight)
+    _write_stream(straight, prompts=5)
     shutil.copytree(straight, resumed)
 
-    uninterrupted = Learner(_config(straight, 4), open_location(str(straight)), topology)
+    uninterrupted = Learner(_config(straight, 4, *TEMPORAL), open_location(str(straight)), topology)
     uninterrupted.run()
 
-    first = Learner(_config(resumed, 2), open_location(str(resumed)), topology)
+    first = Learner(_config(resumed, 2, *TEMPORAL), open_location(str(resumed)), topology)
     first.run()  # step 2 is checkpointed; the learner object is then thrown away
-    second = Learner(_config(resumed, 4), open_location(str(resumed)), topology)
+    second = Learner(_config(resumed, 4, *TEMPORAL), open_location(str(resumed)), topology)
     assert (second.state.step, second.state.version) == (2, 2)
     assert second.stream.reader.cursor == first.stream.reader.cursor
+    assert second.state.rewards == first.state.rewards  # the prompts' earlier rewards
+    assert len(second.state.rewards.rewards) == 5
     second.run()
 
     for (name, a), (_, b) in zip(
@@ -265,8 +276,9 @@ def _learner_process(run_dir, *args: str) -> subprocess.Popen[str]:
 def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for run_dir in (straight, killed):
-        create_run(open_location(str(run_dir)), _config(run_dir, 8).model_dump(mode="json"))
-        _write_stream(run_dir, groups=80)
+        config = _config(run_dir, 8, *TEMPORAL)
+        create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
+        _write_stream(run_dir, groups=80, prompts=6)
 
     proc = _learner_process(straight)
     _, errors = proc.communicate(timeout=300)

@@ -67,6 +67,7 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
         ("confidence-baseline-length-reweight", "dapo-as-is"),
         ("inv-sqrt-len-baseline", "dr_grpo-as-is"),
         ("hierarchical-advantage", "dr_grpo-as-is"),
+        ("temporal-groups", "grpo-as-is"),
     ],
 )
 def test_an_advantage_variant_changes_the_update(one_rank, variant, as_is):

@@ -1,14 +1,18 @@
 """The framework guide's advantage variants (`streamrl.algorithms.variants`, ALGORITHMS.md
 "Framework-guide variants") against references written here as plain loops over groups and
 responses: weighted baselines (uniform, 1/√|o|, confidence; with and without the std), rank
-advantages with ties, hierarchical advantages over optimiser batches, sequence-level weights;
+advantages with ties, hierarchical advantages over optimiser batches, sequence-level weights,
+temporal groups and their reward history;
 edge cases: a group of one, G differing across groups, a response without sampled tokens."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,9 +21,11 @@ from streamrl.algorithms.variants import (
     hierarchical_advantages,
     rank_advantages,
     sequence_length_weights,
+    temporal_advantages,
     weighted_baseline_advantages,
 )
 from streamrl.learner.mini_batches import _median
+from streamrl.learner.reward_history import RewardHistory
 
 # Groups of 4, 1, 3 and 5 responses, not contiguous; ties in group 0 and group 3.
 GROUP_INDEX = [0, 2, 0, 1, 3, 2, 0, 3, 3, 2, 0, 3, 3]
@@ -140,3 +146,83 @@ def test_sequence_weights_follow_the_median_and_spare_empty_responses():
 def test_the_median_is_the_statistics_median(values):
     assert _median(torch.tensor(values)) == statistics.median(values)
     assert _median(torch.tensor([])) == 0.0
+
+
+# -- temporal groups (Alg. 5) ----------------------------------------------------------------
+
+PAST = {0: [0.0, 0.5], 1: [1.5, -0.5, 1.0], 3: [0.0]}  # group 2 has no past
+
+
+def ref_temporal(std_eps: float | None) -> list[float]:
+    out = [0.0] * len(REWARDS)
+    for g, members in groups().items():
+        pooled = [REWARDS[i] for i in members] + PAST.get(g, [])
+        mean = sum(pooled) / len(pooled)
+        std = statistics.stdev(pooled) if len(pooled) > 1 else 0.0
+        for i in members:
+            a = REWARDS[i] - mean
+            if std_eps is not None:
+                a = a / (std + std_eps) if len(set(pooled)) > 1 else 0.0
+            out[i] = a
+    return out
+
+
+@pytest.mark.parametrize("std_eps", [None, 1e-6])
+def test_temporal_advantages_pool_the_prompts_past_rewards(std_eps):
+    rewards, index, n = tensors()
+    past = [(g, r) for g, values in sorted(PAST.items(), reverse=True) for r in values]
+    got = temporal_advantages(
+        rewards, index, n, torch.tensor([r for _, r in past]), torch.tensor([g for g, _ in past]),
+        std_eps,
+    )  # fmt: skip
+    assert got.tolist() == pytest.approx(ref_temporal(std_eps), abs=1e-5)
+    assert got[3].item() != 0.0  # a group of one has a baseline once it has a past
+
+
+def test_temporal_advantages_without_a_past_are_the_papers_bitwise():
+    rewards, index, n = tensors()
+    none = torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    assert torch.equal(
+        temporal_advantages(rewards, index, n, *none), dr_grpo_advantages(*tensors())
+    )
+    assert torch.equal(
+        temporal_advantages(rewards, index, n, *none, 1e-6), grpo_advantages(*tensors(), eps=1e-6)
+    )
+
+
+def _group(prompt: str, rewards: list[float], version: int):
+    return SimpleNamespace(prompt_id=prompt, rewards=np.array(rewards, np.float32),
+                           policy_version=version)  # fmt: skip
+
+
+def test_the_reward_history_keeps_the_last_h_of_at_most_max_age_versions():
+    history = RewardHistory(depth=3, max_age=2)
+    assert history.past([_group("a", [1.0], 0)], 0).rewards.numel() == 0
+    history.record([_group("a", [1.0, 0.0], 0), _group("b", [0.5], 0)], learner_version=0)
+    history.record([_group("a", [-1.0, 1.0], 1)], learner_version=1)
+    past = history.past([_group("b", [0], 2), _group("a", [0], 2), _group("c", [0], 2)], 2)
+    assert past.rewards.tolist() == [0.5, 0.0, -1.0, 1.0]  # a: the last 3, oldest first
+    assert past.group.tolist() == [0, 1, 1, 1]
+    # At version 3 the rewards sampled at version 0 are 3 versions old: no longer pooled.
+    assert history.past([_group("b", [0], 3), _group("a", [0], 3)], 3).rewards.tolist() == [
+        -1.0, 1.0,
+    ]  # fmt: skip
+    history.record([], learner_version=3)  # and forgotten
+    assert history.rewards == {"a": [(1, -1.0), (1, 1.0)]}
+
+
+def test_the_reward_history_round_trips_through_json_exactly_and_checks_its_record():
+    history = RewardHistory(depth=4, max_age=5)
+    rewards = np.random.default_rng(0).standard_normal(6).astype(np.float32)
+    history.record([_group("p", rewards.tolist(), 7)], 7)
+    record = json.loads(json.dumps(history.to_record()))
+    again = RewardHistory.from_record(record, depth=4, max_age=5)
+    assert again == history
+    assert np.array_equal(again.past([_group("p", [0], 7)], 7).rewards.numpy(), rewards[-4:])
+    assert RewardHistory.from_record(record, depth=2, max_age=5).rewards["p"] == history.rewards[
+        "p"
+    ][-2:]  # fmt: skip
+    with pytest.raises(ValueError, match="malformed"):
+        RewardHistory.from_record([1, 2], depth=4, max_age=5)
+    with pytest.raises(ValueError, match=r"holds \['x', 1.0\] for prompt 'p'"):
+        RewardHistory.from_record({"rewards": {"p": [["x", 1.0]]}}, depth=4, max_age=5)
