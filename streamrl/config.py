@@ -253,11 +253,39 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _one_length_shaping(self) -> RunConfig:
+        penalty = self.algorithm.length_penalty
+        if penalty is None:
+            return self
+        if self.algorithm.overlong.shaping:
+            raise ValueError(
+                "algorithm.length_penalty and algorithm.overlong.shaping both shape the reward by "
+                "length; the adaptive length penalty is an alternative to overlong shaping: set "
+                "one (algorithm.overlong.shaping=false, or algorithm.length_penalty=null)"
+            )
+        target, longest = penalty.target, self.generator.max_tokens
+        if target is not None and target > longest and not self.generator.env.multi_turn:
+            raise ValueError(
+                f"algorithm.length_penalty.target ({target}) must be ≤ generator.max_tokens "
+                f"({longest}), the longest a single-turn response can be; lower it (for a "
+                "milder penalty, lower algorithm.length_penalty.lambda_base)"
+            )
+        return self
+
     @property
     def overlong_cache_len(self) -> int:
         """L_cache in tokens: as configured, else L_max / 5 (DAPO), at least 1."""
         configured = self.algorithm.overlong.cache_len
         return configured if configured is not None else max(1, self.generator.max_tokens // 5)
+
+    @property
+    def length_penalty_target(self) -> int:
+        """L_target of the adaptive length penalty in tokens: as configured, else
+        generator.max_tokens / 2, at least 1."""
+        penalty = self.algorithm.length_penalty
+        configured = penalty.target if penalty is not None else None
+        return configured if configured is not None else max(1, self.generator.max_tokens // 2)
 
     @property
     def run_name(self) -> str:

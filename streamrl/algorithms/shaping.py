@@ -1,4 +1,5 @@
-"""Reward shaping: rule-reward scaling, DAPO overlong reward shaping and overlong filtering.
+"""Reward shaping: rule-reward scaling, DAPO overlong reward shaping and overlong filtering,
+and the framework guide's adaptive length penalty.
 
 DAPO (Yu et al., arXiv 2503.14476), §3.4:
 
@@ -12,6 +13,15 @@ DAPO (Yu et al., arXiv 2503.14476), §3.4:
 
 * Overlong filtering: truncated responses are masked out of the loss (they still count in
   rollout metrics).
+
+Adaptive length penalty (the unified GRPO/DAPO/VAPO framework guide, eqs 31–33), an alternative
+to the overlong punishment that acts at every length rather than near L_max, and harder on wrong
+answers than on correct ones, with R_base the rule reward and r_th a reward threshold:
+
+    R = R_base − λ(R_base)·pen(|o|, R_base)
+    pen = a·ln(1 + |o|/L_target)   if R_base > r_th      (eq 32)
+        = b·(|o|/L_target)²        otherwise
+    λ(r) = λ_base·exp(−γ·max(0, r − r_th))               (eq 33)
 
 |o| counts the tokens the policy sampled: a multi-turn response's environment tokens (tool
 results, user turns) are not its length (ALGORITHMS.md "Multi-turn rollouts").
@@ -29,6 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "RewardScale",
+    "adaptive_length_penalty",
     "overlong_filter_mask",
     "overlong_penalty",
     "sampled_lengths",
@@ -84,16 +95,59 @@ def overlong_penalty(
     """
     if not 0 < cache_len <= max_len:
         raise ValueError(f"overlong cache_len must be in (0, max_len={max_len}], got {cache_len}")
-    if loss_masks is not None:
-        sizes = [len(m) for m in loss_masks]
-        if sizes != [int(n) for n in lengths]:
-            raise ValueError(f"loss masks of {sizes} tokens for responses of {lengths.tolist()}")
-        lengths = sampled_lengths(loss_masks)
-    lengths = lengths.float()
+    lengths = _sampled(lengths, loss_masks)
     soft_start = max_len - cache_len
     ramp = (soft_start - lengths) / cache_len
     penalty = torch.where(lengths <= soft_start, torch.zeros_like(lengths), ramp)
     return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), penalty)
+
+
+def adaptive_length_penalty(
+    rewards: Tensor,
+    lengths: Tensor,
+    *,
+    target: int,
+    a: float,
+    b: float,
+    r_th: float,
+    lambda_base: float,
+    gamma: float,
+    loss_masks: Sequence[Any] | None = None,
+) -> Tensor:
+    """The adaptive length penalty −λ(R_base)·pen(|o|, R_base) (framework guide eqs 31–33), to
+    be *added* to the rule reward (so the shaped reward is eq 31's R).
+
+    Args:
+        rewards: `[N]` R_base, the rule rewards (`scale_rule_reward`): they pick the branch of
+            eq 32 (log above r_th, quadratic at or below it) and the weight λ of eq 33.
+        lengths: `[N]` response lengths in tokens, as for `overlong_penalty`.
+        target: L_target > 0 in tokens.
+        a, b: scales of the logarithmic (R_base > r_th) and quadratic penalties.
+        r_th: the reward threshold.
+        lambda_base, gamma: λ(r) = λ_base·exp(−γ·max(0, r − r_th)).
+        loss_masks: multi-turn responses' loss masks, as for `overlong_penalty`: |o| counts
+            sampled tokens only. None: single-turn.
+
+    Returns `[N]` float32, ≤ 0 for non-negative a, b, λ_base; 0 for an empty response.
+    """
+    if target <= 0:
+        raise ValueError(f"length penalty target must be > 0 tokens, got {target}")
+    relative = _sampled(lengths, loss_masks) / target
+    rewards = rewards.float()
+    pen = torch.where(rewards > r_th, a * torch.log1p(relative), b * relative.square())
+    weight = lambda_base * torch.exp(-gamma * (rewards - r_th).clamp(min=0.0))
+    return -(weight * pen)
+
+
+def _sampled(lengths: Tensor, loss_masks: Sequence[Any] | None) -> Tensor:
+    """`[N]` float32 |o|: `lengths`, or the sampled tokens of `loss_masks` (which must be
+    `lengths` long) when given."""
+    if loss_masks is None:
+        return lengths.float()
+    sizes = [len(m) for m in loss_masks]
+    if sizes != [int(n) for n in lengths]:
+        raise ValueError(f"loss masks of {sizes} tokens for responses of {lengths.tolist()}")
+    return sampled_lengths(loss_masks).float()
 
 
 def overlong_filter_mask(mask: Tensor, truncated: Tensor) -> Tensor:

@@ -7,5 +7,6 @@
 - `rollouts`: every group's episodes through the engine and the environment (`EpisodeDriver`);
   `chat`: an episode's exact token history; `records`: a finished rollout as a stream record.
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
+- `group_size`: how many responses each prompt gets (fixed, or adaptive: eq 27).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.
 """

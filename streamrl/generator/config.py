@@ -4,25 +4,112 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config_base import MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
 from streamrl.envs.config import EnvConfig
+from streamrl.generator.group_size import AdaptiveGroupSize, FixedGroupSize, GroupSizeRule
 from streamrl.placement.cores import CoreSetting
 from streamrl.rewards.config import RewardConfig
 
 __all__ = [
+    "MAX_GROUP_SIZE",
+    "AdaptiveGroupConfig",
     "GeneratorConfig",
 ]
+
+MAX_GROUP_SIZE = 4096
+"""The most responses one prompt's group may have (vLLM's n)."""
+
+
+class AdaptiveGroupConfig(Section):
+    """Adaptive group size (the framework guide's eq 27, `streamrl.generator.group_size`): each
+    prompt gets G = clamp(⌊generator.group_size · ref_length / ℓ⌋, min_size, max_size)
+    responses, ℓ the generator's running mean response length in sampled tokens."""
+
+    ref_length: int = Field(
+        gt=0,
+        le=MAX_SEQUENCE_TOKENS,
+        description="L_ref, tokens (required): the mean response length at which G = "
+        "generator.group_size; shorter responses get more samples, longer ones fewer. Also ℓ "
+        "before the generator finished any group (and after it restarts: ℓ is not saved).",
+    )
+    min_size: int = Field(
+        2, ge=2, le=MAX_GROUP_SIZE, description="G_min: the fewest responses of a group."
+    )
+    max_size: int | None = Field(
+        None,
+        ge=2,
+        le=MAX_GROUP_SIZE,
+        description="G_max: the most responses of a group; null: 2 × generator.group_size "
+        f"(at least min_size, at most {MAX_GROUP_SIZE}).",
+    )
+    ema: float = Field(
+        0.9,
+        ge=0.0,
+        lt=1.0,
+        description="Decay of the running mean: ℓ ← ema·ℓ + (1 − ema)·(a finished group's "
+        "mean sampled length); 0 follows the last group alone.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ref_length_given(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("ref_length") is None:
+            raise ValueError(
+                "generator.adaptive_group.ref_length (L_ref) is required to turn adaptive group "
+                "size on: set it to the mean response length, in sampled tokens, at which a "
+                "prompt gets generator.group_size responses, e.g. "
+                "generator.adaptive_group.ref_length=512 (or set generator.adaptive_group=null)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _min_size_at_most_max_size(self) -> AdaptiveGroupConfig:
+        if self.max_size is not None and self.min_size > self.max_size:
+            raise ValueError(
+                f"generator.adaptive_group.min_size ({self.min_size}) must be ≤ "
+                f"generator.adaptive_group.max_size ({self.max_size}); lower min_size or raise "
+                "max_size"
+            )
+        return self
+
+    def largest(self, group_size: int) -> int:
+        """G_max for a generator whose `generator.group_size` is `group_size`."""
+        if self.max_size is not None:
+            return self.max_size
+        return max(self.min_size, min(2 * group_size, MAX_GROUP_SIZE))
+
+    def rule(self, group_size: int) -> AdaptiveGroupSize:
+        """A fresh rule (ℓ = ref_length) around G_base = `group_size`."""
+        return AdaptiveGroupSize(
+            base=group_size,
+            ref_length=self.ref_length,
+            min_size=self.min_size,
+            max_size=self.largest(group_size),
+            ema=self.ema,
+        )
 
 
 class GeneratorConfig(Section):
     """vLLM generators: sampling, scoring and writing to the replay stream."""
 
     group_size: int = Field(
-        8, ge=1, le=4096, description="G: responses sampled per prompt (vLLM n)."
+        8,
+        ge=1,
+        le=MAX_GROUP_SIZE,
+        description="G: responses sampled per prompt (vLLM n); G_base of adaptive_group.",
+    )
+    adaptive_group: AdaptiveGroupConfig | None = Field(
+        None,
+        description="Adaptive group size (eq 27): G = clamp(⌊group_size · L_ref / ℓ⌋, G_min, "
+        "G_max) per prompt, ℓ an EMA of this generator's finished groups' mean response length "
+        "in sampled tokens, so groups of different sizes reach the learner. null (default): "
+        "every group has group_size responses. Turn on with "
+        "generator.adaptive_group.ref_length=L_REF.",
     )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -97,6 +184,21 @@ class GeneratorConfig(Section):
         description="The environment episodes run in: single-turn (default) or multi-turn "
         "with tools (streamrl.envs).",
     )
+
+    @property
+    def largest_group_size(self) -> int:
+        """The most responses one request of this generator's engine samples: a group of its
+        rule (G, or G_max with adaptive_group), or `group_size`, what `Engine.submit` samples
+        when asked for no `n`. The engine spaces request seeds by it."""
+        if self.adaptive_group is None:
+            return self.group_size
+        return max(self.group_size, self.adaptive_group.largest(self.group_size))
+
+    def group_size_rule(self) -> GroupSizeRule:
+        """A fresh rule for the size of each group (`streamrl.generator.group_size`)."""
+        if self.adaptive_group is None:
+            return FixedGroupSize(self.group_size)
+        return self.adaptive_group.rule(self.group_size)
 
     @field_validator("flow_control", mode="before")
     @classmethod

@@ -29,7 +29,9 @@ Seeds: generator `index` of a run, on its `start`-th start, is seeded `generator
 63-bit hash, so restarts never replay a random stream. The engine (`LLM(seed=...)`, all that
 vLLM's CPU backend supports: per-request seeds fail there) gets it modulo 2^32; on CUDA request
 k also gets `request_seed(seed, k, G)`, spaced G apart because vLLM seeds sample i with
-seed + i — so no two samples share a seed.
+seed + i — so no two samples share a seed. With adaptive group size (`generator.adaptive_group`)
+requests ask for different n: they are spaced by the largest n any may ask for
+(`GeneratorConfig.largest_group_size`), and a request asking for more is refused.
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ def generator_seed(base_seed: int, index: int, start: int) -> int:
 def request_seed(engine_seed: int, request: int, group_size: int) -> int:
     """The seed of request number `request` (0-based) of an engine seeded `engine_seed`.
 
-    vLLM seeds sample i of a request with seed + i, so requests are spaced G apart: within one
-    engine every (request, sample) seed is distinct; two engines' seeds (63-bit hashes) meet
-    only if they land within G × requests of each other."""
+    vLLM seeds sample i of a request with seed + i, so requests are spaced `group_size` apart
+    (the most samples any request of the engine asks for): within one engine every (request,
+    sample) seed is distinct; two engines' seeds (63-bit hashes) meet only if they land within
+    group_size × requests of each other."""
     return (engine_seed + request * group_size) % SEED_MODULUS
 
 
@@ -216,13 +219,19 @@ class Engine:
         n: int | None = None,
         max_tokens: int | None = None,
     ) -> str:
-        """Start sampling G responses (or `n`, or one greedy one, each at most `max_tokens`) to
-        a tokenised prompt; returns its request id."""
+        """Start sampling G responses (or `n` ≤ `generator.largest_group_size`, or one greedy
+        one, each at most `max_tokens`) to a tokenised prompt; returns its request id."""
         from vllm.inputs import TokensPrompt
 
+        spacing = self.generator.largest_group_size
+        if n is not None and n > spacing:  # its samples' seeds would meet the next request's
+            raise ValueError(
+                f"a request of {n} samples exceeds the {spacing} this engine spaces request "
+                "seeds by (generator.group_size, or adaptive_group's G_max)"
+            )
         if request_id is None:
             request_id = f"r{self._next_request}"
-        seed = request_seed(self.seed, self._next_request, self.generator.group_size)
+        seed = request_seed(self.seed, self._next_request, spacing)
         self._next_request += 1
         ids = [int(t) for t in prompt_token_ids]
         params = self.sampling_params(

@@ -9,11 +9,11 @@ The rule. A group sampled now with weights version v_g can be trained on until t
 version exceeds v_g + S (S = `learner.max_staleness`), i.e. while the learner is at one of the
 S + 1 − (V − v_g) versions V, ..., v_g + S, V being its version now. The learner publishes a
 version every K = `learner.publish_every` steps and consumes about B / a groups a step
-(B = `learner.batch_groups` accepted groups per step; a = accepted / (consumed − dropped
-stale), the run's measured dynamic-sampling accept rate). Stale drops are left out of a: a
-group admitted by this rule is trained on before it is too stale, and counting the drops of
-groups admitted earlier (or by other generators) would raise the capacity exactly when the
-fleet is producing too much.
+(B = `learner.batch_groups` accepted groups per step, or with `learner.batch_tokens` the mean
+so far: `groups_per_step`; a = accepted / (consumed − dropped stale), the run's measured
+dynamic-sampling accept rate). Stale drops are left out of a: a group admitted by this rule is
+trained on before it is too stale, and counting the drops of groups admitted earlier (or by
+other generators) would raise the capacity exactly when the fleet is producing too much.
 So before a group sampled now is too stale the learner consumes
 
     capacity = (S + 1 − (V − v_g)) × K × B / a    groups,
@@ -50,7 +50,14 @@ from storage.records import Cursor
 from storage.stream_log import fetch_records, first_free
 from streamrl.learner.config import LearnerConfig
 
-__all__ = ["MIN_ACCEPT_RATE", "REFRESH_S", "FlowGate", "accept_rate", "admission_capacity"]
+__all__ = [
+    "MIN_ACCEPT_RATE",
+    "REFRESH_S",
+    "FlowGate",
+    "accept_rate",
+    "admission_capacity",
+    "groups_per_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,15 @@ def accept_rate(progress: LearnerProgress | None) -> float:
     if fresh == 0:
         return 1.0
     return max(progress.accepted_total / fresh, MIN_ACCEPT_RATE)
+
+
+def groups_per_step(progress: LearnerProgress | None, learner: LearnerConfig) -> float:
+    """B, the accepted groups a learner step trains on: `batch_groups`; with length-aware
+    batches (`batch_tokens`) the run's mean so far, at most `batch_groups` (a mean that counts
+    VAPO's value pre-training batches too runs high: the cap bounds it)."""
+    if learner.batch_tokens is None or progress is None or progress.step == 0:
+        return float(learner.batch_groups)
+    return min(float(learner.batch_groups), max(progress.accepted_total / progress.step, 1.0))
 
 
 def admission_capacity(
@@ -124,7 +140,7 @@ class FlowGate:
         return admission_capacity(
             max_staleness=self.learner.max_staleness,
             publish_every=self.learner.publish_every,
-            batch_groups=self.learner.batch_groups,
+            batch_groups=groups_per_step(progress, self.learner),
             learner_version=0 if progress is None else progress.policy_version,
             generator_version=generator_version,
             accept_rate=accept_rate(progress),

@@ -138,10 +138,10 @@ class GeneratorLoop:
         """Generate until stopped; flush what was scored; return the counters."""
         stop = self._stop = stop or threading.Event()
         log.info(
-            "generator %s generating: %d prompts in flight, G=%d, weights v%d",
+            "generator %s generating: %d prompts in flight, %s, weights v%d",
             self.generator_id,
             self.config.generator.prompts_in_flight,
-            self.config.generator.group_size,
+            self.episodes.group_sizes.describe(),
             self.engine.policy_version,
         )
         while not stop.is_set():

@@ -1,8 +1,10 @@
 """A generator's stream records: a finished rollout as a `ScoredGroup`, its rewards shaped.
 
-The raw verifier scores become rule rewards (`algorithm.reward_scale`) plus DAPO's overlong
-penalty when the algorithm shapes (over sampled tokens only: `loss_masks` for multi-turn
-groups); every record written is counted in the generator's `GeneratorStats`.
+The raw verifier scores become rule rewards (`algorithm.reward_scale`), shaped by length when
+the algorithm asks: DAPO's overlong penalty (`algorithm.overlong.shaping`) or the framework
+guide's adaptive length penalty (`algorithm.length_penalty`), both over sampled tokens only
+(`loss_masks` for multi-turn groups). The raw scores are stored unshaped: dynamic sampling
+decides on correctness. Every record written is counted in the generator's `GeneratorStats`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import numpy as np
 import torch
 
 from storage.records import ScoredGroup
-from streamrl.algorithms.shaping import overlong_penalty, scale_rule_reward
+from streamrl.algorithms.shaping import (
+    adaptive_length_penalty,
+    overlong_penalty,
+    scale_rule_reward,
+)
 from streamrl.config import RunConfig
 from streamrl.envs.runner import Scored
 from streamrl.generator.rollouts import Rollout
@@ -60,6 +66,19 @@ class GroupRecords:
                 lengths,
                 self.config.generator.max_tokens,
                 self.config.overlong_cache_len,
+                loss_masks=loss_masks,
+            )
+        penalty = algorithm.length_penalty
+        if penalty is not None:
+            rewards = rewards + adaptive_length_penalty(
+                rewards,
+                lengths,
+                target=self.config.length_penalty_target,
+                a=penalty.a,
+                b=penalty.b,
+                r_th=penalty.r_th,
+                lambda_base=penalty.lambda_base,
+                gamma=penalty.gamma,
                 loss_masks=loss_masks,
             )
         s = self.stats

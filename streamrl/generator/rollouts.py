@@ -5,7 +5,9 @@ Consumes prompts (`start`) and the engine's finished requests (`advance`); produ
 scored groups (`Rollout`s whose every episode ended and was scored). Per prompt:
 
 1. the environment's `reset` gives the conversation; the engine samples turn 1 G times: the
-   group. Its prompt is the data source's tokens when the environment kept the row's messages
+   group. G is the generator's group-size rule's (`generator.group_size`, or adaptive:
+   `streamrl.generator.group_size`) when turn 1 is submitted, and each group keeps its own. Its
+   prompt is the data source's tokens when the environment kept the row's messages
    and gives no tools (always so for `single_turn`), else `ChatRenderer` renders it;
 2. each episode then goes on by itself: its turn's text goes to the environment's `step`; the
    observation is rendered as the chat template's delta and appended to the episode's exact
@@ -18,7 +20,7 @@ scored groups (`Rollout`s whose every episode ended and was scored). Per prompt:
    its token limit or the next one would not fit `max_episode_tokens` (`max_tokens`), or when
    an environment call failed (`env_error`, `timeout`);
 4. once all G have ended, each is scored by the environment (`score`: by default the reward
-   function, in isolated workers).
+   function, in isolated workers); the group's responses' sampled lengths then go to the rule.
 
 A group waits for its slowest episode; the budgets above bound it, and the time each episode's
 result waited is recorded (`Transcript.ended_at` → the record's `wait_seconds`). Nothing here
@@ -54,13 +56,15 @@ class PromptTooLongError(RuntimeError):
 
 @dataclass
 class Transcript:
-    """One response across its turns: what the stream record stores for it. `ended_at`: when
-    its episode ended (time.time())."""
+    """One response across its turns: what the stream record stores for it. `length`: its
+    tokens, `sampled`: those the policy sampled (loss mask 1; the rest are the environment's).
+    `ended_at`: when its episode ended (time.time())."""
 
     chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(
         default_factory=list
     )
     length: int = 0
+    sampled: int = 0
     turns: int = 0
     ended_at: float | None = None
 
@@ -69,6 +73,7 @@ class Transcript:
         mask = np.ones(n, np.uint8)
         self.chunks.append((completion.token_ids, completion.logprobs, mask, completion.versions))
         self.length += n
+        self.sampled += n
         self.turns += 1
 
     def add_observation(self, token_ids: list[int]) -> None:
@@ -134,6 +139,10 @@ class Rollout:
         ]
         return min(sampled, default=self.first_version)
 
+    def sampled_lengths(self) -> list[int]:
+        """Each response's tokens sampled by the policy (environment tokens left out)."""
+        return [t.sampled for t in self.transcripts]
+
     def wait_seconds(self) -> np.ndarray:
         """`[G]` how long each episode's result waited for the group's slowest episode."""
         ended = np.array([t.ended_at or 0.0 for t in self.transcripts], np.float64)
@@ -141,10 +150,12 @@ class Rollout:
 
 
 class EpisodeDriver:
-    """Drives one generator's rollouts (module docstring)."""
+    """Drives one generator's rollouts (module docstring). `group_sizes`: the rule giving each
+    group's G, fed every group handed back."""
 
     def __init__(self, config: RunConfig, engine: Engine, runner: EnvRunner) -> None:
         self.env = config.generator.env
+        self.group_sizes = config.generator.group_size_rule()
         self.turn_max_tokens = self.env.turn_max_tokens or config.generator.max_tokens
         self.max_episode_tokens = self.env.max_episode_tokens or config.model.max_model_len
         self.engine, self.runner = engine, runner
@@ -203,6 +214,8 @@ class EpisodeDriver:
     def _take_scored(self) -> list[Rollout]:
         done = [r for r in self._rollouts if r.scored]
         self._rollouts = [r for r in self._rollouts if not r.scored]
+        for rollout in done:
+            self.group_sizes.observe(rollout.sampled_lengths())
         return done
 
     # -- the steps of a group -------------------------------------------------------------
@@ -223,8 +236,10 @@ class EpisodeDriver:
                 continue
             self._too_long_in_a_row = 0
             rollout = Rollout(prompt, key, ids, started, self.engine.policy_version)
-            rollout.episodes = [reply.episode] * self.engine.generator.group_size
-            self._first[self.engine.submit(ids, max_tokens=self._turn_budget(len(ids)))] = rollout
+            group_size = self.group_sizes.size()
+            rollout.episodes = [reply.episode] * group_size
+            request = self.engine.submit(ids, n=group_size, max_tokens=self._turn_budget(len(ids)))
+            self._first[request] = rollout
             self._rollouts.append(rollout)
         self._resets = waiting
 

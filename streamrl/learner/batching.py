@@ -1,7 +1,9 @@
 """Choosing which stream groups form a batch: the learner's group selection.
 
 Consumes `ScoredGroup`s (a `StreamReader.groups()` iterator) and the reader's cursor. Produces
-a `StreamBatch` of B accepted groups with the cursor after the last one consumed and what the
+a `StreamBatch` of B accepted groups — or, with `batch_tokens` (the framework guide's
+length-aware batches, Alg. 3), of fewer once the accepted groups hold that many response tokens,
+the group that reaches it included — with the cursor after the last one consumed and what the
 filters did (`FilterCounts`); turning its groups into tensors is `streamrl.learner.mini_batches`.
 
 Filters, in order (a group dropped by the first is not counted by the second): staleness,
@@ -92,7 +94,8 @@ class StreamBatch:
 
 @dataclass
 class BatchCollector:
-    """Reads groups until `batch_groups` pass the staleness and dynamic-sampling filters.
+    """Reads groups until `batch_groups` pass the staleness and dynamic-sampling filters, or
+    (`batch_tokens`) until those that passed hold `batch_tokens` response tokens.
 
     Every consumed group that was read is first checked against the model (token ids <
     `vocab_size`, prompt + response ≤ `max_seq_len`); a mismatch raises
@@ -106,6 +109,7 @@ class BatchCollector:
     vocab_size: int
     max_seq_len: int
     totals: FilterCounts = field(default_factory=FilterCounts)
+    batch_tokens: int | None = None
 
     def oldest_usable(self, current_version: int) -> int:
         """The oldest policy version a group may have to pass the staleness filter at
@@ -118,9 +122,11 @@ class BatchCollector:
         cursor: Callable[[], Cursor],
         current_version: int,
     ) -> StreamBatch:
-        """Consume `groups` until B are accepted, reading `cursor()` after each one. `EOFError`
-        if the iterator ends first (a StreamReader raises `StreamTimeoutError` instead)."""
+        """Consume `groups` until the batch is full (B accepted, or `batch_tokens`), reading
+        `cursor()` after each one. `EOFError` if the iterator ends first (a StreamReader raises
+        `StreamTimeoutError` instead)."""
         accepted: list[ScoredGroup] = []
+        tokens, full = 0, False
         counts, after, consumed = FilterCounts(), cursor(), RolloutSums()
         oldest = self.oldest_usable(current_version)
         for group in groups:  # a StreamReader's cursor is past `group` once it is yielded
@@ -146,9 +152,13 @@ class BatchCollector:
                 counts.dropped_zero_var += 1
             else:
                 accepted.append(group)
-                if len(accepted) == self.batch_groups:
+                tokens += sum(len(t) for t in group.response_tokens)
+                full = len(accepted) == self.batch_groups or (
+                    self.batch_tokens is not None and tokens >= self.batch_tokens
+                )
+                if full:
                     break
-        if len(accepted) < self.batch_groups:
+        if not full:
             raise EOFError(f"the stream ended with {len(accepted)}/{self.batch_groups} accepted")
         counts.accepted = len(accepted)
         self.totals = self.totals + counts

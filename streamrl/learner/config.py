@@ -40,12 +40,21 @@ class LearnerConfig(Section):
     batch_groups: int = Field(
         16, ge=1, le=1_000_000, description="B: accepted groups (prompts) per training batch."
     )
+    batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        le=2**40,
+        description="Length-aware batches (the framework guide's Alg. 3): also close a batch "
+        "once its accepted groups hold this many response tokens (the group that reaches it "
+        "included), so a batch of long responses has fewer groups; null: B groups always.",
+    )
     mini_batch_groups: int = Field(
         16,
         ge=1,
         le=1_000_000,
         description="Groups per optimiser update; batch_groups / mini_batch_groups updates "
-        "per batch.",
+        "per batch (a batch closed early by batch_tokens: its groups in runs of "
+        "mini_batch_groups, the last run shorter).",
     )
     micro_batch_tokens: int = Field(
         8192,

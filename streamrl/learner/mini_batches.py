@@ -259,18 +259,15 @@ def make_mini_batches(
     overlong_filter: bool = False,
     shared_prompt: bool = False,
 ) -> list[MiniBatch]:
-    """Split `batch` into B / mini_batch_groups mini-batches of consecutive groups, each packed
-    into micro-batches of R × S ≤ `micro_batch_tokens` forward tokens: units (a response with
-    its prompt or, with `shared_prompt`, a whole group with its prompt once; a group longer
-    than the budget falls back to its responses) sorted longest first (ties in batch order),
-    each micro-batch filled while one more still fits at its first unit's length.
+    """Split `batch` into ⌈B / mini_batch_groups⌉ mini-batches of consecutive groups (exactly
+    `mini_batch_groups` each when they divide B; else as even as possible, the larger first:
+    a length-aware batch closed early, `learner.batch_tokens`), each packed into micro-batches
+    of R × S ≤ `micro_batch_tokens` forward tokens: units (a response with its prompt or, with
+    `shared_prompt`, a whole group with its prompt once; a group longer than the budget falls
+    back to its responses) sorted longest first (ties in batch order), each micro-batch filled
+    while one more still fits at its first unit's length.
     Environment tokens (multi-turn) are in the rows and the budget, never in `loss_mask` or
     the denominators; `overlong_filter` drops truncated responses from both too."""
-    if batch.num_groups % mini_batch_groups:
-        raise ValueError(
-            f"{batch.num_groups} groups do not split into mini-batches of {mini_batch_groups}; "
-            "batch_groups must be a multiple of learner.mini_batch_groups"
-        )
     lengths = batch.seq_length
     if lengths.numel() and int(lengths.max()) > micro_batch_tokens:
         raise ValueError(
@@ -278,9 +275,9 @@ def make_mini_batches(
             f"{micro_batch_tokens} tokens; raise learner.micro_batch_tokens"
         )
     mini_batches = []
-    for first in range(0, batch.num_groups, mini_batch_groups):
-        groups = range(first, first + mini_batch_groups)
-        rows = torch.nonzero((batch.group_index >= first) & (batch.group_index < groups.stop))
+    for groups in _group_runs(batch.num_groups, mini_batch_groups):
+        in_run = (batch.group_index >= groups.start) & (batch.group_index < groups.stop)
+        rows = torch.nonzero(in_run)
         rows = rows.squeeze(1)
         units = _units(batch, rows, micro_batch_tokens if shared_prompt else 0)
         unit_length = torch.tensor([_unit_length(batch, u) for u in units], dtype=torch.long)
@@ -306,6 +303,19 @@ def make_mini_batches(
             )
         )
     return mini_batches
+
+
+def _group_runs(num_groups: int, mini_batch_groups: int) -> list[range]:
+    """⌈num_groups / mini_batch_groups⌉ consecutive runs covering the groups, their sizes
+    differing by at most one (the larger first)."""
+    parts = -(-num_groups // mini_batch_groups)
+    size, larger = divmod(num_groups, max(parts, 1))
+    runs, first = [], 0
+    for k in range(parts):
+        stop = first + size + (k < larger)
+        runs.append(range(first, stop))
+        first = stop
+    return runs
 
 
 def _median(values: Tensor) -> float:

@@ -72,6 +72,7 @@ class StreamSource:
             vocab_size=vocab_size,
             max_seq_len=config.model.max_model_len,
             totals=state.totals,
+            batch_tokens=cfg.batch_tokens,
         )
         # Evaluated by the reader's prefetch thread ahead of the collector's own check: exact
         # because the learner's version never decreases (see storage.stream_reader).

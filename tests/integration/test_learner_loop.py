@@ -71,18 +71,23 @@ def _config(run_dir, total_steps: int, *extra: str):
     )
 
 
-def _write_stream(run_dir, groups: int = 40, prompts: int | None = None) -> None:
+def _stream_groups(groups: int = 40, prompts: int | None = None) -> list[ScoredGroup]:
     """`groups` random groups, of `prompts` distinct prompt ids taken in turn (default: all
     distinct)."""
     rng = np.random.default_rng(0)
+    return [
+        random_group(rng, prompt_id=f"p{i % (prompts or groups)}", vocab=600, max_len=24,
+                     prompt_len=10)
+        for i in range(groups)
+    ]  # fmt: skip
+
+
+def _write_stream(run_dir, groups: int = 40, prompts: int | None = None) -> None:
+    """`_stream_groups` in segments of 5."""
     writer = StreamWriter(open_location(str(run_dir)), "gen0")
-    batch = []
-    for i in range(groups):
-        prompt_id = f"p{i % (prompts or groups)}"
-        batch.append(random_group(rng, prompt_id=prompt_id, vocab=600, max_len=24, prompt_len=10))
-        if len(batch) == 5:
-            writer.write(batch)
-            batch = []
+    written = _stream_groups(groups, prompts)
+    for first in range(0, len(written), 5):
+        writer.write(written[first : first + 5])
 
 
 def test_learner_publishes_checkpoints_logs_and_stops_the_run(tmp_path, topology):
@@ -117,6 +122,25 @@ def test_learner_publishes_checkpoints_logs_and_stops_the_run(tmp_path, topology
         torch.testing.assert_close(
             published[name], param.full_tensor() if hasattr(param, "full_tensor") else param
         )
+
+
+def test_length_aware_batches_close_at_batch_tokens(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    run = open_location(str(run_dir))
+    config = _config(run_dir, 3, "learner.batch_tokens=100", "algorithm.dynamic_sampling=false")
+    Learner(config, run, topology).run()
+    metrics = [json.loads(line) for line in (run_dir / "metrics" / "learner.jsonl").open()]
+    groups = _stream_groups()
+    start = 0
+    for m in metrics:  # reference: groups in stream order until 4 or ≥ 100 response tokens
+        taken, tokens = 0, 0
+        while taken < 4 and tokens < 100:
+            tokens += sum(len(t) for t in groups[start + taken].response_tokens)
+            taken += 1
+        assert m["stream/accepted"] == taken < 4
+        assert np.isfinite(m["actor/pg_loss"])
+        start += taken
 
 
 def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):

@@ -325,3 +325,32 @@ def test_out_of_vocabulary_tokens_and_overlong_sequences_are_rejected_naming_the
     long = _group(rng, 8, min_len=60, max_len=60, prompt_len=5)
     with pytest.raises(IncompatibleGroupError, match=r"'p8'.*65-token.*max_seq_len 64"):
         _collect(_collector(1), [long])
+
+
+# -- length-aware batches (the framework guide's Alg. 3) --------------------------------------
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 40, 95, 10**6])
+def test_a_length_aware_batch_closes_at_b_groups_or_at_batch_tokens(batch_tokens):
+    groups = _groups(12, seed=3, max_len=16)
+    stale = replace(groups[1], policy_version=-10)  # dropped: its tokens never count
+    groups[1] = stale
+    collector = _collector(5, batch_tokens=batch_tokens)
+    batch = _collect(collector, groups, version=0)
+    expected, tokens = [], 0  # reference: a plain loop over the accepted groups
+    for group in groups:
+        if group is stale:
+            continue
+        expected.append(group.prompt_id)
+        tokens += sum(len(t) for t in group.response_tokens)
+        if len(expected) == 5 or tokens >= batch_tokens:
+            break
+    assert [g.prompt_id for g in batch.groups] == expected
+    assert 1 <= len(expected) <= 5
+    assert batch.cursor_after == Cursor(0, groups.index(batch.groups[-1]) + 1)
+    assert batch.counts.accepted == len(expected)
+
+
+def test_a_stream_ending_before_batch_tokens_is_reached_is_an_eof():
+    with pytest.raises(EOFError, match="2/5 accepted"):
+        _collect(_collector(5, batch_tokens=10**6), _groups(2, max_len=8))

@@ -11,7 +11,12 @@ from storage.learner_progress import LearnerProgress, write_learner_progress
 from storage.records import Cursor
 from storage.stream import StreamWriter
 from streamrl.config_loading import load_config
-from streamrl.generator.flow_control import FlowGate, accept_rate, admission_capacity
+from streamrl.generator.flow_control import (
+    FlowGate,
+    accept_rate,
+    admission_capacity,
+    groups_per_step,
+)
 from streamrl.learner.config import LearnerConfig
 from tests.stream_data import random_group
 
@@ -53,6 +58,17 @@ def test_accept_rate_is_measured_floored_and_one_before_data():
     assert accept_rate(_progress(0, 0)) == 1.0
     assert accept_rate(_progress(40, 30)) == pytest.approx(0.75)
     assert accept_rate(_progress(1000, 1)) == pytest.approx(0.05)
+
+
+def test_length_aware_batches_measure_the_groups_a_step_takes():
+    fixed = LearnerConfig(batch_groups=8, mini_batch_groups=8)
+    by_tokens = LearnerConfig(batch_groups=8, mini_batch_groups=8, batch_tokens=4096)
+    ran = LearnerProgress(step=4, policy_version=4, consumed_total=40, accepted_total=12)
+    assert groups_per_step(ran, fixed) == 8.0
+    assert groups_per_step(None, by_tokens) == 8.0  # before the first step: at most B
+    assert groups_per_step(ran, by_tokens) == 3.0
+    many = LearnerProgress(step=1, policy_version=1, consumed_total=40, accepted_total=30)
+    assert groups_per_step(many, by_tokens) == 8.0  # never above B
 
 
 def test_stale_drops_do_not_lower_the_accept_rate():

@@ -204,5 +204,17 @@ def test_packing_errors_name_the_setting_to_change():
     longest = int(batch.seq_length.max())
     with pytest.raises(ValueError, match=r"learner\.micro_batch_tokens"):
         make_mini_batches(batch, 2, longest - 1)
-    with pytest.raises(ValueError, match="mini_batch_groups"):
-        make_mini_batches(batch, 3, 1000)
+
+
+@pytest.mark.parametrize(
+    ("groups", "per_update", "expected"),
+    [(8, 2, [2, 2, 2, 2]), (7, 3, [3, 2, 2]), (5, 2, [2, 2, 1]), (3, 4, [3]), (1, 2, [1])],
+)
+def test_a_batch_closed_early_splits_into_runs_as_even_as_possible(groups, per_update, expected):
+    """A length-aware batch (learner.batch_tokens) may hold fewer groups than batch_groups:
+    ⌈groups / mini_batch_groups⌉ updates of consecutive groups, sizes differing by ≤ 1."""
+    batch = TrainBatch.from_groups(_mixed_groups(groups))
+    minis = make_mini_batches(batch, per_update, 200)
+    assert [len(m.groups) for m in minis] == expected
+    assert [g for m in minis for g in m.groups] == list(range(groups))
+    assert sum(m.num_responses for m in minis) == batch.group_index.numel()

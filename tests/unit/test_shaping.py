@@ -1,5 +1,5 @@
 """Tests for `streamrl.algorithms.shaping`: rule-reward scaling, DAPO overlong reward shaping
-(eq. 13) and overlong filtering.
+(eq. 13), overlong filtering and the framework guide's adaptive length penalty (eqs 31–33).
 
 Each function is compared with an independent looped reference written from ALGORITHMS.md on
 seeded random inputs, plus hand-computed boundary cases.
@@ -7,10 +7,18 @@ seeded random inputs, plus hand-computed boundary cases.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from streamrl.algorithms.shaping import overlong_filter_mask, overlong_penalty, scale_rule_reward
+from streamrl.algorithms.shaping import (
+    adaptive_length_penalty,
+    overlong_filter_mask,
+    overlong_penalty,
+    scale_rule_reward,
+)
 
 SEEDS = [0, 1, 2, 3, 4]
 
@@ -47,6 +55,27 @@ def ref_scale(scores: list[float], scale: str) -> list[float]:
     if scale == "plus_minus_one":
         return [-1.0 + 2.0 * s for s in scores]
     return [float(s) for s in scores]
+
+
+def ref_length_penalised(
+    rewards: list[float],
+    sampled: list[int],
+    target: int,
+    a: float,
+    b: float,
+    r_th: float,
+    lambda_base: float,
+    gamma: float,
+) -> list[float]:
+    """Eq 31: R = R_base − λ(R_base)·pen(|o|, R_base), response by response, with |o| the
+    sampled tokens; pen (eq 32) logarithmic above r_th, quadratic at or below; λ from eq 33."""
+    out = []
+    for reward, length in zip(rewards, sampled, strict=True):
+        ratio = length / target
+        pen = a * math.log(1.0 + ratio) if reward > r_th else b * ratio**2
+        weight = lambda_base * math.exp(-gamma * max(0.0, reward - r_th))
+        out.append(reward - weight * pen)
+    return out
 
 
 def _close(actual: torch.Tensor, expected, atol: float = 1e-6, rtol: float = 1e-6) -> None:
@@ -137,6 +166,134 @@ def test_overlong_penalty_added_to_rule_reward() -> None:
     lengths = torch.tensor([100, 18432, 30000])
     shaped = scale_rule_reward(correct) + overlong_penalty(lengths, 20480, 4096)
     _close(shaped, [1.0, 0.5, -2.0])
+
+
+# --------------------------------------------------------------------------------------------
+# adaptive_length_penalty
+# --------------------------------------------------------------------------------------------
+
+
+def _random_penalty_case(seed: int, scale: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Rule rewards of `scale` (correct, wrong, partial and exactly r_th), lengths 0..3·L_target,
+    and random parameters."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    # r_th inside the scale's range, on a 1/64 grid so that R_base = r_th holds in float32.
+    fraction = round((0.2 + 0.6 * float(torch.rand(1, generator=gen))) * 64) / 64
+    params = {
+        "target": int(torch.randint(1, 400, (1,), generator=gen)),
+        "a": float(torch.rand(1, generator=gen)) * 2.0,
+        "b": float(torch.rand(1, generator=gen)) * 2.0,
+        "r_th": fraction if scale == "zero_one" else 2.0 * fraction - 1.0,
+        "lambda_base": float(torch.rand(1, generator=gen)) + 0.01,
+        "gamma": float(torch.rand(1, generator=gen)) * 3.0,
+    }
+    scores = torch.rand(48, generator=gen)
+    scores[:16] = (scores[:16] < 0.5).float()  # verifier's correct / wrong
+    rewards = scale_rule_reward(scores, scale)  # type: ignore[arg-type]
+    rewards[-4:] = params["r_th"]  # exactly at the threshold: the quadratic branch
+    lengths = torch.randint(0, 3 * params["target"] + 2, (48,), generator=gen)
+    lengths[:3] = 0
+    return rewards, lengths, params
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("scale", ["plus_minus_one", "zero_one"])
+def test_adaptive_length_penalty_matches_reference(seed: int, scale: str) -> None:
+    """R_base + the penalty equals eq 31 on random rewards either side of and exactly at r_th."""
+    rewards, lengths, params = _random_penalty_case(seed, scale)
+    r_th = torch.tensor(params["r_th"], dtype=torch.float32)
+    assert (rewards > r_th).any()
+    assert (rewards < r_th).any()
+    assert (rewards == r_th).any()
+    penalty = adaptive_length_penalty(rewards, lengths, **params)
+    assert penalty.dtype == torch.float32
+    assert penalty.shape == rewards.shape
+    assert (penalty <= 0).all()
+    expected = ref_length_penalised(rewards.tolist(), lengths.tolist(), **params)
+    _close(rewards + penalty, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["plus_minus_one", "zero_one"])
+def test_adaptive_length_penalty_hand_values(scale: str) -> None:
+    """L_target = 100, a = b = 1, r_th = 0, λ_base = 0.5, γ = 2. A correct answer (R_base = 1 on
+    either scale) pays 0.5·e^(−2)·ln(1 + |o|/100); a wrong one 0.5·(|o|/100)² whether R_base is
+    −1 (below r_th) or 0 (at r_th)."""
+    correct, wrong = scale_rule_reward(torch.tensor([True, False]), scale)  # type: ignore[arg-type]
+    rewards = torch.stack([correct, correct, wrong, wrong])
+    lengths = torch.tensor([100, 300, 100, 200])
+    penalty = adaptive_length_penalty(
+        rewards, lengths, target=100, a=1.0, b=1.0, r_th=0.0, lambda_base=0.5, gamma=2.0
+    )
+    decayed = 0.5 * math.exp(-2.0)
+    _close(penalty, [-decayed * math.log(2.0), -decayed * math.log(4.0), -0.5, -2.0])
+
+
+def test_adaptive_length_penalty_at_the_threshold_takes_the_quadratic_branch_at_full_weight():
+    """R_base = r_th is not above it: b·(|o|/L)² with λ = λ_base (no decay); just above it the
+    logarithmic branch with λ ≈ λ_base."""
+    rewards = torch.tensor([0.5, 0.5 + 1e-3])
+    penalty = adaptive_length_penalty(
+        rewards,
+        torch.tensor([20, 20]),
+        target=10,
+        a=3.0,
+        b=5.0,
+        r_th=0.5,
+        lambda_base=0.2,
+        gamma=7.0,
+    )
+    _close(penalty, [-0.2 * 5.0 * 4.0, -0.2 * math.exp(-7e-3) * 3.0 * math.log(3.0)])
+
+
+def test_adaptive_length_penalty_is_zero_for_an_empty_response() -> None:
+    """|o| = 0 costs nothing on either branch: ln(1 + 0) = 0² = 0."""
+    penalty = adaptive_length_penalty(
+        torch.tensor([1.0, -1.0, 0.0]),
+        torch.zeros(3, dtype=torch.int64),
+        target=64,
+        a=2.0,
+        b=2.0,
+        r_th=0.0,
+        lambda_base=1.0,
+        gamma=0.0,
+    )
+    assert penalty.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_adaptive_length_penalty_counts_sampled_tokens_of_multi_turn_responses() -> None:
+    """With loss masks |o| is the sampled tokens only: environment tokens (mask 0) add nothing;
+    masks that do not match the lengths are refused."""
+    masks = [
+        np.array([1, 1, 0, 0, 0, 1, 1, 1], np.uint8),  # 5 sampled, 3 tool-result tokens
+        np.array([0, 0, 1, 1], np.uint8),  # 2 sampled
+        np.zeros(3, np.uint8),  # nothing sampled
+        np.ones(6, np.uint8),  # single-turn-like: 6 sampled
+    ]
+    lengths = torch.tensor([len(m) for m in masks])
+    rewards = torch.tensor([1.0, -1.0, -1.0, 0.0])
+    params = {"target": 4, "a": 0.7, "b": 1.3, "r_th": 0.0, "lambda_base": 0.4, "gamma": 1.5}
+    penalty = adaptive_length_penalty(rewards, lengths, loss_masks=masks, **params)
+    expected = ref_length_penalised(rewards.tolist(), [5, 2, 0, 6], **params)
+    _close(rewards + penalty, expected)
+    whole = ref_length_penalised(rewards.tolist(), lengths.tolist(), **params)
+    assert not torch.allclose(rewards + penalty, torch.tensor(whole))
+    with pytest.raises(ValueError, match="loss masks"):
+        adaptive_length_penalty(rewards, lengths + 1, loss_masks=masks, **params)
+
+
+@pytest.mark.parametrize("target", [0, -3])
+def test_adaptive_length_penalty_bad_target_raises(target: int) -> None:
+    with pytest.raises(ValueError, match="target"):
+        adaptive_length_penalty(
+            torch.tensor([1.0]),
+            torch.tensor([5]),
+            target=target,
+            a=1.0,
+            b=1.0,
+            r_th=0.0,
+            lambda_base=0.1,
+            gamma=1.0,
+        )
 
 
 # --------------------------------------------------------------------------------------------
