@@ -164,6 +164,10 @@ class RunConfig(Section):
                 f"model.critic is set but algorithm '{name}' uses no value model; remove "
                 "model.critic or use algorithm.name=vapo"
             )
+        if self.algorithm.uses_value_model and self.model.critic.init_from != "policy":
+            refusal = self.algorithm.value_head.reward_model_refusal(self.model.critic.init_from)
+            if refusal is not None:
+                raise ValueError(refusal)
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,7 @@ from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import ALGORITHM_CLASSES
 from streamrl.algorithms.correction_config import CORRECTION_CLASSES
 from streamrl.algorithms.outcome import ADVANTAGE_CLASSES
+from streamrl.algorithms.value_heads import VALUE_HEAD_CLASSES
 from streamrl.config import RunConfig
 from streamrl.config_base import ConfigError, credentials_problem
 from streamrl.placement.config import PLACEMENT_CLASSES
@@ -45,6 +46,7 @@ UNIONS: dict[str, tuple[str, Mapping[str, type[BaseModel]]]] = {
     "placement": ("mode", PLACEMENT_CLASSES),
     "algorithm.correction": ("method", CORRECTION_CLASSES),
     "algorithm.advantage": ("kind", ADVANTAGE_CLASSES),
+    "algorithm.value_head": ("kind", VALUE_HEAD_CLASSES),
 }
 """The sections that are discriminated unions (by path): their tag field and the class of each
 tag."""

@@ -27,12 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pydantic import TypeAdapter
-
 from storage.control import clear_stop, requested_generators, set_requested_generators
+from storage.credentials import without_credentials
 from storage.fs import Location, StorageError, open_location
 from storage.manifest import create_run, open_run
-from streamrl.algorithms.correction_config import CorrectionConfig, correction_of_importance
+from streamrl.algorithms.correction_config import correction_of_importance
 from streamrl.config import RunConfig
 from streamrl.config_loading import validate_config
 from streamrl.placement.config import placement_of_older_run
@@ -249,15 +248,18 @@ def as_this_version_reads(stored: Mapping[str, Any]) -> dict[str, Any]:
     """A stored configuration (run.json, control/config.json) in this version's spelling, so
     that a run created by an older version resumes: placement fields of a local run dropped
     (`placement_of_older_run`), and `algorithm.importance` written as the `algorithm.correction`
-    block it means, every field filled in as a current config dumps it."""
+    block it means; then every field filled in as a current config dumps it (a field added
+    since the run was created takes its default), credentials left out as they were."""
     config = placement_of_older_run(stored)
     algorithm = config.get("algorithm")
     if isinstance(algorithm, Mapping) and "importance" in algorithm:
-        block = correction_of_importance(algorithm["importance"])
-        dumped = TypeAdapter(CorrectionConfig).validate_python(block).model_dump(mode="json")
         rest = {k: v for k, v in algorithm.items() if k != "importance"}
-        config["algorithm"] = {**rest, "correction": dumped}
-    return config
+        config["algorithm"] = {
+            **rest,
+            "correction": correction_of_importance(algorithm["importance"]),
+        }
+    full = validate_config(config, source="the run's stored configuration")
+    return without_credentials(full.model_dump(mode="json"))
 
 
 def _read_current(run: Location) -> CurrentConfig | None:

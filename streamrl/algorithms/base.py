@@ -248,6 +248,12 @@ class AlgorithmBase(Section):
         return False
 
     @property
+    def critic_prior(self) -> Any:
+        """Weighted value integration (a `ValuePriorConfig` of `streamrl.algorithms.vapo`): the
+        frozen pre-trained critic the policy's GAE blends in, or None (default)."""
+        return None
+
+    @property
     def needs_groups(self) -> bool:
         """Whether advantages compare responses within a group (so G ≥ 2 is required)."""
         return True
@@ -291,6 +297,7 @@ class AlgorithmBase(Section):
         *,
         ref_kl: Tensor | None = None,
         values: Tensor | None = None,
+        policy_values: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Stage 2, per micro-batch: token advantages `[n, T]` float32 (zero off `mask`) and
         the critic's value targets `[n, T]` (None without a critic).
@@ -301,6 +308,8 @@ class AlgorithmBase(Section):
                 tokens of a multi-turn response excluded).
             ref_kl: `[n, T]` KL of the behaviour policy to the reference, when there is one.
             values: `[n, T]` the critic's values when the batch was scored, when there is one.
+            policy_values: `[n, T]` the values the policy's advantages use instead, when they
+                differ from the critic's (weighted value integration: V_aug).
 
         The outcome family: the response's outcome advantage on each of its sampled tokens."""
         return broadcast_to_tokens(outcomes, mask), None
@@ -363,9 +372,17 @@ class AlgorithmBase(Section):
         return 0.0
 
     def critic_loss(
-        self, values: Tensor, old_values: Tensor, targets: Tensor, mask: Tensor, *, num_tokens: int
+        self,
+        values: Tensor,
+        old_values: Tensor,
+        targets: Tensor,
+        mask: Tensor,
+        *,
+        outputs: Tensor,
+        num_tokens: int,
     ) -> tuple[Tensor, Metrics]:
-        """The critic's loss on one micro-batch (algorithms with a value model)."""
+        """The critic's loss on one micro-batch (algorithms with a value model): `values`
+        `[n, T]` V and `outputs` `[n, T, K]` the value head's outputs V is read from."""
         raise TypeError(f"algorithm {self.name!r} has no value model")
 
 

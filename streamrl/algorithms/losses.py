@@ -50,12 +50,16 @@ __all__ = [
     "Aggregation",
     "LossDenominators",
     "aggregate",
+    "distributional_value",
+    "distributional_value_loss",
     "explained_variance",
     "explained_variance_from_stats",
     "explained_variance_stats",
     "pg_loss",
     "positive_nll_loss",
     "ppo_policy_loss",
+    "two_hot",
+    "value_atoms",
     "value_loss",
 ]
 
@@ -290,6 +294,79 @@ def value_loss(
         "critic/vf_loss": loss.detach(),
         "critic/vf_clip_frac": masked_mean((clipped > plain).float(), mask).detach(),
         "critic/explained_var": explained_variance(values.detach(), targets, mask),
+    }
+    return loss, metrics
+
+
+def value_atoms(
+    v_min: float, v_max: float, atoms: int, device: torch.device | None = None
+) -> Tensor:
+    """The distributional critic's support z_1..z_N, evenly spaced on [v_min, v_max]: `[N]`
+    float32 (z_1 = v_min, z_N = v_max, spacing Δ = (v_max − v_min)/(N − 1))."""
+    return torch.linspace(v_min, v_max, atoms, dtype=torch.float32, device=device)
+
+
+def distributional_value(logits: Tensor, v_min: float, v_max: float) -> Tensor:
+    """V = Σ_i softmax(logits)_i · z_i over the atoms of `value_atoms`: `logits [..., N]` →
+    `[...]` float32."""
+    atoms = value_atoms(v_min, v_max, logits.shape[-1], logits.device)
+    return (torch.softmax(logits.float(), dim=-1) * atoms).sum(-1)
+
+
+def two_hot(targets: Tensor, v_min: float, v_max: float, atoms: int) -> Tensor:
+    """The two-hot projection of scalar targets onto the atoms: `targets [...]` → `[..., N]`
+    float32, each row non-negative and summing to 1.
+
+    A target is first clipped to [v_min, v_max]. Between z_j and z_{j+1} it puts
+    (z_{j+1} − t)/Δ on atom j and (t − z_j)/Δ on atom j + 1, so Σ_i p_i·z_i = t; on an atom
+    (up to float rounding) all its mass is there."""
+    clipped = targets.detach().float().clamp(v_min, v_max)
+    position = ((clipped - v_min) * ((atoms - 1) / (v_max - v_min))).clamp(0.0, atoms - 1)
+    lower = position.floor().clamp(max=atoms - 2)  # t = v_max: all mass on the upper atom
+    upper_mass = position - lower
+    index = lower.long().unsqueeze(-1)
+    projection = torch.zeros(*clipped.shape, atoms, dtype=torch.float32, device=targets.device)
+    projection.scatter_(-1, index, (1.0 - upper_mass).unsqueeze(-1))
+    projection.scatter_add_(-1, index + 1, upper_mass.unsqueeze(-1))
+    return projection
+
+
+def distributional_value_loss(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    *,
+    v_min: float,
+    v_max: float,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """The distributional critic's loss (the framework guide's eq 22), token-mean:
+
+        ℓ = −Σ_i two_hot(clip(V_tgt, v_min, v_max))_i · log softmax(logits)_i
+
+    Args:
+        logits: `[N, T, K]` the head's logits over K atoms evenly spaced on [v_min, v_max],
+            with grad.
+        targets: `[N, T]` value targets V_tgt (no grad).
+        mask: `[N, T]` loss mask.
+        num_tokens: the denominator: loss tokens in the whole mini-batch (all micro-batches
+            and ranks), so micro-batch losses sum to the mini-batch's. Default: `mask.sum()`.
+
+    Returns `(loss, metrics)`: critic/vf_loss, critic/explained_var (of V = Σ p·z, see
+    `distributional_value`) and critic/target_clip_frac (loss tokens whose target lay outside
+    [v_min, v_max] and was clipped: a support too narrow for the returns).
+    """
+    logits = logits.float()
+    targets = targets.detach().float()
+    projection = two_hot(targets, v_min, v_max, logits.shape[-1])
+    per_token = -(projection * torch.log_softmax(logits, dim=-1)).sum(-1)
+    loss = aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)
+    values = distributional_value(logits.detach(), v_min, v_max)
+    outside = (targets < v_min) | (targets > v_max)
+    metrics = {
+        "critic/vf_loss": loss.detach(),
+        "critic/target_clip_frac": masked_mean(outside.float(), mask).detach(),
+        "critic/explained_var": explained_variance(values, targets, mask),
     }
     return loss, metrics
 

@@ -52,6 +52,7 @@ class ReinforcePPConfig(ClippedAlgorithmBase):
         *,
         ref_kl: Tensor | None = None,
         values: Tensor | None = None,
+        policy_values: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Reward-to-go of R_i − β·KL_t (`reinforce_pp_returns`; the KL only when it is placed
         in the reward), before `normalise_advantages` whitens it."""

@@ -1,11 +1,12 @@
 """The learner's checkpoints: what one holds, restoring from one, and what a new one lets go.
 
 A checkpoint (`storage.checkpoints`) holds the models that learn with their optimisers (the
-policy; a critic; an EMA reference policy — a frozen one is rebuilt from the model path), each
+policy; a critic), the models that follow them (an EMA reference policy, as a frozen one is
+rebuilt from the model path; the frozen pre-trained critic of weighted value integration), each
 rank's RNG states, and the learner state record (`LearnerState`): the `TrainingState` (step,
-policy version, stream cursor, filter totals, whether the critic was pre-trained, the
-prompts' earlier rewards for temporal groups), the
-skipped-update counts, and the layout of the models (what decides the shapes of the saved
+policy version, stream cursor, filter totals, whether the critic was pre-trained, the prompts'
+earlier rewards for temporal groups, the critic's reliability for weighted value integration),
+the skipped-update counts, and the layout of the models (what decides the shapes of the saved
 state: it must match to resume). `LearnerCheckpoints` writes that record and reads it back
 (`_record` and `_restored`, side by side). The newest checkpoint that passes its checks is
 restored (`CheckpointStore.latest_verified`); one written for other models is refused before
@@ -46,8 +47,9 @@ class TrainingState:
     once it is committed); `cursor` and `totals` are the stream position and filter totals after
     the last batch trained on; `value_pretrained` is false only before VAPO's critic
     pre-training; `rewards`, the prompts' earlier rewards when the algorithm pools them
-    (temporal groups). The loop advances it; the stream source reads `step` and `version`
-    live."""
+    (temporal groups); `value_reliability`, rel_t of weighted value integration (the EMA of
+    the critic's explained variance). The loop advances it; the stream source reads `step` and
+    `version` live."""
 
     step: int = 0
     version: int = 0
@@ -55,6 +57,7 @@ class TrainingState:
     totals: FilterCounts = field(default_factory=FilterCounts)
     value_pretrained: bool = True
     rewards: RewardHistory | None = None
+    value_reliability: float = 0.0
 
     def past_rewards(self, batch: StreamBatch) -> PastRewards | None:
         """The earlier rewards of `batch`'s prompts (before `trained_on(batch)`), when kept."""
@@ -65,6 +68,15 @@ class TrainingState:
         self.cursor, self.totals = batch.cursor_after, batch.totals
         if self.rewards is not None:
             self.rewards.record(batch.groups, self.version)
+
+
+def _reliability(value: object) -> float:
+    """rel_t as a checkpoint recorded it, checked: a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"the checkpoint's value_reliability is {value!r}; expected a number in [0, 1]"
+        )
+    return float(value)
 
 
 class LearnerCheckpoints:
@@ -120,6 +132,7 @@ class LearnerCheckpoints:
                 },
                 "layout": self._layout(),
                 "reward_history": state.rewards and state.rewards.to_record(),
+                "value_reliability": state.value_reliability,
             },
         )
 
@@ -136,6 +149,7 @@ class LearnerCheckpoints:
             totals=FilterCounts(**record.extra.get("filter_totals", {})),
             value_pretrained=record.extra.get("value_pretrained", True),
             rewards=self._reward_history(record.extra.get("reward_history")),
+            value_reliability=_reliability(record.extra.get("value_reliability", 0.0)),
         )
 
     def _reward_history(self, record: object) -> RewardHistory | None:
@@ -171,6 +185,8 @@ class LearnerCheckpoints:
         kl = self.config.algorithm.reference_kl
         if models.reference is not None and kl.reference == "ema":  # a frozen one is reloaded
             state["reference"] = ModelState(models.reference)
+        if models.value_prior is not None:  # V_pre, the critic as its pre-training left it
+            state["value_prior"] = ModelState(models.value_prior.model)
         return state
 
     def _layout(self) -> dict[str, object]:
@@ -183,6 +199,9 @@ class LearnerCheckpoints:
             "hidden_size": model.hidden_size,
             "num_hidden_layers": model.num_hidden_layers,
             "critic": self.models.critic is not None,
+            "value_head": (
+                self.config.algorithm.value_head.layout if self.models.critic is not None else None
+            ),
             "reference": None if kl is None else kl.reference,
             "checkpointed_models": sorted(self._app_state()),
         }

@@ -12,7 +12,8 @@ response token, chunk by chunk (`head_logprobs_and_entropy`): no logits for prom
 never the `[tokens, vocab]` logits whole. Any other causal LM computes its full logits, of
 which the response positions are read: the reference path the fast one is checked against.
 
-`values(critic, micro)`: the critic's V at the same positions.
+`values(critic, micro)`: the critic's V at the same positions; `value_outputs(critic, micro)`:
+its value head's outputs there (what the critic's loss reads) and V from them.
 
 Under FSDP2 the root unit keeps its parameters gathered from its forward to its backward
 (`shard_model`), so the output layer's weight read after the forward is the whole weight.
@@ -34,6 +35,7 @@ __all__ = [
     "shares_prompts",
     "token_scores",
     "use_hidden_states_head",
+    "value_outputs",
     "values",
 ]
 
@@ -97,8 +99,9 @@ def _inputs(micro: MicroBatch) -> dict[str, Tensor]:
 
 
 def _scatter(rows: Tensor, mask: Tensor) -> Tensor:
-    """`rows` (one value per True of `mask`) into a zero tensor shaped like `mask`."""
-    return rows.new_zeros(mask.shape).index_put((mask,), rows)
+    """`rows` `[count, *rest]` (one per True of `mask`) into a zero tensor `[*mask.shape,
+    *rest]`."""
+    return rows.new_zeros((*mask.shape, *rows.shape[1:])).index_put((mask,), rows)
 
 
 def token_scores(
@@ -138,3 +141,13 @@ def values(critic: nn.Module, micro: MicroBatch) -> Tensor:
     mask = micro.sampled_mask
     output = critic(**_inputs(micro))  # [R, S]
     return _scatter(output.reshape(-1)[micro.gather[mask]], mask)
+
+
+def value_outputs(critic: nn.Module, micro: MicroBatch) -> tuple[Tensor, Tensor]:
+    """The critic's value-head outputs (`ValueModel.forward(..., outputs=True)`) and V from
+    them (`ValueModel.value`) at the sampled response targets of `micro`: `[n, T−1, K]` and
+    `[n, T−1]` float32, both differentiable and zero elsewhere."""
+    mask = micro.sampled_mask
+    output = critic(**_inputs(micro), outputs=True)  # [R, S, K]
+    rows = output.reshape(-1, output.shape[-1])[micro.gather[mask]]
+    return _scatter(rows, mask), _scatter(critic.value(rows), mask)

@@ -48,12 +48,13 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
+from streamrl.algorithms.value_heads import ScalarHead, ScalarValueHead, ValueHead
 from streamrl.config import RunConfig
 from streamrl.learner.forward import shares_prompts, use_hidden_states_head
 from streamrl.learner.model import (
     ValueModel,
     compute_dtype,
-    fresh_value_head,
+    critic_init,
     load_policy,
     load_value_model,
     reward_model_config,
@@ -61,7 +62,7 @@ from streamrl.learner.model import (
     shard_model,
 )
 from streamrl.learner.optim import build_optimizer, build_scheduler
-from streamrl.learner.step_inputs import StepModels, Trainable
+from streamrl.learner.step_inputs import StepModels, Trainable, ValuePrior
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
 from streamrl.models.config import ModelConfig
@@ -120,11 +121,17 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
         reference = load_sharded(meta_policy(model_cfg.path, model_cfg, dtype), shard_lm, topology)
         models.reference = reference.requires_grad_(False).eval()
     if algorithm.uses_value_model:
-        meta = meta_value_model(model_cfg.path, model_cfg, seed=cfg.seed)
+
+        def critic() -> nn.Module:
+            meta = meta_value_model(
+                model_cfg.path, model_cfg, seed=cfg.seed, head=algorithm.value_head
+            )
+            return load_sharded(meta, shard, topology)
+
         critic_updates = updates + algorithm.value_pretrain_steps * cfg.updates_per_batch
-        models.critic = trainable(
-            load_sharded(meta, shard, topology), cfg.critic_lr, critic_updates
-        )
+        models.critic = trainable(critic(), cfg.critic_lr, critic_updates)
+        if algorithm.critic_prior is not None:  # V_pre: frozen, sharded like the critic
+            models.value_prior = ValuePrior(critic().requires_grad_(False).eval())
     return models, shared_prompt
 
 
@@ -190,24 +197,32 @@ def meta_policy(
 
 
 def meta_value_model(
-    model_path: str, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+    model_path: str,
+    model_cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    head: ValueHead | None = None,
 ) -> MetaModel:
     """The critic `load_value_model` builds, on meta: from the policy's checkpoint with a fresh
-    head (drawn from `seed`), or from a reward model's backbone and scalar head."""
-    if model_cfg.critic is None:
-        raise ValueError("model.critic is not set; set model.critic.init_from=policy")
-    init_from, trust = model_cfg.critic.init_from, model_cfg.trust_remote_code
+    value head `head` (`algorithm.value_head`, default scalar; drawn from `seed`), or from a
+    reward model's backbone and scalar head."""
+    head_cfg = ScalarHead() if head is None else head
+    init_from, trust = critic_init(model_cfg, head_cfg), model_cfg.trust_remote_code
     head_names: dict[str, tuple[str, ...]] = {}
     fresh: dict[str, Tensor] = {}
+    value_head: nn.Module
     if init_from == "policy":
         path = resolve_model_path(model_path)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         with parameters_on_meta():
             backbone = AutoModel.from_config(config, dtype=dtype, trust_remote_code=trust)
         backbone.eval()
-        drawn = fresh_value_head(config.hidden_size, dtype, seed)
-        fresh = {f"value_head.{name}": value.detach() for name, value in drawn.named_parameters()}
-        head = nn.Linear(config.hidden_size, 1, device="meta", dtype=dtype)
+        value_head = head_cfg.build(config.hidden_size, dtype, seed)
+        fresh = {
+            f"value_head.{name}": value.detach().clone()
+            for name, value in value_head.named_parameters()
+        }
+        value_head = value_head.to("meta")
     else:
         path = resolve_model_path(init_from)
         config = reward_model_config(init_from, model_path, trust)
@@ -217,7 +232,7 @@ def meta_value_model(
             )
         backbone = reward_model.eval().base_model
         source_name, source = reward_model_head(reward_model, init_from)
-        head = nn.Linear(source.in_features, 1, device="meta", dtype=dtype)
+        value_head = ScalarValueHead(source.in_features, device="meta", dtype=dtype)
         head_names["value_head.weight"] = (f"{source_name}.weight",)
         if source.bias is not None:
             head_names["value_head.bias"] = (f"{source_name}.bias",)
@@ -233,10 +248,10 @@ def meta_value_model(
         return head_names.get(name, ())
 
     return MetaModel(
-        ValueModel(backbone, head),
+        ValueModel(backbone, value_head),
         Path(path),
         checkpoint_names,
-        lambda: load_value_model(model_path, model_cfg, dtype, seed),
+        lambda: load_value_model(model_path, model_cfg, dtype, seed, head_cfg),
         fresh,
     )
 

@@ -21,7 +21,11 @@ the weight store also refuses NaN/inf tensors).
 Models: the policy; for a KL term a reference policy (frozen initial weights, or an EMA of the
 policy that is checkpointed); for VAPO a critic with its own optimiser, pre-trained on the
 frozen policy's responses (`value_pretrain_steps` batches, or until explained variance reaches
-`value_pretrain_target_ev`) before the first policy update, then checkpointed at step 0.
+`value_pretrain_target_ev`) before the first policy update, then checkpointed at step 0; with
+weighted value integration (`algorithm.value_prior`) a frozen copy of the critic as
+pre-training left it (V_pre, checkpointed), blended into the policy's GAE with a weight w(t)
+that decays over the run and with the critic's reliability (an EMA of its explained variance,
+learner state).
 
 One learner per run: rank 0 holds the run's lease (`storage.lease`) from before it loads a
 checkpoint until it ends; every checkpoint, weight commit, LATEST move, retention deletion and
@@ -192,6 +196,8 @@ class Learner:
             if metrics["critic/explained_var"] >= algorithm.value_pretrain_target_ev:
                 break
         self.state.value_pretrained = True
+        if self.models.value_prior is not None:  # V_pre: the critic as pre-training left it
+            self.models.value_prior.freeze(self.models.critic.model)
         if history:
             self._checkpoint()
         return history
@@ -204,6 +210,11 @@ class Learner:
         self.state.trained_on(batch)
         collected = time.perf_counter()
         train = TrainBatch.from_groups(batch.groups, self.state.version, past)
+        prior = self.config.algorithm.critic_prior  # weighted value integration
+        if prior is not None and train_policy:
+            self.models.value_prior.weight = prior.weight(
+                self.state.step, cfg.total_steps, self.state.value_reliability
+            )
         mini_batches = make_mini_batches(
             train,
             cfg.mini_batch_groups,
@@ -221,6 +232,13 @@ class Learner:
             train_policy=train_policy,
         )
         done = time.perf_counter()
+        if prior is not None:
+            self.state.value_reliability = prior.reliability(
+                self.state.value_reliability, metrics["critic/explained_var"]
+            )
+            metrics["critic/reliability"] = self.state.value_reliability
+            if train_policy:
+                metrics["critic/prior_weight"] = self.models.value_prior.weight
         tokens = sum(m.num_loss_tokens for m in mini_batches)
         metrics.update(batch.metrics() | stream_metrics)
         metrics.update(

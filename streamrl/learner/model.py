@@ -3,8 +3,10 @@
 - `load_policy`: the Hugging Face causal LM being trained, fp32 master weights, loaded whole.
   The learner itself builds its models on the meta device and reads only its shards
   (`streamrl.learner.loading`); these loaders are its fallback and what it is tested against.
-- `ValueModel` / `load_value_model` (VAPO): the policy's backbone (`AutoModel` of the same
-  architecture) with a scalar head, initialised from the policy or from a reward model.
+- `ValueModel` / `load_value_model` (VAPO, PPO): the policy's backbone (`AutoModel` of the
+  same architecture) with a value head (`algorithm.value_head`: scalar, multi-head or
+  distributional, `streamrl.algorithms.value_heads`), initialised from the policy or, with the
+  scalar head, from a reward model.
 - `shard_model`: the one place models are wrapped: `fully_shard` each decoder layer, then the
   root (embeddings, final norm, LM or value head). Gradients are *summed* over ranks, not
   averaged: losses divide by global token counts (the whole mini-batch on all ranks), so the
@@ -35,6 +37,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from streamrl.algorithms.value_heads import ScalarHead, ScalarValueHead, ValueHead
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
 from streamrl.models.config import ModelConfig
@@ -42,8 +45,8 @@ from streamrl.models.config import ModelConfig
 __all__ = [
     "ValueModel",
     "compute_dtype",
+    "critic_init",
     "decoder_layers",
-    "fresh_value_head",
     "full_state_dict",
     "load_policy",
     "load_value_model",
@@ -70,17 +73,21 @@ def load_policy(
 
 
 class ValueModel(nn.Module):
-    """V(s_t) for every token position: a transformer backbone and a scalar head.
+    """V(s_t) for every token position: a transformer backbone and a value head
+    (`streamrl.algorithms.value_heads`: its forward maps hidden states `[B, T, H]` to outputs
+    `[B, T, K]` float32, its `value` reads V from them).
 
     `forward(input_ids [B, T], attention_mask [B, T] | None, position_ids [B, T] | None)`
-    returns values [B, T] float32, where values[b, t] estimates the return after token t."""
+    returns values [B, T] float32, where values[b, t] estimates the return after token t; with
+    `outputs=True` the head's outputs `[B, T, K]` instead (what the critic's loss reads), of
+    which `value` gives the values."""
 
-    def __init__(self, backbone: PreTrainedModel, value_head: nn.Linear) -> None:
+    def __init__(self, backbone: PreTrainedModel, value_head: nn.Module) -> None:
         super().__init__()
-        if value_head.out_features != 1 or value_head.in_features != backbone.config.hidden_size:
+        if value_head.in_features != backbone.config.hidden_size:
             raise ValueError(
-                f"value_head must map hidden_size={backbone.config.hidden_size} to 1, got "
-                f"{value_head.in_features} → {value_head.out_features}"
+                f"value_head must read hidden_size={backbone.config.hidden_size}, got "
+                f"{value_head.in_features}"
             )
         self.backbone = backbone
         self.value_head = value_head
@@ -95,6 +102,8 @@ class ValueModel(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        *,
+        outputs: bool = False,
     ) -> Tensor:
         hidden = self.backbone(
             input_ids=input_ids,
@@ -102,44 +111,56 @@ class ValueModel(nn.Module):
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state  # [B, T, H]
-        return self.value_head(hidden).squeeze(-1).float()  # [B, T]
+        head_outputs = self.value_head(hidden)  # [B, T, K] float32
+        result = head_outputs if outputs else self.value(head_outputs)
+        # A tensor of its own, not a view (a linear layer's output on [B, T, H] is one): FSDP2
+        # hooks the root's output for its backward, which a view would not keep safely (it warns).
+        return result.clone()
+
+    def value(self, outputs: Tensor) -> Tensor:
+        """V from the head's outputs: `[..., K]` → `[...]` float32 (no parameters read)."""
+        return self.value_head.value(outputs)
 
 
 def load_value_model(
-    model_path: str, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+    model_path: str,
+    model_cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    head: ValueHead | None = None,
 ) -> ValueModel:
-    """The critic as `model_cfg.critic.init_from` says.
+    """The critic as `model_cfg.critic.init_from` says, with the value head `head`
+    (`algorithm.value_head`; default scalar).
 
-    - `policy`: the backbone of the policy at `model_path`; a fresh head, weight drawn from
-      N(0, (1/(H+1))²) with a generator seeded by `seed` (so every rank draws the same head
-      without a broadcast), bias 0.
+    - `policy`: the backbone of the policy at `model_path`; a fresh head (`head.build`: each
+      weight drawn from N(0, (1/(H+1))²) by a generator seeded with `seed`, so every rank draws
+      the same head without a broadcast).
     - a path: a reward model saved as `*ForSequenceClassification` with one label, over the
-      policy's vocabulary; its backbone and its scalar head (`score`) are both used.
+      policy's vocabulary; its backbone and its scalar head (`score`) are both used. Only the
+      scalar head starts from one (`reward_model_refusal` says why the others do not).
     """
-    if model_cfg.critic is None:
-        raise ValueError("model.critic is not set; set model.critic.init_from=policy")
-    init_from = model_cfg.critic.init_from
+    head = ScalarHead() if head is None else head
+    init_from = critic_init(model_cfg, head)
     trust = model_cfg.trust_remote_code
     if init_from == "policy":
         backbone = AutoModel.from_pretrained(
             resolve_model_path(model_path), dtype=dtype, trust_remote_code=trust
         )
-        head = fresh_value_head(backbone.config.hidden_size, dtype, seed)
+        value_head = head.build(backbone.config.hidden_size, dtype, seed)
     else:
-        backbone, head = _reward_model_parts(init_from, model_path, trust, dtype)
+        backbone, value_head = _reward_model_parts(init_from, model_path, trust, dtype)
     backbone.config.use_cache = False
-    return ValueModel(backbone, head)
+    return ValueModel(backbone, value_head)
 
 
-def fresh_value_head(hidden_size: int, dtype: torch.dtype, seed: int) -> nn.Linear:
-    """A new scalar head on CPU: weight drawn from N(0, (1/(H+1))²) by a generator seeded with
-    `seed` (every rank draws the same head without a broadcast), bias 0."""
-    head = nn.Linear(hidden_size, 1, device="meta", dtype=dtype).to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=generator)
-        head.bias.zero_()
-    return head
+def critic_init(model_cfg: ModelConfig, head: ValueHead) -> str:
+    """`model.critic.init_from`, checked to be set and to suit the value head `head`."""
+    if model_cfg.critic is None:
+        raise ValueError("model.critic is not set; set model.critic.init_from=policy")
+    init_from = model_cfg.critic.init_from
+    if init_from != "policy" and (problem := head.reward_model_refusal(init_from)):
+        raise ValueError(problem)
+    return init_from
 
 
 def reward_model_config(path: str, policy_path: str, trust_remote_code: bool) -> PretrainedConfig:
@@ -187,14 +208,14 @@ def reward_model_head(reward_model: PreTrainedModel, path: str) -> tuple[str, nn
 
 def _reward_model_parts(
     path: str, policy_path: str, trust_remote_code: bool, dtype: torch.dtype
-) -> tuple[PreTrainedModel, nn.Linear]:
+) -> tuple[PreTrainedModel, ScalarValueHead]:
     reward_model_config(path, policy_path, trust_remote_code)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         resolve_model_path(path), dtype=dtype, trust_remote_code=trust_remote_code
     )
     backbone = reward_model.base_model
     _, source = reward_model_head(reward_model, path)
-    head = nn.Linear(source.in_features, 1, device="meta", dtype=dtype).to_empty(device="cpu")
+    head = ScalarValueHead(source.in_features, device="meta", dtype=dtype).to_empty(device="cpu")
     with torch.no_grad():
         head.weight.copy_(source.weight)
         head.bias.copy_(source.bias if source.bias is not None else torch.zeros(1))

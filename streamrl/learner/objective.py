@@ -6,8 +6,9 @@ exactly the full mini-batch's gradient, whatever the token budget or the world s
 
 Policy loss = the algorithm's policy-gradient term (clipped surrogate or plain policy
 gradient) + β·KL to the reference when the KL is a loss term + μ·NLL of correct responses
-(VAPO) − c_H·entropy; the critic's loss is the algorithm's (VAPO: clipped value loss). Every
-policy micro-batch also reports the mismatch between behaviour and proximal log-probs
+(VAPO) − c_H·entropy; the critic's loss is its value head's (`algorithm.value_head`: the
+clipped value loss on V, or a distributional head's cross-entropy). Every policy micro-batch
+also reports the mismatch between behaviour and proximal log-probs
 (`streamrl.algorithms.correction.mismatch_metrics`).
 """
 
@@ -26,9 +27,9 @@ from streamrl.algorithms.losses import (
 )
 from streamrl.algorithms.masked import masked_mean
 from streamrl.algorithms.reductions import StepMetric
-from streamrl.learner.forward import token_scores
+from streamrl.learner.forward import token_scores, value_outputs
 from streamrl.learner.mini_batches import MicroBatch, MiniBatch
-from streamrl.learner.scoring import MicroTargets, _values
+from streamrl.learner.scoring import MicroTargets
 from streamrl.learner.step_inputs import StepSettings
 
 __all__ = ["critic_loss", "loss_denominators", "policy_loss"]
@@ -100,12 +101,13 @@ def critic_loss(
     """This micro-batch's share of the mini-batch's critic loss, its metrics, and its
     `explained_variance_stats`: explained variance is a ratio, not additive over micro-batches,
     so the step sums the statistics over all of them on all ranks and divides once."""
-    values = _values(critic, micro)
+    outputs, values = value_outputs(critic, micro)
     loss, metrics = algorithm.critic_loss(
         values,
         targets.old_values,
         targets.value_targets,
         micro.loss_mask,
+        outputs=outputs,
         num_tokens=mini.num_loss_tokens,
     )
     del metrics["critic/explained_var"]  # this micro-batch's own ratio: from the statistics

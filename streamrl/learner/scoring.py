@@ -4,12 +4,13 @@ micro-batches.
 It computes what the losses compare against: proximal log-probs when several updates share
 the batch (with one, logp_prox = logp_θ.detach(): ratio 1, same gradient, no extra forward
 pass); reference log-probs when the algorithm has a KL term; the critic's values V_old when it
-has a value model. From them, the algorithm's token advantages `[n, T−1]` for every
-micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`): per response on
-the whole batch, per token in each micro-batch, then normalised over every micro-batch of
-every rank (REINFORCE++ whitens there). When the off-policy correction normalises its weights,
-their mean over each mini-batch's kept loss tokens on every rank (one all-reduce for all
-mini-batches), from the proximal log-probs it then always computes.
+has a value model (and the frozen pre-trained critic's V_pre, which weighted value integration
+blends into the values of the policy's GAE). From them, the algorithm's token advantages
+`[n, T−1]` for every micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`):
+per response on the whole batch, per token in each micro-batch, then normalised over every
+micro-batch of every rank (REINFORCE++ whitens there). When the off-policy correction
+normalises its weights, their mean over each mini-batch's kept loss tokens on every rank (one
+all-reduce for all mini-batches), from the proximal log-probs it then always computes.
 
 Per token, advantages (and returns) run over the tokens the policy sampled
 (`MicroBatch.sampled_mask`): an outcome advantage is broadcast to those only, a reward-to-go
@@ -103,6 +104,7 @@ def score_batch(
     kl_cfg = algorithm.reference_kl
     reference = models.reference if kl_cfg is not None else None
     critic = models.critic.model if algorithm.uses_value_model else None
+    prior = models.value_prior  # V_pre: the policy's GAE runs on its blend with the critic
 
     correction = algorithm.correction if proximal and algorithm.correction.normalises else None
     weight_sums = torch.zeros(len(micros), 2, dtype=torch.float64, device=topology.device)
@@ -122,9 +124,13 @@ def score_batch(
                 ref_kl = kl_estimate(micro.behaviour_logprobs, logp_ref, kl_cfg.estimator)
                 kl_sum += (ref_kl * micro.loss_mask).sum().double()
             old_values = _values(critic, micro) if critic is not None else None
+            policy_values = None
+            if prior is not None and prior.weight > 0.0 and old_values is not None:
+                policy_values = prior.blend(old_values, _values(prior.model, micro))
             advantages, value_targets = algorithm.token_advantages(
-                outcomes[micro.sample_index], micro.sampled_mask, ref_kl=ref_kl, values=old_values
-            )
+                outcomes[micro.sample_index], micro.sampled_mask, ref_kl=ref_kl,
+                values=old_values, policy_values=policy_values,
+            )  # fmt: skip
             row.append(MicroTargets(advantages, logp_prox, logp_ref, old_values, value_targets))
         scored.append(row)
 

@@ -27,7 +27,7 @@ responses. An EMA reference moves toward the policy after each step that trained
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
 from streamrl.algorithms.config import AlgorithmConfig
 from streamrl.algorithms.kl import ema_update_
@@ -35,7 +35,7 @@ from streamrl.algorithms.reductions import StepMetric
 from streamrl.learner.mini_batches import MiniBatch, TrainBatch, shard_for_rank
 from streamrl.learner.objective import critic_loss, policy_loss
 from streamrl.learner.scoring import score_batch
-from streamrl.learner.step_inputs import StepModels, StepSettings, Trainable
+from streamrl.learner.step_inputs import StepModels, StepSettings, Trainable, local_shards
 from streamrl.learner.step_metrics import StepMetrics
 from streamrl.learner.topology import Topology
 
@@ -129,15 +129,6 @@ def _check_batch(batch: TrainBatch, algorithm: AlgorithmConfig) -> None:
         )
 
 
-def _local(t: Tensor) -> Tensor:
-    """A parameter's local shard (FSDP2 parameters are DTensors) or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _ema_update(reference: nn.Module, policy: nn.Module, tau: float) -> None:
     """θ_ref ← τ·θ_ref + (1 − τ)·θ on this rank's shards (both models are sharded alike)."""
-    ema_update_(
-        (_local(p) for p in reference.parameters()),
-        (_local(p) for p in policy.parameters()),
-        tau,
-    )
+    ema_update_(local_shards(reference), local_shards(policy), tau)

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from streamrl.learner.optim import clip_grad_norm
 
 if TYPE_CHECKING:
     from streamrl.config import RunConfig
 
-__all__ = ["StepModels", "StepSettings", "Trainable"]
+__all__ = ["StepModels", "StepSettings", "Trainable", "ValuePrior", "local_shards"]
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,45 @@ class Trainable:
 
 
 @dataclass
+class ValuePrior:
+    """The frozen pre-trained critic V_pre of weighted value integration (the guide's eqs
+    17–18) and this step's weight w on it: the policy's GAE runs on `blend` of the critic's
+    values. `model` is sharded like the critic; `freeze` copies the critic into it."""
+
+    model: nn.Module
+    weight: float = 0.0
+
+    def blend(self, critic_values: torch.Tensor, prior_values: torch.Tensor) -> torch.Tensor:
+        """V_aug = w·V_pre + (1 − w)·V_critic."""
+        return self.weight * prior_values + (1.0 - self.weight) * critic_values
+
+    @torch.no_grad()
+    def freeze(self, critic: nn.Module) -> None:
+        """V_pre ← the critic as it is now (this rank's shards; both are sharded alike)."""
+        for prior, live in zip(local_shards(self.model), local_shards(critic), strict=True):
+            prior.copy_(live)
+
+
+def local_shards(module: nn.Module) -> list[torch.Tensor]:
+    """This rank's shard of each of `module`'s parameters, in `parameters()` order: FSDP2
+    parameters are DTensors. An FSDP2 root keeps its own parameters gathered after a forward
+    pass without backward (a frozen model's), and writes to those would be lost at the next
+    reshard: it is resharded first, so that the shards are the parameters themselves."""
+    if isinstance(module, FSDPModule):
+        module.reshard()
+    return [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+
+
+@dataclass
 class StepModels:
     """The models a step uses: the policy (always), the critic (an algorithm with a value
-    model), the reference policy (a KL term: frozen initial weights or an EMA of the policy)."""
+    model), the reference policy (a KL term: frozen initial weights or an EMA of the policy),
+    the frozen pre-trained critic (weighted value integration)."""
 
     policy: Trainable
     critic: Trainable | None = None
     reference: nn.Module | None = None
+    value_prior: ValuePrior | None = None
 
     def trainables(self) -> dict[str, Trainable]:
         """The models that learn, by metric prefix (`actor`, `critic`)."""

@@ -7,8 +7,9 @@ that test shares with it.
 Every rank trains the FSDP2-sharded tiny model once per option, from the same weights, on a
 batch whose behaviour log-probs are the model's own plus noise (so weights, bands and the veto
 all act) and whose groups are half fresh; rank 0 writes `<out>/rank0.json`: per option, the
-gathered parameter update (SGD at lr 1: the gradient) and the step's metrics, for the test to
-`compare` (shared_prompt_worker's) with one rank's.
+gathered parameter update (SGD at lr 1: the gradient; the critic's, at lr 1e-3, after the
+policy's) and the step's metrics, for the test to `compare` (shared_prompt_worker's) with one
+rank's.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from streamrl.config_loading import load_config
 from streamrl.learner.forward import token_scores
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
-from streamrl.learner.model import load_policy, shard_model
+from streamrl.learner.model import load_policy, load_value_model, shard_model
 from streamrl.learner.reward_history import PastRewards
 from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
+from streamrl.learner.step_inputs import ValuePrior
 from streamrl.learner.topology import Topology, exit_process
 from tests.stream_data import random_group
 
@@ -81,7 +83,29 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("algorithm.advantage.kind=hierarchical", "algorithm.advantage.alpha=0.6"),
     ),
     "temporal-groups": ("grpo", ("algorithm.advantage.kind=temporal", "algorithm.kl=null")),
+    # The critic's options: the guide's heads (eqs 21, 22) and weighted value integration.
+    "vapo-as-is": ("vapo", ("model.critic.init_from=policy",)),
+    "multi-head-critic": (
+        "vapo",
+        (
+            "model.critic.init_from=policy",
+            "algorithm.value_head.kind=multi_head",
+            "algorithm.value_head.heads=3",
+        ),
+    ),
+    "distributional-critic": (
+        "vapo",
+        (
+            "model.critic.init_from=policy",
+            "algorithm.value_head.kind=distributional",
+            "algorithm.value_head.atoms=21",
+            "algorithm.value_head.v_min=-1.5",
+            "algorithm.value_head.v_max=1.5",
+        ),
+    ),
+    "value-prior": ("vapo", ("model.critic.init_from=policy", "algorithm.value_prior.w0=0.5")),
 }
+PRIOR_WEIGHT = 0.4  # w of the value prior at this step
 # Earlier rewards of the batch's prompts (temporal groups pool them; other options ignore them):
 # the group of one (3) gets a baseline from them.
 PAST = PastRewards(torch.tensor([0.5, -1.0, 1.0, 1.0]), torch.tensor([0, 1, 3, 3]))
@@ -146,11 +170,30 @@ def one_update(option: str, *, budget: int, topology: Topology) -> tuple[list, d
     if topology.world_size > 1:
         policy = shard_model(policy, topology)
     models = StepModels(Trainable(policy, torch.optim.SGD(policy.parameters(), lr=1.0)))
+    trained = [policy]
+    algorithm = config.algorithm
+    if algorithm.uses_value_model:
+        critic = _critic(config, topology, seed=0)
+        # lr 1e-3: after the first update V − V_old stays far inside the value clip, whose
+        # fraction would otherwise flip on rounding
+        models.critic = Trainable(critic, torch.optim.SGD(critic.parameters(), lr=1e-3))
+        trained.append(critic)
+        if algorithm.critic_prior is not None:  # V_pre: another draw of the head, frozen
+            prior = _critic(config, topology, seed=1).requires_grad_(False).eval()
+            models.value_prior = ValuePrior(prior, weight=PRIOR_WEIGHT)
     minis = make_mini_batches(batch, config.learner.mini_batch_groups, budget)
-    before = _parameters(policy, topology)
-    metrics = train_on_batch(models, batch, minis, config.algorithm, SETTINGS, topology)
-    after = _parameters(policy, topology)
+    before = [t for model in trained for t in _parameters(model, topology)]
+    metrics = train_on_batch(models, batch, minis, algorithm, SETTINGS, topology)
+    after = [t for model in trained for t in _parameters(model, topology)]
     return [a - b for a, b in zip(after, before, strict=True)], metrics
+
+
+def _critic(config, topology: Topology, *, seed: int) -> torch.nn.Module:
+    """The option's critic (its head drawn from `seed`), sharded when there are ranks."""
+    critic = load_value_model(
+        "tiny-qwen2", config.model, seed=seed, head=config.algorithm.value_head
+    )
+    return shard_model(critic, topology) if topology.world_size > 1 else critic
 
 
 def _parameters(model: torch.nn.Module, topology: Topology) -> list[torch.Tensor]:

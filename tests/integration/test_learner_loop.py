@@ -168,6 +168,22 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, topology):
         assert torch.equal(_full(a), _full(b)), name
 
 
+def test_an_ema_reference_takes_every_update_root_parameters_included(tmp_path, topology):
+    """τ = 0: the reference is the policy after each step, its root parameters (embeddings,
+    norm, head) too. An FSDP2 root keeps those gathered after a forward without backward, and
+    an update written to the gathered copy was lost at the next reshard (a checkpoint)."""
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    ema = ("algorithm.kl.reference=ema", "algorithm.kl.ema_tau=0.0")
+    learner = Learner(_config(run_dir, 2, *ema), open_location(str(run_dir)), topology)
+    learner.run()
+    policy = learner.models.policy.model.state_dict()
+    reference = learner.models.reference.state_dict()
+    assert policy.keys() == reference.keys()
+    for name in policy:
+        assert torch.equal(_full(policy[name]), _full(reference[name])), name
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_from_the_previous_is_exact(
     tmp_path, topology
 ):
@@ -332,7 +348,7 @@ def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
 # -- VAPO, bad input ------------------------------------------------------------------------
 
 
-def _vapo_config(run_dir, total_steps: int, pretrain_steps: int = 3):
+def _vapo_config(run_dir, total_steps: int, pretrain_steps: int = 3, *extra: str):
     return load_config(
         ["vapo", "tiny-cpu"],
         overrides=[
@@ -347,15 +363,21 @@ def _vapo_config(run_dir, total_steps: int, pretrain_steps: int = 3):
             f"algorithm.value_pretrain_steps={pretrain_steps}",
             "algorithm.value_pretrain_target_ev=1.0",
             "generator.max_tokens=24",
+            *extra,
         ],
     )
+
+
+# Weighted value integration (the guide's eqs 17–18): V_pre, the critic as pre-training left
+# it, frozen and checkpointed, blended into the policy's GAE.
+VALUE_PRIOR = ("algorithm.value_prior.w0=0.6", "algorithm.value_prior.ev_ema=0.5")
 
 
 def test_vapo_learner_pretrains_the_critic_once_then_trains_both(tmp_path, topology):
     run_dir = tmp_path / "run"
     _write_stream(run_dir)
     run = open_location(str(run_dir))
-    first = Learner(_vapo_config(run_dir, total_steps=1), run, topology)
+    first = Learner(_vapo_config(run_dir, 1, 3, *VALUE_PRIOR), run, topology)
     policy_at_start = {
         k: _full(v).clone() for k, v in first.models.policy.model.state_dict().items()
     }
@@ -365,12 +387,18 @@ def test_vapo_learner_pretrains_the_critic_once_then_trains_both(tmp_path, topol
         assert torch.equal(_full(value), policy_at_start[name]), name
     assert CheckpointStore(run).committed_steps() == [0]
     assert WeightStore(run).versions() == []  # nothing to publish: the policy is unchanged
+    pretrained = {k: _full(v).clone() for k, v in first.models.critic.model.state_dict().items()}
+    rel = 0.0  # rel_t: the EMA (0.5) of the clipped explained variance
+    for m in history:
+        rel = 0.5 * rel + 0.5 * min(max(m["critic/explained_var"], 0.0), 1.0)
+        assert m["critic/reliability"] == pytest.approx(rel)
     first.release()  # this learner ends here
 
-    resumed = Learner(_vapo_config(run_dir, total_steps=1), run, topology)
+    resumed = Learner(_vapo_config(run_dir, 1, 3, *VALUE_PRIOR), run, topology)
     assert resumed.state.value_pretrained
     assert resumed.state.step == 0
     assert resumed.stream.reader.cursor == first.stream.reader.cursor  # three batches consumed
+    assert resumed.state.value_reliability == first.state.value_reliability
     resumed.run()  # no second pre-training: straight to the policy step
     assert WeightStore(run).versions() == [1]
     lines = [
@@ -378,6 +406,13 @@ def test_vapo_learner_pretrains_the_critic_once_then_trains_both(tmp_path, topol
     ]
     assert [m.get("value_pretrain_step") for m in lines] == [1, 2, 3, None]
     assert {"actor/nll_loss", "critic/vf_loss", "critic/explained_var"} <= lines[-1].keys()
+    # V_pre is the critic as pre-training left it, restored from the checkpoint and frozen
+    # while the critic moves on; the policy's step weighed it w0 / (1 + η·rel) at t = 0.
+    assert lines[-1]["critic/prior_weight"] == pytest.approx(0.6 / (1.0 + rel))
+    prior = resumed.models.value_prior.model.state_dict()
+    critic = resumed.models.critic.model.state_dict()
+    assert all(torch.equal(_full(prior[k]), pretrained[k]) for k in pretrained)
+    assert not all(torch.equal(_full(critic[k]), pretrained[k]) for k in pretrained)
 
 
 def test_checkpoint_of_an_incompatible_config_is_refused_and_left_intact(tmp_path, topology):

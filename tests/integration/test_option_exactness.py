@@ -68,6 +68,7 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
         ("inv-sqrt-len-baseline", "dr_grpo-as-is"),
         ("hierarchical-advantage", "dr_grpo-as-is"),
         ("temporal-groups", "grpo-as-is"),
+        ("value-prior", "vapo-as-is"),
     ],
 )
 def test_an_advantage_variant_changes_the_update(one_rank, variant, as_is):

@@ -177,3 +177,18 @@ def test_a_run_stored_with_the_older_importance_block_resumes(tmp_path):
     assert load_run_config(run).algorithm.correction == same.algorithm.correction
     with pytest.raises(StorageError, match=r"algorithm\.correction\.rs_high: 1\.5 → 2\.0"):
         prepare_run(_config(tmp_path, "algorithm.correction.rs_level=token"), resume=True)
+
+
+def test_a_run_stored_before_fields_were_added_resumes_with_their_defaults(tmp_path):
+    config = _config(tmp_path)
+    _, run = prepare_run(config)
+    body = json.loads(run.fs.cat_file(run.join("run.json")))
+    del body["config"]["learner"]["batch_tokens"]  # fields this version added
+    del body["config"]["algorithm"]["length_penalty"]
+    del body["config"]["generator"]["adaptive_group"]
+    run.fs.pipe_file(run.join("run.json"), json.dumps(body).encode())
+    resumed, _ = prepare_run(config, resume=True)
+    assert resumed.learner.batch_tokens is None
+    assert load_run_config(run) == config
+    with pytest.raises(StorageError, match=r"learner\.batch_tokens: null → 4096"):
+        prepare_run(_config(tmp_path, "learner.batch_tokens=4096"), resume=True)
