@@ -215,13 +215,14 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _groups_are_large_enough(self) -> RunConfig:
         alg = self.algorithm
-        if (alg.needs_groups or alg.dynamic_sampling) and self.generator.group_size < 2:
+        if (alg.needs_groups or alg.dynamic_sampling) and self.generator.smallest_group_size < 2:
             why = "its advantage compares responses within a group"
             if not alg.needs_groups:
                 why = "dynamic sampling needs groups of several responses"
             raise ValueError(
                 f"generator.group_size must be ≥ 2 for algorithm '{alg.name}' ({why}); "
-                f"got {self.generator.group_size}"
+                f"got {self.generator.group_size} (or turn on generator.adaptive_group, whose "
+                "groups have at least min_size ≥ 2)"
             )
         return self
 

@@ -194,6 +194,12 @@ class GeneratorConfig(Section):
             return self.group_size
         return max(self.group_size, self.adaptive_group.largest(self.group_size))
 
+    @property
+    def smallest_group_size(self) -> int:
+        """The fewest responses a group of this generator has: `group_size`, or G_min with
+        adaptive_group (the rule clamps every G to at least it)."""
+        return self.group_size if self.adaptive_group is None else self.adaptive_group.min_size
+
     def group_size_rule(self) -> GroupSizeRule:
         """A fresh rule for the size of each group (`streamrl.generator.group_size`)."""
         if self.adaptive_group is None:

@@ -236,3 +236,14 @@ def test_defaults_when_on() -> None:
 def test_config_errors_name_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _config(*overrides)
+
+
+def test_g_base_of_one_is_allowed_when_g_min_keeps_groups_of_two() -> None:
+    with pytest.raises(ConfigError, match=r"generator\.adaptive_group"):
+        load_config(["grpo", "tiny-cpu"], overrides=["generator.group_size=1"])
+    config = load_config(
+        ["grpo", "tiny-cpu"],
+        overrides=["generator.group_size=1", "generator.adaptive_group.ref_length=64"],
+    )
+    assert config.generator.smallest_group_size == 2
+    assert config.generator.group_size_rule().size() == 2  # clamp(1, 2, G_max)
