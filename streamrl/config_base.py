@@ -9,7 +9,7 @@ that span components; `streamrl.config_loading` builds one from presets, files a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
@@ -25,6 +25,7 @@ __all__ = [
     "Section",
     "credentials_problem",
     "tag_or",
+    "tagged_classes",
 ]
 
 MAX_WAIT_S = 30 * 24 * 3600.0
@@ -51,6 +52,15 @@ def tag_or(field: str, default: str) -> Discriminator:
         return str(getattr(value, field, default))
 
     return Discriminator(tag)
+
+
+def tagged_classes(union: Any, field: str) -> dict[str, type[BaseModel]]:
+    """The classes of a discriminated union (`Annotated[A | Annotated[B, Tag(...)] | ...,
+    discriminator]`) by their tag: each class's default of `field`, so the union is the one
+    place its members are listed."""
+    members = get_args(get_args(union)[0]) if get_origin(union) is Annotated else get_args(union)
+    classes = (get_args(m)[0] if get_origin(m) is Annotated else m for m in members)
+    return {cls.model_fields[field].default: cls for cls in classes}
 
 
 class ConfigError(ValueError):

@@ -26,6 +26,7 @@ from streamrl.algorithms.outcome import (
 )
 from streamrl.algorithms.reinforce_pp import ReinforcePPConfig
 from streamrl.algorithms.vapo import PPOConfig, VAPOConfig
+from streamrl.config_base import tagged_classes
 
 __all__ = [
     "ALGORITHM_CLASSES",
@@ -58,17 +59,5 @@ AlgorithmConfig = Annotated[
     Field(discriminator="name"),
 ]
 
-ALGORITHM_CLASSES: dict[str, type[AlgorithmBase]] = {
-    cls.model_fields["name"].default: cls
-    for cls in (
-        GRPOConfig,
-        DrGRPOConfig,
-        DAPOConfig,
-        VAPOConfig,
-        PPOConfig,
-        RLOOConfig,
-        ReinforcePPConfig,
-        GPGConfig,
-    )
-}
+ALGORITHM_CLASSES = tagged_classes(AlgorithmConfig, "name")
 ALGORITHM_NAMES: tuple[str, ...] = tuple(ALGORITHM_CLASSES)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from streamrl.algorithms.correction import Correction, correct
 from streamrl.algorithms.masked import zero_outside
-from streamrl.config_base import Section, tag_or
+from streamrl.config_base import Section, tag_or, tagged_classes
 
 __all__ = [
     "CORRECTION_CLASSES",
@@ -186,11 +186,7 @@ CorrectionConfig = Annotated[
 ]
 
 
-CORRECTION_CLASSES: dict[str, type[Section]] = {
-    "rollout": RolloutCorrection,
-    "icepop": IcePopCorrection,
-    "none": NoCorrection,
-}
+CORRECTION_CLASSES = tagged_classes(CorrectionConfig, "method")
 
 
 def correction_of_importance(importance: Any) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from streamrl.algorithms.variants import (
     temporal_advantages,
     weighted_baseline_advantages,
 )
-from streamrl.config_base import Section, tag_or
+from streamrl.config_base import Section, tag_or, tagged_classes
 
 __all__ = [
     "DAPOConfig",
@@ -161,12 +161,7 @@ OutcomeAdvantage = Annotated[
     | Annotated[TemporalAdvantage, Tag("temporal")],
     tag_or("kind", "group"),
 ]
-ADVANTAGE_CLASSES: dict[str, type[Section]] = {
-    "group": GroupAdvantage,
-    "rank": RankAdvantage,
-    "hierarchical": HierarchicalAdvantage,
-    "temporal": TemporalAdvantage,
-}
+ADVANTAGE_CLASSES = tagged_classes(OutcomeAdvantage, "kind")
 
 
 class GroupAlgorithmBase(ClippedAlgorithmBase):

@@ -31,7 +31,7 @@ from streamrl.algorithms.losses import (
     distributional_value_loss,
     value_loss,
 )
-from streamrl.config_base import Section, tag_or
+from streamrl.config_base import Section, tag_or, tagged_classes
 
 __all__ = [
     "VALUE_HEAD_CLASSES",
@@ -266,8 +266,4 @@ ValueHead = Annotated[
     | Annotated[DistributionalHead, Tag("distributional")],
     tag_or("kind", "scalar"),
 ]
-VALUE_HEAD_CLASSES: dict[str, type[Section]] = {
-    "scalar": ScalarHead,
-    "multi_head": MultiHead,
-    "distributional": DistributionalHead,
-}
+VALUE_HEAD_CLASSES = tagged_classes(ValueHead, "kind")

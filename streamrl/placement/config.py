@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from streamrl.config_base import MAX_WAIT_S, Section
+from streamrl.config_base import MAX_WAIT_S, Section, tagged_classes
 
 __all__ = [
     "PLACEMENT_CLASSES",
@@ -121,7 +121,7 @@ class PoolsPlacement(Section):
 
 PlacementConfig = Annotated[LocalPlacement | PoolsPlacement, Field(discriminator="mode")]
 
-PLACEMENT_CLASSES: dict[str, type[Section]] = {"local": LocalPlacement, "pools": PoolsPlacement}
+PLACEMENT_CLASSES = tagged_classes(PlacementConfig, "mode")
 
 
 def placement_of_older_run(stored: Mapping[str, Any]) -> dict[str, Any]:

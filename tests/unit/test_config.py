@@ -491,3 +491,35 @@ def test_episodes_must_fit_the_model_the_micro_batch_and_the_algorithm() -> None
     with pytest.raises(ConfigError) as error:
         load_config(["vapo", "smollm2-cpu", "calculator"])
     assert "multi-turn episodes" in problems(error)
+
+
+def test_each_union_tag_names_the_class_whose_field_holds_it():
+    """`tagged_classes` reads a union's classes by their tag field; the union's own tags (its
+    Tag(...) labels) must route to the same classes, or a block would validate as another."""
+    from typing import get_args
+
+    from pydantic import TypeAdapter
+
+    from streamrl.algorithms.config import AlgorithmConfig
+    from streamrl.algorithms.correction_config import CorrectionConfig
+    from streamrl.algorithms.outcome import OutcomeAdvantage
+    from streamrl.algorithms.value_heads import ValueHead
+    from streamrl.config_base import tagged_classes
+    from streamrl.config_loading import UNIONS
+    from streamrl.placement.config import PlacementConfig
+
+    unions = {
+        "algorithm": AlgorithmConfig,
+        "placement": PlacementConfig,
+        "algorithm.correction": CorrectionConfig,
+        "algorithm.advantage": OutcomeAdvantage,
+        "algorithm.value_head": ValueHead,
+    }
+    assert unions.keys() == UNIONS.keys()
+    for path, union in unions.items():
+        field, classes = UNIONS[path]
+        assert classes == tagged_classes(union, field)
+        assert len(classes) == len(get_args(get_args(union)[0])) >= 2
+        for tag, cls in classes.items():
+            chosen = TypeAdapter(union).validate_python({field: tag})
+            assert type(chosen) is cls, (path, tag)
