@@ -68,6 +68,16 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("algorithm.correction.rs_level=sequence", "algorithm.correction.rs_high=20.0"),
     ),
     "icepop": ("dapo", ("algorithm.correction.method=icepop", "algorithm.correction.low=0.7")),
+    "icepop-veto": (
+        "dapo",
+        (
+            "algorithm.correction.method=icepop",
+            "algorithm.correction.low=0.7",
+            "algorithm.correction.veto=0.45",
+        ),
+    ),
+    "tis-token-normalised": ("dapo", ("algorithm.correction.is_normalize=true",)),
+    "no-correction": ("dapo", ("algorithm.correction.method=none",)),
     # The framework guide's advantage variants, and their presets as they are.
     "grpo-as-is": ("grpo", ("algorithm.kl=null",)),
     "dapo-as-is": ("dapo", ()),
@@ -83,6 +93,7 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("algorithm.advantage.kind=hierarchical", "algorithm.advantage.alpha=0.6"),
     ),
     "temporal-groups": ("grpo", ("algorithm.advantage.kind=temporal", "algorithm.kl=null")),
+    "length-reweight": ("grpo", ("algorithm.length_reweight=0.5", "algorithm.kl=null")),
     # The critic's options: the guide's heads (eqs 21, 22) and weighted value integration.
     "vapo-as-is": ("vapo", ("model.critic.init_from=policy",)),
     "multi-head-critic": (
@@ -104,7 +115,11 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "value-prior": ("vapo", ("model.critic.init_from=policy", "algorithm.value_prior.w0=0.5")),
+    # The guide's PPO presets: GAE at a fixed lambda_policy (VC-PPO 0.95, ORZ 1.0).
+    "vc_ppo-as-is": ("vc_ppo", ()),
+    "orz-as-is": ("orz", ()),
 }
+GROUP_SIZES = (4, 3, 4, 1)  # G differs across groups, a group of one among them
 PRIOR_WEIGHT = 0.4  # w of the value prior at this step
 # Earlier rewards of the batch's prompts (temporal groups pool them; other options ignore them):
 # the group of one (3) gets a baseline from them.
@@ -125,7 +140,7 @@ def config_for(option: str):
 
 
 def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
-    """Four groups of random tokens (one of a single response) whose behaviour log-probs are
+    """Four groups of random tokens of different sizes (4, 3, 4 and a single response) whose behaviour log-probs are
     `policy`'s own plus N(0, 0.4²) noise; groups 0 and 2 generated at `VERSION` (fresh); the
     prompts' earlier rewards `PAST`."""
     rng = np.random.default_rng(11)
@@ -137,7 +152,7 @@ def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
             vocab=vocab,
             max_len=MAX_TOKENS,
             prompt_len=8 + i,
-            group_size=1 if i == 3 else 4,
+            group_size=GROUP_SIZES[i],
             policy_version=VERSION if i % 2 == 0 else VERSION - 2,
         )
         for i in range(4)
