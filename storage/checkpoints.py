@@ -42,6 +42,7 @@ import json
 import logging
 import posixpath
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -115,21 +116,29 @@ class LearnerState:
 
 
 class ModelState(Stateful):
-    """A model and (optionally) its optimiser as one DCP entry, FSDP2-aware."""
+    """A model and (optionally) its optimiser as one DCP entry, FSDP2-aware. `keep`: which of
+    the model's state-dict names are saved (default all; with it, `options.strict` must be
+    False so that loading leaves the others as they are)."""
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         options: StateDictOptions | None = None,
+        keep: Callable[[str], bool] | None = None,
     ) -> None:
-        self.model, self.optimizer, self.options = model, optimizer, options
+        self.model, self.optimizer, self.options, self.keep = model, optimizer, options, keep
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model, options=self.options)}
+            return {"model": self._kept(get_model_state_dict(self.model, options=self.options))}
         model, optim = get_state_dict(self.model, self.optimizer, options=self.options)
-        return {"model": model, "optim": optim}
+        return {"model": self._kept(model), "optim": optim}
+
+    def _kept(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        if self.keep is None:
+            return model_state
+        return {name: value for name, value in model_state.items() if self.keep(name)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model, options = state_dict["model"], self.options

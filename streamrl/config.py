@@ -171,6 +171,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _lora_reference_is_the_base(self) -> RunConfig:
+        kl = self.algorithm.reference_kl
+        if self.model.lora is not None and kl is not None and kl.reference == "ema":
+            raise ValueError(
+                "model.lora is set with algorithm.kl.reference=ema: a LoRA run's reference "
+                "policy is the frozen base (the adapters switched off); set "
+                "algorithm.kl.reference=frozen or remove model.lora"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _episodes_fit_the_model_and_algorithm(self) -> RunConfig:
         env = self.generator.env
         if not env.multi_turn:

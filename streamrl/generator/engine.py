@@ -48,9 +48,11 @@ import torch
 
 from storage.weight_follower import Advance
 from storage.weights import WeightIntegrityError, WeightVersionNotFoundError
+from streamrl.generator.adapter import AdapterSlot
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.weight_worker import WeightReloadExtension, WeightSource
 from streamrl.models.config import ModelConfig
+from streamrl.models.lora import LoraConfig
 
 __all__ = [
     "Completion",
@@ -147,6 +149,7 @@ class Engine:
         *,
         seed: int | None = None,
         policy_version: int = 0,
+        adapter: LoraConfig | None = None,
     ) -> None:
         self.cuda = use_cuda(generator.device)
         if not self.cuda:
@@ -173,6 +176,10 @@ class Engine:
         if self.cuda:
             engine_args["gpu_memory_utilization"] = generator.gpu_memory_utilization
             engine_args["tensor_parallel_size"] = generator.tensor_parallel_size
+        self.adapter: AdapterSlot | None = None
+        if adapter is not None:  # versions are LoRA adapters, loaded into one slot
+            self.adapter = AdapterSlot(adapter, model_path, model.trust_remote_code)
+            engine_args.update(AdapterSlot.engine_args(adapter))
         self.llm = LLM(**engine_args)
         self._engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
@@ -237,7 +244,12 @@ class Engine:
         params = self.sampling_params(
             seed if self.cuda else None, greedy=greedy, n=n, max_tokens=max_tokens
         )
-        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        self._engine.add_request(
+            request_id,
+            TokensPrompt(prompt_token_ids=ids),
+            params,
+            lora_request=None if self.adapter is None else self.adapter.request,
+        )
         self._in_flight[request_id] = (ids, self.policy_version, time.time())
         return request_id
 
@@ -326,7 +338,10 @@ class Engine:
         if found.version is not None:
             self._engine.sleep(level=0, mode="keep")  # pause: requests stay, no step runs
             try:
-                self.llm.collective_rpc("apply_streamrl_weights")
+                if self.adapter is not None:
+                    self.adapter.load(self._engine)
+                else:
+                    self.llm.collective_rpc("apply_streamrl_weights")
                 self._engine.reset_prefix_cache(reset_running_requests=True)
                 self._engine.set_weight_version(str(found.version))
             finally:
@@ -337,7 +352,10 @@ class Engine:
     def _prepare(
         self, source: WeightSource, newer_than: int, skip: list[int], exactly: int | None
     ) -> Advance:
-        """Have every worker build the version; they must agree on which one."""
+        """Have every worker build the version (they must agree on which one), or the adapter
+        slot build the adapter version."""
+        if self.adapter is not None:
+            return self.adapter.prepare(source, newer_than, skip, exactly)
         found = reports = self._prepare_workers(source, newer_than, skip, exactly)
         if len({f.version for f in found}) > 1 and exactly is None:
             # Workers list the versions one after another: one committed in between is seen by

@@ -27,7 +27,7 @@ from storage.weight_follower import Advance, WeightFollower
 from storage.weights import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
 from streamrl.learner.config import WeightsConfig
 
-__all__ = ["WeightReloadExtension", "WeightSource"]
+__all__ = ["WeightReloadExtension", "WeightSource", "advance_follower"]
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,7 @@ class WeightReloadExtension:
         if self._streamrl_follower is None or wanted != self._streamrl_source:
             self._streamrl_follower = WeightFollower(wanted.open(), hold=wanted.hold)
             self._streamrl_source = wanted
-        follower = self._streamrl_follower
-        if exactly is None:
-            return asdict(follower.advance(newer_than=newer_than, skip=skip))
-        try:
-            return asdict(follower.advance(exactly=exactly))
-        except WeightIntegrityError as exc:
-            return asdict(Advance(None, corrupt={exactly: str(exc)}))
-        except WeightVersionNotFoundError:
-            return asdict(Advance(None, vanished=[exactly]))
+        return asdict(advance_follower(self._streamrl_follower, newer_than, skip, exactly))
 
     def apply_streamrl_weights(self) -> None:
         """Load the version `prepare_streamrl_weights` built in place, re-pack a tied lm_head,
@@ -101,6 +93,22 @@ class WeightReloadExtension:
         runner.reload_weights(weights_iterator=iter(follower.tensors().items()))
         _repack_tied_lm_head(runner.get_model())
         follower.release()
+
+
+def advance_follower(
+    follower: WeightFollower, newer_than: int | None, skip: list[int], exactly: int | None
+) -> Advance:
+    """Build the newest intact version above `newer_than` not in `skip` (or `exactly` that
+    one) in `follower`. Nothing raises for a bad version: a corrupt or vanished one, even the
+    one asked for `exactly`, is reported in the `Advance`."""
+    if exactly is None:
+        return follower.advance(newer_than=newer_than, skip=skip)
+    try:
+        return follower.advance(exactly=exactly)
+    except WeightIntegrityError as exc:
+        return Advance(None, corrupt={exactly: str(exc)})
+    except WeightVersionNotFoundError:
+        return Advance(None, vanished=[exactly])
 
 
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:

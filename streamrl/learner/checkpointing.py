@@ -27,9 +27,11 @@ from storage.records import Cursor
 from storage.stream_retention import oldest_resume_cursor, release_consumed
 from streamrl.config import RunConfig
 from streamrl.learner.batching import FilterCounts, StreamBatch
+from streamrl.learner.lora import CHECKPOINT_OPTIONS
 from streamrl.learner.reward_history import PastRewards, RewardHistory
 from streamrl.learner.step_inputs import StepModels
 from streamrl.learner.topology import Topology
+from streamrl.models.lora import is_adapter_name
 
 __all__ = ["IncompatibleCheckpointError", "LearnerCheckpoints", "TrainingState"]
 
@@ -179,7 +181,10 @@ class LearnerCheckpoints:
 
     def _app_state(self) -> dict[str, ModelState]:
         models = self.models
-        state = {"policy": ModelState(models.policy.model, models.policy.optimizer)}
+        # A LoRA policy's checkpoint holds its adapters: the frozen base comes from model.path.
+        lora = self.config.model.lora is not None
+        options, keep = (CHECKPOINT_OPTIONS, is_adapter_name) if lora else (None, None)
+        state = {"policy": ModelState(models.policy.model, models.policy.optimizer, options, keep)}
         if models.critic is not None:
             state["critic"] = ModelState(models.critic.model, models.critic.optimizer)
         kl = self.config.algorithm.reference_kl
@@ -203,8 +208,15 @@ class LearnerCheckpoints:
                 self.config.algorithm.value_head.layout if self.models.critic is not None else None
             ),
             "reference": None if kl is None else kl.reference,
+            "lora": None
+            if (lora := self.config.model.lora) is None
+            else lora.model_dump(mode="json"),
             "checkpointed_models": sorted(self._app_state()),
         }
+
+    def _lora_layout(self) -> dict[str, object] | None:
+        lora = self.config.model.lora
+        return None if lora is None else lora.model_dump(mode="json")
 
     def _check_compatible(self, state: LearnerState, step: int) -> None:
         saved = state.extra.get("layout")

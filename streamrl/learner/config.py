@@ -256,6 +256,12 @@ class WeightsConfig(Section):
         le=1 << 40,
         description="Largest safetensors file a rank writes per version.",
     )
+    lora_publish: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="With model.lora: publish the adapter alone (MBs; generators load it in "
+        "place under one adapter id) or merged full weights (for engines where adapters are "
+        "slow; generators load them as without LoRA).",
+    )
     keep_versions: int = Field(
         3,
         ge=1,

@@ -51,6 +51,7 @@ from transformers import (
 from streamrl.algorithms.value_heads import ScalarHead, ScalarValueHead, ValueHead
 from streamrl.config import RunConfig
 from streamrl.learner.forward import shares_prompts, use_hidden_states_head
+from streamrl.learner.lora import BaseReference, lora_policy
 from streamrl.learner.model import (
     ValueModel,
     compute_dtype,
@@ -103,7 +104,10 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
         return Trainable(model, optimizer, schedule)
 
     updates = cfg.total_steps * cfg.updates_per_batch  # schedules count optimiser updates
-    policy = load_sharded(meta_policy(model_cfg.path, model_cfg), shard_lm, topology)
+    meta = meta_policy(model_cfg.path, model_cfg)
+    if model_cfg.lora is not None:  # adapters on the frozen base: only they learn
+        meta = lora_policy(meta, model_cfg.lora, cfg.seed)
+    policy = load_sharded(meta, shard_lm, topology)
     shared_prompt = shares_prompts(policy, cfg.shared_prompt)
     attention = getattr(policy.config, "_attn_implementation", "?")
     topology.main_only(lambda: log.info(
@@ -113,7 +117,9 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
     ))  # fmt: skip
     models = StepModels(trainable(policy, cfg.lr, updates))
     kl = algorithm.reference_kl
-    if kl is not None:
+    if kl is not None and model_cfg.lora is not None:  # the base: the adapters switched off
+        models.reference = BaseReference(policy)
+    elif kl is not None:
         # A frozen reference is only ever all-gathered in the compute dtype; an EMA one is
         # updated toward the fp32 policy, so it keeps fp32.
         dtype = compute_dtype(cfg.mixed_precision, topology.device)

@@ -58,6 +58,7 @@ from streamrl.health import HealthMonitor
 from streamrl.learner.batching import StreamBatch
 from streamrl.learner.checkpointing import IncompatibleCheckpointError, LearnerCheckpoints
 from streamrl.learner.loading import build_step_models
+from streamrl.learner.lora import adapter_manifest, publish_shares
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.reporting import MetricsReporter, read_metrics
@@ -111,11 +112,14 @@ class Learner:
         config, run, topology = self.config, self.run_location, self.topology
         self.models, self.shared_prompt = build_step_models(config, topology)
         self.weights = WeightWriter(run, fence=self.lease)
+        lora, lora_publish = config.model.lora, config.weights.lora_publish
         self.publisher = WeightPublisher(
             self.weights,
             topology,
             config.weights,
             getattr(torch, config.weights.resolved_dtype(config.model)),
+            model_config=adapter_manifest(config.model, lora_publish),
+            shares=publish_shares(lora, lora_publish),
         )
         self.checkpoints = LearnerCheckpoints(config, run, topology, self.models, self.lease)
         self.settings = StepSettings.from_config(config)

@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from math import prod
@@ -62,7 +63,14 @@ from storage.weight_shares import (
 from streamrl.learner.config import WeightsConfig
 from streamrl.learner.topology import Topology
 
-__all__ = ["PublishFailedError", "PublishReport", "WeightPublisher", "local_shares"]
+__all__ = [
+    "PublishFailedError",
+    "PublishReport",
+    "Shares",
+    "WeightPublisher",
+    "local_shares",
+    "tensor_share",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,26 +101,27 @@ class PublishReport:
     error: BaseException | None = None
 
 
-def local_shares(
-    model: nn.Module, is_main: bool
-) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
-    """This rank's piece of every tensor of `model`'s state dict: (local data, flat start,
-    global shape). An FSDP2 parameter sharded on dim 0 is a range of rows, hence of flattened
-    elements; anything not sharded is taken whole by the main rank only (others: empty)."""
-    shares: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]] = {}
-    for name, value in get_model_state_dict(model).items():
-        if isinstance(value, DTensor):
-            shape = tuple(value.shape)
-            _, offset = compute_local_shape_and_global_offset(
-                value.shape, value.device_mesh, value.placements
-            )
-            local = value.to_local()
-            start = offset[0] * prod(shape[1:]) if shape else 0
-            shares[name] = (local, start if local.numel() else 0, shape)
-        else:
-            whole = value if is_main else value.new_empty(0)
-            shares[name] = (whole, 0, tuple(value.shape))
-    return shares
+Shares = dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]  # name → (local, start, shape)
+
+
+def tensor_share(value: torch.Tensor, is_main: bool) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """This rank's piece of one state-dict tensor: (local data, flat start, global shape). An
+    FSDP2 parameter sharded on dim 0 is a range of rows, hence of flattened elements; anything
+    not sharded is taken whole by the main rank only (others: empty)."""
+    shape = tuple(value.shape)
+    if isinstance(value, DTensor):
+        _, offset = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        local = value.to_local()
+        start = offset[0] * prod(shape[1:]) if shape else 0
+        return local, start if local.numel() else 0, shape
+    return (value if is_main else value.new_empty(0)), 0, shape
+
+
+def local_shares(model: nn.Module, is_main: bool) -> Shares:
+    """This rank's piece (`tensor_share`) of every tensor of `model`'s state dict."""
+    return {name: tensor_share(v, is_main) for name, v in get_model_state_dict(model).items()}
 
 
 class WeightPublisher:
@@ -125,8 +134,10 @@ class WeightPublisher:
         config: WeightsConfig,
         dtype: torch.dtype,
         model_config: dict[str, Any] | None = None,
+        shares: Callable[[nn.Module, bool], Shares] = local_shares,
     ) -> None:
         self.store, self.topology, self.config = store, topology, config
+        self.shares = shares  # what of the model a version holds (LoRA: the adapter)
         self.dtype, self.model_config = dtype, model_config or {}
         # One id for this life's files on every rank: a dead life's leftovers never mix in.
         self.publish_id = topology.broadcast_object(new_publish_id())
@@ -222,7 +233,7 @@ class WeightPublisher:
     def _take_snapshot(self, model: nn.Module, version: int) -> None:
         """Copy this rank's shard into the snapshot buffers (allocated once, pinned on CUDA),
         after every rank checked that it holds no NaN/inf."""
-        shares = local_shares(model, self.topology.is_main)
+        shares = self.shares(model, self.topology.is_main)
         bad = non_finite({name: local for name, (local, _, _) in shares.items()})
         total = int(self.topology.all_reduce_sum(torch.tensor([len(bad)])).item())
         if total:

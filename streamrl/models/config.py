@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from streamrl.config_base import MAX_SEQUENCE_TOKENS, Section
+from streamrl.models.lora import LoraConfig
 
 __all__ = [
     "CriticConfig",
@@ -54,4 +55,9 @@ class ModelConfig(Section):
     )
     critic: CriticConfig | None = Field(
         None, description="Value model; required by vapo, unused (and rejected) otherwise."
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters on the frozen base instead of every weight (off when "
+        "unset). A critic stays a full model.",
     )

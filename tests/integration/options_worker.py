@@ -140,7 +140,7 @@ def config_for(option: str):
 
 
 def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
-    """Four groups of random tokens of different sizes (4, 3, 4 and a single response) whose behaviour log-probs are
+    """Four groups of random tokens of `GROUP_SIZES` responses whose behaviour log-probs are
     `policy`'s own plus N(0, 0.4²) noise; groups 0 and 2 generated at `VERSION` (fresh); the
     prompts' earlier rewards `PAST`."""
     rng = np.random.default_rng(11)
