@@ -30,10 +30,13 @@ examples:
   streamrl export ./runs/demo --out ./exports/demo-latest
   streamrl export ./runs/demo --version 12 --out ./exports/demo-v12 --dtype bfloat16
   streamrl export s3://bucket/runs/x --version 40 --out ./x-v40 --overwrite
+  streamrl export ./runs/lora --out ./exports/lora-merged --adapter-out ./exports/lora-adapter
 Writes a Hugging Face model directory (config.json, generation_config.json, tokenizer with chat
 template, safetensors weights) that transformers' from_pretrained and vLLM load directly:
   vllm serve ./exports/demo-v12
 The directory appears complete or not at all; a non-empty one is refused without --overwrite.
+A LoRA run's adapter version is exported merged into its base model (model.path);
+--adapter-out also writes the adapter alone, for peft or `vllm serve BASE --enable-lora`.
 """
 
 
@@ -111,6 +114,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             args.version,
             overwrite=args.overwrite,
             dtype=args.dtype,
+            adapter_dir=args.adapter_out,
         )
     except OutputExistsError as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
@@ -182,5 +186,10 @@ def add_commands(commands: Any) -> None:
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         help="cast the weights (default: as published)",
+    )
+    export.add_argument(
+        "--adapter-out",
+        metavar="DIR",
+        help="LoRA runs: also write the version's adapter as a PEFT adapter directory",
     )
     export.set_defaults(func=_cmd_export)

@@ -36,6 +36,7 @@ from streamrl.generator.config import GeneratorConfig
 from streamrl.health import HealthConfig
 from streamrl.learner.config import LearnerConfig, LoggingConfig, WeightsConfig
 from streamrl.models.config import ModelConfig
+from streamrl.models.lora import LoraConfig
 from streamrl.placement.config import LocalPlacement, PlacementConfig
 
 __all__ = ["RunConfig", "StorageConfig"]
@@ -302,6 +303,14 @@ class RunConfig(Section):
         penalty = self.algorithm.length_penalty
         configured = penalty.target if penalty is not None else None
         return configured if configured is not None else max(1, self.generator.max_tokens // 2)
+
+    @property
+    def served_adapter(self) -> LoraConfig | None:
+        """The LoRA adapter generators serve on the base model: `model.lora` when versions are
+        adapters (`weights.lora_publish=adapter`); None when they are whole models."""
+        if self.model.lora is not None and self.weights.lora_publish == "adapter":
+            return self.model.lora
+        return None
 
     @property
     def run_name(self) -> str:

@@ -11,7 +11,9 @@ vLLM load directly:
     model.safetensors                  or model-0000i-of-0000N.safetensors + the index
     *.py                               the source model's own code, if any (trust_remote_code)
 
-Weights come from the run's weight store, every shard verified against its manifest. A tied
+Weights come from the run's weight store, every shard verified against its manifest. A LoRA
+run's adapter version (`weights.lora_publish=adapter`) is folded into the base model of
+model.path (W + (α/r)·B·A); `adapter_dir` also writes the adapter itself as a PEFT directory. A tied
 lm_head (`tie_word_embeddings`) is published under both names; the export keeps only the
 embedding, as Hugging Face checkpoints do, after checking the two are equal. Before anything is
 written the tensors are checked against the model the config describes (names and shapes), so
@@ -34,6 +36,7 @@ import torch
 from storage.fs import Location
 from storage.weights import WeightManifest, WeightStore, WeightVersionNotFoundError
 from streamrl.config import RunConfig
+from streamrl.models.lora import adapter_files, merged_weights
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutputExistsError", "export_version"]
 
@@ -56,6 +59,7 @@ def export_version(
     overwrite: bool = False,
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    adapter_dir: str | Path | None = None,
 ) -> Path:
     """Write weight `version` of `run` (default: the latest) as a Hugging Face model directory.
 
@@ -63,6 +67,8 @@ def export_version(
         out_dir: a local directory; it must not exist or be empty unless `overwrite`.
         dtype: float32 / bfloat16 / float16 to cast the weights to; default as published.
         max_shard_bytes: the largest safetensors file; more weights are sharded with an index.
+        adapter_dir: for a LoRA run's adapter version, also write the adapter itself there as a
+            PEFT adapter directory (`peft.PeftModel.from_pretrained(base, adapter_dir)`).
 
     Returns the directory written. Raises `OutputExistsError` for a non-empty `out_dir`,
     `WeightVersionNotFoundError` (a `StorageError`) for a run without weights or an unknown
@@ -88,6 +94,14 @@ def export_version(
         )
     state, manifest = store.load(version)
     model_path = Path(resolve_model_path(config.model.path))
+    adapter = None
+    if "lora_adapter" in manifest.model_config:  # an adapter version: fold it into the base
+        adapter, state = state, _merged_into_base(state, model_path, config)
+    elif adapter_dir is not None:
+        raise ValueError(
+            f"weights v{manifest.version} of {run.uri} are whole models, not a LoRA adapter: "
+            "export them without an adapter directory (--adapter-out)"
+        )
     model_config = _model_config(model_path, manifest, state, dtype)
     state = _exported_tensors(state, model_config, dtype)
     _check_against_model(state, model_config, config.model.trust_remote_code, model_path)
@@ -100,8 +114,29 @@ def export_version(
     finally:
         if building.exists():
             shutil.rmtree(building)
+    if adapter is not None and adapter_dir is not None:
+        adapter_files(adapter_dir, adapter, config.model.lora, config.model.path)
+        log.info("wrote the adapter of weights v%d to %s", manifest.version, adapter_dir)
     log.info("exported weights v%d of %s to %s", manifest.version, run.uri, out)
     return out
+
+
+def _merged_into_base(
+    adapter: dict[str, torch.Tensor], model_path: Path, config: RunConfig
+) -> dict[str, torch.Tensor]:
+    """The base model's weights (model.path) with the published adapter folded in, in the
+    base's dtype; a tied LM head under both names, as published full versions carry it."""
+    from safetensors.torch import load_file
+
+    if config.model.lora is None:
+        raise ValueError("the version is a LoRA adapter but the run's config has no model.lora")
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.path {model_path} has no safetensors weights to merge into")
+    base: dict[str, torch.Tensor] = {}
+    for file in files:
+        base.update(load_file(file))
+    return merged_weights(base, adapter, config.model.lora)
 
 
 def _model_config(
@@ -112,7 +147,8 @@ def _model_config(
     source = model_path / "config.json"
     if not source.is_file():
         raise FileNotFoundError(f"model.path {model_path} has no config.json to export with")
-    config = {**json.loads(source.read_text()), **manifest.model_config}
+    recorded = {k: v for k, v in manifest.model_config.items() if not k.startswith("lora_")}
+    config = {**json.loads(source.read_text()), **recorded}
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     exported = dtype or (str(floats.pop()).removeprefix("torch.") if len(floats) == 1 else None)
     if exported is not None:

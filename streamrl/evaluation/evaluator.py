@@ -111,7 +111,13 @@ class Evaluator:
         source = PromptSource(self.dataset, tokenizer_path=config.model.tokenizer or model_path)
         self.prompts = source.prompts[: max_prompts or config.eval.max_prompts]
         if engine is None:
-            engine = Engine(model_path, config.model, self.sampling, seed=self.sampling.seed)
+            engine = Engine(
+                model_path,
+                config.model,
+                self.sampling,
+                seed=self.sampling.seed,
+                adapter=config.served_adapter,
+            )
         elif engine.generator != self.sampling:
             raise ValueError("the engine must sample with evaluation_sampling(config, k, T)")
         self.engine = engine

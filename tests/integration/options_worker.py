@@ -25,12 +25,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from streamrl.config_loading import load_config
 from streamrl.learner.forward import token_scores
+from streamrl.learner.lora import BaseReference, initial_adapter
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.model import load_policy, load_value_model, shard_model
 from streamrl.learner.reward_history import PastRewards
 from streamrl.learner.step import StepModels, StepSettings, Trainable, train_on_batch
 from streamrl.learner.step_inputs import ValuePrior
 from streamrl.learner.topology import Topology, exit_process
+from streamrl.models.lora import inject_adapters
 from tests.stream_data import random_group
 
 MAX_TOKENS = 24
@@ -118,6 +120,12 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     # The guide's PPO presets: GAE at a fixed lambda_policy (VC-PPO 0.95, ORZ 1.0).
     "vc_ppo-as-is": ("vc_ppo", ()),
     "orz-as-is": ("orz", ()),
+    # LoRA (model.lora): adapters on the frozen base; with a KL, the base is the reference.
+    "lora": ("dapo", ("model.lora.rank=4", "model.lora.alpha=8")),
+    "lora-kl-to-base": (
+        "grpo",
+        ("model.lora.rank=4", "model.lora.target_modules=[q_proj,up_proj]"),
+    ),
 }
 GROUP_SIZES = (4, 3, 4, 1)  # G differs across groups, a group of one among them
 PRIOR_WEIGHT = 0.4  # w of the value prior at this step
@@ -182,9 +190,14 @@ def one_update(option: str, *, budget: int, topology: Topology) -> tuple[list, d
     torch.manual_seed(0)
     policy = load_policy("tiny-qwen2", config.model)
     batch = behaviour_batch(policy)
+    if config.model.lora is not None:
+        _with_adapters(policy, config.model.lora)
     if topology.world_size > 1:
         policy = shard_model(policy, topology)
-    models = StepModels(Trainable(policy, torch.optim.SGD(policy.parameters(), lr=1.0)))
+    learned = [p for p in policy.parameters() if p.requires_grad]
+    models = StepModels(Trainable(policy, torch.optim.SGD(learned, lr=1.0)))
+    if config.model.lora is not None and config.algorithm.reference_kl is not None:
+        models.reference = BaseReference(policy)
     trained = [policy]
     algorithm = config.algorithm
     if algorithm.uses_value_model:
@@ -201,6 +214,20 @@ def one_update(option: str, *, budget: int, topology: Topology) -> tuple[list, d
     metrics = train_on_batch(models, batch, minis, algorithm, SETTINGS, topology)
     after = [t for model in trained for t in _parameters(model, topology)]
     return [a - b for a, b in zip(after, before, strict=True)], metrics
+
+
+def _with_adapters(policy: torch.nn.Module, lora) -> None:
+    """LoRA adapters on `policy`: A as the learner draws it, B small but not zero (so that A
+    has a gradient and the adapted policy differs from the base)."""
+    inject_adapters(policy, lora)
+    start = initial_adapter(policy, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if ".lora_A." in name:
+                param.copy_(start[name])
+            elif ".lora_B." in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
 
 
 def _critic(config, topology: Topology, *, seed: int) -> torch.nn.Module:

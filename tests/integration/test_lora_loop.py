@@ -1,0 +1,141 @@
+"""A LoRA learner over a written stream on the tiny model: versions hold the adapter alone (or
+merged weights), checkpoints hold the adapters and their optimiser, and a SIGKILLed learner
+resumes to bit-identical adapters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM
+
+from storage.checkpoints import CheckpointStore, step_dirname
+from storage.fs import open_location
+from storage.manifest import create_run
+from storage.weights import WeightStore
+from streamrl.learner.loop import Learner
+from streamrl.learner.topology import Topology
+from streamrl.models import resolve_model_path
+from streamrl.models.lora import merged_weights
+from tests.integration.test_learner_loop import _config, _learner_process, _write_stream
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "learner.lr=1e-2")
+
+
+@pytest.fixture(scope="module")
+def topology():
+    topo = Topology.from_env("cpu")
+    yield topo
+    topo.destroy()
+
+
+def _saved_names(run_dir, step: int) -> list[str]:
+    folder = run_dir / "checkpoints" / step_dirname(step)
+    return list(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+def test_a_lora_run_publishes_adapters_and_checkpoints_only_them(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    run = open_location(str(run_dir))
+    assert Learner(_config(run_dir, 3, *LORA), run, topology).run() == 3
+
+    store = WeightStore(run)
+    assert store.versions() == [1, 2, 3]
+    first, manifest = store.load(1)
+    last, _ = store.load(3)
+    assert manifest.model_config["lora_base_model"] == "tiny-qwen2"
+    assert all(name.startswith("base_model.model.") and ".lora_" in name for name in first)
+    assert any(not torch.equal(first[n], last[n]) for n in first)  # the adapters learn
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen2"))
+    assert manifest.stored_bytes < 0.25 * sum(p.numel() * 4 for p in base.parameters())
+
+    names = _saved_names(run_dir, 3)
+    model = [n for n in names if n.startswith("policy.model.")]
+    assert model
+    assert all(".lora_" in n for n in model)  # no frozen base weight in the checkpoint
+    assert any(n.startswith("policy.optim.state.") for n in names)
+
+
+def test_merged_publishing_writes_the_base_with_the_adapter_folded_in(tmp_path, topology):
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    run = open_location(str(run_dir))
+    config = _config(run_dir, 2, *LORA, "weights.lora_publish=merged", "weights.dtype=float32")
+    assert Learner(config, run, topology).run() == 2
+    merged, manifest = WeightStore(run).load(2)
+    assert manifest.model_config == {}
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen2")).state_dict()
+    assert merged.keys() == base.keys()
+    changed = [n for n in merged if not torch.equal(merged[n], base[n])]
+    assert changed
+    assert all(n.endswith("_proj.weight") for n in changed)  # only the adapted layers moved
+
+
+def test_sigkilled_lora_learner_resumes_to_bit_identical_adapters(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for run_dir in (straight, killed):
+        config = _config(run_dir, 6, *LORA)
+        create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
+        _write_stream(run_dir, groups=60)
+
+    proc = _learner_process(straight)
+    _, errors = proc.communicate(timeout=300)
+    assert proc.returncode == 0, errors
+
+    proc = _learner_process(killed)
+    checkpoints = CheckpointStore(open_location(str(killed)))
+    deadline = time.monotonic() + 300
+    while not checkpoints.committed_steps() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run: step 2 is committed, step 6 is far
+    proc.wait(timeout=60)
+    assert max(checkpoints.committed_steps()) < 6
+
+    proc = _learner_process(killed, "--take-over")
+    _, errors = proc.communicate(timeout=300)
+    assert proc.returncode == 0, errors
+
+    expected, _ = WeightStore(open_location(str(straight))).load(6)
+    actual, _ = WeightStore(open_location(str(killed))).load(6)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+def test_merged_export_of_an_adapter_version_is_the_merged_model(tmp_path, topology):
+    """Export folds the adapter into the base and can write the PEFT adapter beside it."""
+    from peft import PeftModel
+
+    from streamrl.export import export_version
+
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir)
+    run = open_location(str(run_dir))
+    config = _config(run_dir, 2, *LORA)
+    create_run(run, config.model_dump(mode="json"))
+    Learner(config, run, topology).run()
+    out, adapter_dir = tmp_path / "export", tmp_path / "adapter"
+    export_version(run, out, adapter_dir=adapter_dir)
+
+    adapter, _ = WeightStore(run).load(2)
+    path = resolve_model_path("tiny-qwen2")
+    base = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    expected = merged_weights(base, adapter, config.model.lora)
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, value in exported.items():
+        torch.testing.assert_close(value, expected[name], atol=0, rtol=0)
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 8, 9]])
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(path), adapter_dir
+    )
+    merged_model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            with_adapter(ids).logits, merged_model(ids).logits, atol=1e-5, rtol=0
+        )
