@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--env", default=None, help="an environment preset: episodes with tools (calculator)"
     )
+    parser.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters on the frozen base (preset lora)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.resume and not args.run_uri:
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(run_uri) / "logs"
     terminal = _terminal_only_for_the_flow(logs / "demo.log")
     env = f", environment {args.env}" if args.env else ""
+    env += ", LoRA adapters" if args.lora else ""
     print(f"streamrl demo: DAPO, {args.size}{env}, {args.steps} steps, {args.generators} "
           f"generator(s)\n  run:  {run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
     try:
@@ -70,7 +74,7 @@ def _run(args: argparse.Namespace, run_uri: str, terminal: IO[str]) -> int:
         state = streamrl_run(
             preset="dapo",
             size=args.size,
-            config_file=args.env,
+            extra_presets=[*([args.env] if args.env else []), *(["lora"] if args.lora else [])],
             overrides=[f"learner.total_steps={args.steps}", *args.overrides],
             run_uri=run_uri,
             generators=args.generators,
@@ -103,6 +107,7 @@ def _resume_argv(args: argparse.Namespace, run_uri: str) -> list[str]:
         "--size",
         args.size,
         *(["--env", args.env] if args.env else []),
+        *(["--lora"] if args.lora else []),
         *args.overrides,
     ]
 

@@ -4,7 +4,8 @@
     prefect deployment run streamrl/dapo -p generators=4 -p 'overrides=["learner.total_steps=500"]'
 
 Parameters: `preset` (an algorithm preset: dapo, vapo, grpo, ...), `size` (a size preset such
-as smollm2-cpu or qwen2.5-7b-dapo), `config_file`, `overrides` (dotted, `learner.lr=1e-6`),
+as smollm2-cpu or qwen2.5-7b-dapo), `extra_presets` (layered after `size`: an environment such as
+calculator, `lora`), `config_file`, `overrides` (dotted, `learner.lr=1e-6`),
 `run_uri` (default: the configuration's, else a fresh ./runs/<preset>-<time>), `generators`
 (default: generator.count), `resume`, `generator_retries`, `learner_retries`.
 
@@ -169,6 +170,7 @@ def _wait(futures: dict[str, PrefectFuture[Any]]) -> None:
 def streamrl_run(
     preset: str = "dapo",
     size: str = "smollm2-cpu",
+    extra_presets: list[str] | None = None,
     config_file: str | None = None,
     overrides: list[Override] | None = None,
     run_uri: str | None = None,
@@ -186,7 +188,7 @@ def streamrl_run(
     extra = list(overrides or [])
     if run_uri:
         extra.append(f"storage.run_uri={run_uri}")
-    presets = [preset, size] if size else [preset]
+    presets = [preset, *([size] if size else []), *(extra_presets or [])]
     config = load_config(presets, config_file, extra)
     if config.storage.run_uri == StorageConfig().run_uri and not resume:  # a fresh run each time
         config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
