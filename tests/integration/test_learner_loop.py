@@ -314,11 +314,17 @@ def _learner_process(run_dir, *args: str) -> subprocess.Popen[str]:
 
 
 def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
+    assert_sigkill_resume_is_exact(tmp_path, 8, TEMPORAL, groups=80, prompts=6)
+
+
+def assert_sigkill_resume_is_exact(tmp_path, steps: int, extra, **stream) -> None:
+    """Train one run straight through and another killed (SIGKILL) once its first checkpoint
+    is committed, then resumed: their last published versions are bit-identical."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for run_dir in (straight, killed):
-        config = _config(run_dir, 8, *TEMPORAL)
+        config = _config(run_dir, steps, *extra)
         create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
-        _write_stream(run_dir, groups=80, prompts=6)
+        _write_stream(run_dir, **stream)
 
     proc = _learner_process(straight)
     _, errors = proc.communicate(timeout=300)
@@ -329,17 +335,17 @@ def test_sigkilled_learner_resumes_to_bit_identical_weights(tmp_path):
     deadline = time.monotonic() + 300
     while not checkpoints.committed_steps() and time.monotonic() < deadline:
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # mid-run: step 2 is committed, step 8 is far
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run: step 2 is committed, the last step is far
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    assert max(checkpoints.committed_steps()) < 8
+    assert max(checkpoints.committed_steps()) < steps
 
     proc = _learner_process(killed, "--take-over")  # the killed one's lease is still live
     _, errors = proc.communicate(timeout=300)
     assert proc.returncode == 0, errors
 
-    expected, _ = WeightStore(open_location(str(straight))).load(8)
-    actual, _ = WeightStore(open_location(str(killed))).load(8)
+    expected, _ = WeightStore(open_location(str(straight))).load(steps)
+    actual, _ = WeightStore(open_location(str(killed))).load(steps)
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name

@@ -4,16 +4,12 @@ resumes to bit-identical adapters."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from storage.checkpoints import CheckpointStore, step_dirname
+from storage.checkpoints import step_dirname
 from storage.fs import open_location
 from storage.manifest import create_run
 from storage.weights import WeightStore
@@ -21,7 +17,11 @@ from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
 from streamrl.models.lora import merged_weights
-from tests.integration.test_learner_loop import _config, _learner_process, _write_stream
+from tests.integration.test_learner_loop import (
+    _config,
+    _write_stream,
+    assert_sigkill_resume_is_exact,
+)
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "learner.lr=1e-2")
 
@@ -77,34 +77,7 @@ def test_merged_publishing_writes_the_base_with_the_adapter_folded_in(tmp_path, 
 
 
 def test_sigkilled_lora_learner_resumes_to_bit_identical_adapters(tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    for run_dir in (straight, killed):
-        config = _config(run_dir, 6, *LORA)
-        create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
-        _write_stream(run_dir, groups=60)
-
-    proc = _learner_process(straight)
-    _, errors = proc.communicate(timeout=300)
-    assert proc.returncode == 0, errors
-
-    proc = _learner_process(killed)
-    checkpoints = CheckpointStore(open_location(str(killed)))
-    deadline = time.monotonic() + 300
-    while not checkpoints.committed_steps() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # mid-run: step 2 is committed, step 6 is far
-    proc.wait(timeout=60)
-    assert max(checkpoints.committed_steps()) < 6
-
-    proc = _learner_process(killed, "--take-over")
-    _, errors = proc.communicate(timeout=300)
-    assert proc.returncode == 0, errors
-
-    expected, _ = WeightStore(open_location(str(straight))).load(6)
-    actual, _ = WeightStore(open_location(str(killed))).load(6)
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), name
+    assert_sigkill_resume_is_exact(tmp_path, 6, LORA, groups=60)
 
 
 def test_merged_export_of_an_adapter_version_is_the_merged_model(tmp_path, topology):
