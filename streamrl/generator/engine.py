@@ -25,6 +25,11 @@ recomputed with the new weights. The version is also vLLM's weight-version label
 each sampled token records the version that produced it (`Completion.versions`), exactly, whether
 the core runs in this process or its own; a group's version is the oldest of them.
 
+LoRA runs that publish adapters (`RunConfig.served_adapter`): vLLM runs the base with LoRA
+enabled, every request carries the run's one adapter (`streamrl.generator.adapter.AdapterSlot`),
+and a new version is built by the slot in this process (an adapter is MBs) and loaded in place
+under the same adapter id, in the same pause → load → reset prefix cache → resume sequence.
+
 Seeds: generator `index` of a run, on its `start`-th start, is seeded `generator_seed(...)`, a
 63-bit hash, so restarts never replay a random stream. The engine (`LLM(seed=...)`, all that
 vLLM's CPU backend supports: per-request seeds fail there) gets it modulo 2^32; on CUDA request
