@@ -49,8 +49,6 @@ ALGORITHM_OVERRIDES = {
         "learner.critic_lr=3e-3",
         "algorithm.value_pretrain_steps=8",
     ],
-    # LoRA: the generator serves each adapter version in place; adapters take a larger step
-    "dapo-lora": ["model.lora.rank=16", "model.lora.alpha=32", "learner.lr=1e-2"],
 }
 
 
@@ -58,7 +56,6 @@ ALGORITHM_OVERRIDES = {
     "algorithm",
     [
         "dapo",
-        "dapo-lora",
         pytest.param("grpo", marks=pytest.mark.slow),
         pytest.param("vapo", marks=pytest.mark.slow),
     ],
@@ -66,7 +63,7 @@ ALGORITHM_OVERRIDES = {
 def test_rl_raises_the_reward_of_a_learnable_task(tmp_path, algorithm):
     run_dir = tmp_path / "run"
     config = load_config(
-        [algorithm.removesuffix("-lora"), "tiny-cpu"],
+        [algorithm, "tiny-cpu"],
         overrides=[
             f"storage.run_uri={run_dir}",
             "generator.reward.fn=tests.reward_fns:contains_seven",
