@@ -39,6 +39,18 @@ class Absent:
         return None
 
 sys.meta_path.insert(0, Absent())
+
+# A probe such as `importlib.util.find_spec("wandb")` (accelerate's, which transformers imports
+# when it is installed) answers None for a package that is not installed, as it would there.
+import importlib.util
+_find_spec = importlib.util.find_spec
+
+def find_spec(name, package=None):
+    if name.split(".")[0] in ABSENT:
+        return None
+    return _find_spec(name, package)
+
+importlib.util.find_spec = find_spec
 """
 
 
