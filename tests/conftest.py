@@ -1,7 +1,9 @@
-"""Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1) and run locations on both backends."""
+"""Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1) and run locations on both backends;
+each test module leaves the process environment as it found it."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -9,6 +11,17 @@ import pytest
 
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Restore `os.environ` after each module. An in-process vLLM CPU engine sets variables
+    for its whole process — LD_PRELOAD (its tcmalloc, torch's libgomp), thread binding — which
+    every child process a later module starts (stub commands, components) would inherit."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -62,8 +62,22 @@ ALGORITHM_OVERRIDES = {
 )
 def test_rl_raises_the_reward_of_a_learnable_task(tmp_path, algorithm):
     run_dir = tmp_path / "run"
+    overrides = ["learner.lr=3e-3", *ALGORITHM_OVERRIDES[algorithm]]
+    records = train_with_a_generator(run_dir, algorithm, STEPS, 8, *overrides)
+    acc = np.array([r["rollout/acc"] for r in records if "value_pretrain_step" not in r])
+    assert len(acc) == STEPS
+    first, last = acc[:5].mean(), acc[-5:].mean()
+    print(f"{algorithm} accuracy: first 5 steps {first:.3f}, last 5 {last:.3f}; {acc.round(2)}")
+    assert last > first + 0.3, (first, last, acc)
+
+
+def train_with_a_generator(
+    run_dir: Path, preset: str, steps: int, batch_groups: int, *overrides: str
+) -> list[dict]:
+    """A run of the learnable task on the tiny model: a generator and a learner, each its own
+    process, until the learner's `steps`; the learner's metric records."""
     config = load_config(
-        [algorithm, "tiny-cpu"],
+        [preset, "tiny-cpu"],
         overrides=[
             f"storage.run_uri={run_dir}",
             "generator.reward.fn=tests.reward_fns:contains_seven",
@@ -71,12 +85,11 @@ def test_rl_raises_the_reward_of_a_learnable_task(tmp_path, algorithm):
             "generator.max_tokens=16",
             "generator.prompts_in_flight=8",
             "generator.segment_groups=2",
-            f"learner.total_steps={STEPS}",
-            "learner.batch_groups=8",
-            "learner.mini_batch_groups=8",
-            "learner.lr=3e-3",
+            f"learner.total_steps={steps}",
+            f"learner.batch_groups={batch_groups}",
+            f"learner.mini_batch_groups={batch_groups}",
             "learner.checkpoint_every=100",
-            *ALGORITHM_OVERRIDES[algorithm],
+            *overrides,
         ],
     )
     create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
@@ -86,11 +99,5 @@ def test_rl_raises_the_reward_of_a_learnable_task(tmp_path, algorithm):
     assert learner.returncode == 0, learner_errors[-3000:]
     _, generator_errors = generator.communicate(timeout=120)  # stopped by the learner's marker
     assert generator.returncode == 0, generator_errors[-3000:]
-
     lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    acc = np.array([r["rollout/acc"] for r in records if "value_pretrain_step" not in r])
-    assert len(acc) == STEPS
-    first, last = acc[:5].mean(), acc[-5:].mean()
-    print(f"{algorithm} accuracy: first 5 steps {first:.3f}, last 5 {last:.3f}; {acc.round(2)}")
-    assert last > first + 0.3, (first, last, acc)
+    return [json.loads(line) for line in lines]

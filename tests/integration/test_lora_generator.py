@@ -2,7 +2,11 @@
 adapter (PEFT names, the base named in the manifest); vLLM serves it under one adapter id, swaps
 each new version in place — mid-generation too — and its behaviour log-probs are the learner's.
 
-The engine runs in a fresh interpreter (`lora_engine_worker`); the learner's side here."""
+The engine runs in a fresh interpreter (`lora_engine_worker`); the learner's side here, on one
+process without sharding: a DTensor op in pytest's main thread leaves a thread-local cache
+holding a gloo process group, which a child forked from a supervisor's thread (later tests)
+frees in its `preexec_fn` and crashes on. Publishing from sharded ranks is tested in
+test_lora_loop.py and test_lora_learner.py."""
 
 from __future__ import annotations
 
@@ -20,26 +24,18 @@ from storage.fs import open_location
 from storage.weight_publish import WeightWriter
 from storage.weights import WeightStore
 from streamrl.config_loading import load_config
-from streamrl.learner.forward import token_scores
-from streamrl.learner.loading import build_step_models
-from streamrl.learner.lora import adapter_manifest, publish_shares
+from streamrl.learner.forward import token_scores, use_hidden_states_head
+from streamrl.learner.lora import adapter_manifest
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
-from streamrl.learner.publish import WeightPublisher
-from streamrl.learner.topology import Topology
+from streamrl.learner.model import load_policy
 from streamrl.models import resolve_model_path
+from streamrl.models.lora import inject_adapters, peft_name
 from tests.integration import lora_engine_worker
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["generator.max_tokens=32", "model.lora.rank=8", "model.lora.alpha=16"]
 PROMPTS = [list(range(3, 40)), [11, 12, 13, 14]]
-
-
-@pytest.fixture(scope="module")
-def topology():
-    topo = Topology.from_env("cpu")
-    yield topo
-    topo.destroy()
 
 
 def _set_adapter(policy, seed: int) -> dict[str, torch.Tensor]:
@@ -59,20 +55,19 @@ def _load(policy, values: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, param in policy.named_parameters():
             if name in values:
-                param.to_local().copy_(values[name])
+                param.copy_(values[name])
 
 
-def _publish(policy, config, topology, run, version: int) -> None:
-    publisher = WeightPublisher(
-        WeightWriter(run),
-        topology,
-        config.weights,
-        torch.float32,
-        model_config=adapter_manifest(config.model, "adapter"),
-        shares=publish_shares(config.model.lora, "adapter"),
+def _publish(policy, config, run, version: int) -> None:
+    """The adapter as the learner publishes it: PEFT names, the base in the manifest."""
+    adapter = {
+        peft_name(name): param.detach().clone()
+        for name, param in policy.named_parameters()
+        if ".lora_" in name
+    }
+    WeightWriter(run).publish(
+        version, adapter, model_config=adapter_manifest(config.model, "adapter")
     )
-    publisher.publish(policy, version)
-    publisher.flush()
 
 
 def _learner_logprobs(policy, prompt: list[int], tokens: list[int]) -> np.ndarray:
@@ -94,17 +89,17 @@ def _learner_logprobs(policy, prompt: list[int], tokens: list[int]) -> np.ndarra
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, topology):
+def served(tmp_path_factory):
     """Versions 1 and 2 published by the learner, what the engine sampled, and the adapters."""
     tmp = tmp_path_factory.mktemp("lora-engine")
     config = load_config(["dapo", "tiny-cpu"], overrides=OVERRIDES)
-    models, _ = build_step_models(config, topology)
-    policy = models.policy.model
+    policy = use_hidden_states_head(load_policy("tiny-qwen2", config.model))
+    inject_adapters(policy, config.model.lora)
     run = open_location(str(tmp / "run"))
     adapters = {0: {n: torch.zeros(p.shape) for n, p in policy.named_parameters() if ".lora_" in n}}
     for version in (1, 2):
         adapters[version] = _set_adapter(policy, seed=version)
-        _publish(policy, config, topology, run, version)
+        _publish(policy, config, run, version)
     out = tmp / "out.json"
     resolve_model_path("tiny-qwen2")
     done = subprocess.run(

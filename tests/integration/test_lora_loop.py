@@ -6,7 +6,6 @@ samples with."""
 from __future__ import annotations
 
 import contextlib
-import json
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from storage.fs import open_location
 from storage.manifest import create_run
 from storage.stream_reader import StreamReader, StreamTimeoutError
 from storage.weights import WeightStore
-from streamrl.config_loading import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
@@ -28,7 +26,7 @@ from tests.integration.test_learner_loop import (
     _write_stream,
     assert_sigkill_resume_is_exact,
 )
-from tests.integration.test_learning import _start
+from tests.integration.test_learning import train_with_a_generator
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "learner.lr=1e-2")
 
@@ -131,33 +129,8 @@ def test_a_generator_samples_every_adapter_version_the_learner_publishes(tmp_pat
     ≈ 0.16, so no hidden state lifts a token's logit by more than ≈ 1.3 nats; the demo model
     shows it, RESULTS.md.)"""
     run_dir = tmp_path / "run"
-    config = load_config(
-        ["dapo", "tiny-cpu"],
-        overrides=[
-            f"storage.run_uri={run_dir}",
-            "generator.reward.fn=tests.reward_fns:contains_seven",
-            "generator.group_size=8",
-            "generator.max_tokens=16",
-            "generator.prompts_in_flight=8",
-            "generator.segment_groups=2",
-            "learner.total_steps=8",
-            "learner.batch_groups=4",
-            "learner.mini_batch_groups=4",
-            "learner.checkpoint_every=100",
-            "health.mismatch_kl_max=1e-6",
-            *LORA,
-        ],
-    )
-    create_run(open_location(str(run_dir)), config.model_dump(mode="json"))
-    generator = _start("generator", "--run", str(run_dir), "--index", "0")
-    learner = _start("learner", "--run", str(run_dir))
-    _, learner_errors = learner.communicate(timeout=600)
-    assert learner.returncode == 0, learner_errors[-3000:]
-    _, generator_errors = generator.communicate(timeout=120)
-    assert generator.returncode == 0, generator_errors[-3000:]
-
-    lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
-    fresh = [json.loads(line).get("mismatch/kl_k3_fresh") for line in lines]
+    records = train_with_a_generator(run_dir, "dapo", 8, 4, "health.mismatch_kl_max=1e-6", *LORA)
+    fresh = [record.get("mismatch/kl_k3_fresh") for record in records]
     measured = [kl for kl in fresh if kl is not None]
     assert len(measured) >= 2, fresh
     assert max(measured) < 1e-6, fresh
