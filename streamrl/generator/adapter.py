@@ -43,14 +43,12 @@ class AdapterSlot:
         self.lora, self.model_path = lora, model_path
         self._folder = tempfile.TemporaryDirectory(prefix="streamrl-adapter-")
         self.current = Path(self._folder.name) / "current"
-        self._template = {
-            name: tuple(value.shape)
-            for name, value in zero_adapter(model_path, lora, trust_remote_code).items()
-        }
+        zeros = zero_adapter(model_path, lora, trust_remote_code)
+        self._template = {name: tuple(value.shape) for name, value in zeros.items()}
         self._follower: WeightFollower | None = None
         self._source: WeightSource | None = None
         self._built: Path | None = None
-        self._loaded = self._write("v0", zero_adapter(model_path, lora, trust_remote_code))
+        self._loaded = self._write("v0", zeros)
         self._point_current_at(self._loaded)
         self.request = LoRARequest(_ADAPTER_NAME, ADAPTER_ID, str(self.current))
 

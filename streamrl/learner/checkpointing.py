@@ -208,9 +208,7 @@ class LearnerCheckpoints:
                 self.config.algorithm.value_head.layout if self.models.critic is not None else None
             ),
             "reference": None if kl is None else kl.reference,
-            "lora": None
-            if (lora := self.config.model.lora) is None
-            else lora.model_dump(mode="json"),
+            "lora": self._lora_layout(),
             "checkpointed_models": sorted(self._app_state()),
         }
 

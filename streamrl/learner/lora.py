@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from streamrl.learner.publish import Shares, local_shares, tensor_share
 from streamrl.models.config import ModelConfig
 from streamrl.models.lora import (
+    ADAPTER_NAME,
     LoraConfig,
     base_weight_name,
     inject_adapters,
@@ -166,7 +167,7 @@ def _merged_shares(model: nn.Module, is_main: bool, lora: LoraConfig) -> Shares:
             shares[base_weight_name(name)] = tensor_share(value, is_main)
             continue
         module = name.removesuffix(".base_layer.weight")
-        a, b = (state[f"{module}.lora_{which}.default.weight"] for which in ("A", "B"))
+        a, b = (state[f"{module}.lora_{which}.{ADAPTER_NAME}.weight"] for which in ("A", "B"))
         whole_a = a.full_tensor() if isinstance(a, DTensor) else a
         local_b = b.to_local() if isinstance(b, DTensor) else b
         local, start, shape = tensor_share(value, is_main)
