@@ -14,6 +14,7 @@ EXAMPLES_EVAL = """\
 examples:
   streamrl eval --run ./runs/demo                        the latest version
   streamrl eval --run ./runs/demo --version 12 --k 8 --max-prompts 200
+  streamrl eval --run ./runs/demo --version 0            the initial weights (model.path)
   streamrl eval --run ./runs/demo --dataset aime-2024.parquet --prompt-field problem \\
       --answer-field answer
   streamrl eval --run s3://bucket/runs/x --follow        the evaluator process of a run
@@ -136,7 +137,10 @@ def add_commands(commands: Any) -> None:
     )
     evaluate.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
     evaluate.add_argument(
-        "--version", type=int, metavar="V", help="weight version (default: the latest)"
+        "--version",
+        type=int,
+        metavar="V",
+        help="weight version (default: the latest; 0: the initial weights)",
     )
     evaluate.add_argument(
         "--dataset", metavar="PATH_OR_NAME", help="JSONL/Parquet file or builtin:NAME"

@@ -1,4 +1,5 @@
-"""Datasets bundled with streamrl, so a run needs no download: `builtin:arithmetic`, `builtin:math`.
+"""Datasets bundled with streamrl, so a run needs no download: `builtin:arithmetic` and its
+held-out split `builtin:arithmetic-test`, `builtin:math`.
 
 Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
 reads unchanged:
@@ -18,6 +19,12 @@ or `×`), and a word problem says "each" exactly when it multiplies. Answers are
 strings; the prompt asks for `\\boxed{N}`, which the math reward (math-verify) parses, as it
 does a bare final number.
 
+`arithmetic-test` is held out by construction, not by sampling: a fixed quarter of the facts
+(9 of the 36 unordered single-digit pairs per op, `HELD_OUT_FACTS`; 3 × 4 and 4 × 3 are one fact)
+is asked only there. `arithmetic` is the pool of 2000 problems without them (1526 rows), so no
+generator ever samples a held-out fact, in any wording; `arithmetic-test` is 256 problems over
+those facts, worded the same way. A gain on it is a gain on facts never trained on.
+
 `math` is a small hand-written set of problems with answers (integers, fractions, simple
 expressions) checked in tests/unit/test_data.py against independent sympy computations.
 """
@@ -28,10 +35,14 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUILTIN_DATASETS", "builtin_rows"]
+__all__ = ["BUILTIN_DATASETS", "HELD_OUT_FACTS", "builtin_rows", "fact_of"]
 
 ARITHMETIC_SIZE = 2000
 ARITHMETIC_SEED = "streamrl-arithmetic-v1"
+ARITHMETIC_TEST_SIZE = 256
+ARITHMETIC_TEST_SEED = "streamrl-arithmetic-test-v1"
+ARITHMETIC_HELD_OUT_SEED = "streamrl-arithmetic-held-out-v1"
+HELD_OUT_PER_OP = 9  # of the 36 unordered facts of each op
 ARITHMETIC_INSTRUCTION = "Put the final answer, a single number, in \\boxed{}."
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -69,31 +80,70 @@ def _row(source: str, index: int, question: str, answer: str, **extra: Any) -> d
     }
 
 
-def arithmetic_rows(size: int = ARITHMETIC_SIZE) -> list[dict[str, Any]]:
-    """`size` single-digit arithmetic problems (see the module docstring), always the same ones."""
+def arithmetic_facts(op: str) -> list[tuple[int, int]]:
+    """Every unordered single-digit fact (a ≤ b, both 2–9) of `op` ("+" or "*"): 36 each."""
+    return [(a, b) for a in range(2, 10) for b in range(a, 10)] if op in "+*" else []
+
+
+def _held_out_facts() -> frozenset[tuple[str, int, int]]:
+    """(op, min, max) of the facts only the test split asks: a fixed quarter of each op's."""
+    rng = random.Random(ARITHMETIC_HELD_OUT_SEED)
+    return frozenset(
+        (op, a, b) for op in "+*" for a, b in rng.sample(arithmetic_facts(op), HELD_OUT_PER_OP)
+    )
+
+
+HELD_OUT_FACTS = _held_out_facts()
+
+
+def fact_of(row: dict[str, Any]) -> tuple[str, int, int]:
+    """The fact an arithmetic row asks, commutative pairs as one: (op, min, max)."""
+    info = row["extra_info"]
+    return (info["op"], min(info["a"], info["b"]), max(info["a"], info["b"]))
+
+
+def _arithmetic_row(
+    rng: random.Random, source: str, index: int, a: int, b: int, op: str
+) -> dict[str, Any]:
+    if rng.random() < 0.5:
+        template = rng.choice(_ADDITION if op == "+" else _MULTIPLICATION)
+        story = template.format(name=rng.choice(_NAMES), obj=rng.choice(_OBJECTS), a=a, b=b)
+        question = f"{story} That is, what is {a} {'+' if op == '+' else '×'} {b}?"
+    else:
+        question = f"What is {a} {op} {b}?"
+    answer = a + b if op == "+" else a * b
+    question = f"{question}\n{ARITHMETIC_INSTRUCTION}"
+    return _row(source, index, question, str(answer), a=a, b=b, op=op)
+
+
+def arithmetic_pool(size: int = ARITHMETIC_SIZE) -> list[dict[str, Any]]:
+    """`size` problems over every fact, always the same ones: what both splits are cut from
+    (and the tiny model's tokenizer is trained on)."""
     rng = random.Random(ARITHMETIC_SEED)  # str seeds hash with SHA-512: stable across Pythons
     rows = []
     for index in range(size):
         a, b = rng.randint(2, 9), rng.randint(2, 9)
         op = rng.choice("+*")
+        rows.append(_arithmetic_row(rng, "builtin:arithmetic", index, a, b, op))
+    return rows
+
+
+def arithmetic_rows(size: int = ARITHMETIC_SIZE) -> list[dict[str, Any]]:
+    """The training split: the pool's problems whose fact is not held out (~3/4 of `size`)."""
+    return [row for row in arithmetic_pool(size) if fact_of(row) not in HELD_OUT_FACTS]
+
+
+def arithmetic_test_rows(size: int = ARITHMETIC_TEST_SIZE) -> list[dict[str, Any]]:
+    """The held-out split: `size` problems, each asking one of `HELD_OUT_FACTS` (in either
+    order, worded as the training problems are), drawn with a seed of their own."""
+    rng = random.Random(ARITHMETIC_TEST_SEED)
+    facts = sorted(HELD_OUT_FACTS)
+    rows = []
+    for index in range(size):
+        op, a, b = rng.choice(facts)
         if rng.random() < 0.5:
-            template = rng.choice(_ADDITION if op == "+" else _MULTIPLICATION)
-            story = template.format(name=rng.choice(_NAMES), obj=rng.choice(_OBJECTS), a=a, b=b)
-            question = f"{story} That is, what is {a} {'+' if op == '+' else '×'} {b}?"
-        else:
-            question = f"What is {a} {op} {b}?"
-        answer = a + b if op == "+" else a * b
-        rows.append(
-            _row(
-                "builtin:arithmetic",
-                index,
-                f"{question}\n{ARITHMETIC_INSTRUCTION}",
-                str(answer),
-                a=a,
-                b=b,
-                op=op,
-            )
-        )
+            a, b = b, a
+        rows.append(_arithmetic_row(rng, "builtin:arithmetic-test", index, a, b, op))
     return rows
 
 
@@ -152,6 +202,7 @@ def math_rows() -> list[dict[str, Any]]:
 
 BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "arithmetic": arithmetic_rows,
+    "arithmetic-test": arithmetic_test_rows,
     "math": math_rows,
 }
 

@@ -22,7 +22,8 @@ class DataConfig(Section):
         "builtin:arithmetic",
         min_length=1,
         description="JSONL or Parquet file (local or fsspec URL, e.g. s3://...), or a bundled "
-        "dataset: builtin:arithmetic, builtin:math.",
+        "dataset: builtin:arithmetic (its held-out split: builtin:arithmetic-test), "
+        "builtin:math.",
     )
     format: Literal["auto", "jsonl", "parquet"] = Field(
         "auto", description="File format; auto infers it from the extension."

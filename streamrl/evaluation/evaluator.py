@@ -139,8 +139,12 @@ class Evaluator:
         return self.sampling.group_size
 
     def evaluate(self, version: int, stop: threading.Event | None = None) -> dict[str, Any] | None:
-        """Load `version` and measure it (module docstring); None when `stop` was set first."""
-        self.engine.advance_weights(self.weight_source, exactly=version)
+        """Load `version` and measure it (module docstring); None when `stop` was set first.
+        Version 0 is the initial weights (model.path), which a fresh engine serves."""
+        if version != self.engine.policy_version:
+            if version == 0:
+                raise ValueError("version 0 (the initial weights) is measured by a fresh engine")
+            self.engine.advance_weights(self.weight_source, exactly=version)
         greedy_ids = [self.engine.submit(p.token_ids, greedy=True) for p in self.prompts]
         sampled_ids = [self.engine.submit(p.token_ids) for p in self.prompts]
         finished = self._finish(len(greedy_ids) + len(sampled_ids), stop)
@@ -198,7 +202,8 @@ def evaluate(
     temperature: float | None = None,
     record: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate one published `version` of `run` (default: the latest) with a fresh engine.
+    """Evaluate one published `version` of `run` (default: the latest; 0: the initial weights,
+    model.path) with a fresh engine.
 
     `k`, `max_prompts`, `temperature` default to the run's `eval` section, `dataset` as in
     `validation_dataset`. With `record`, the result is appended to the run's evaluation log.
@@ -210,7 +215,8 @@ def evaluate(
     store = WeightStore(run)
     if version is None and (version := store.latest_version()) is None:
         raise WeightVersionNotFoundError(f"run {run.uri} has no published weights to evaluate")
-    store.read_manifest(version)  # an unknown version fails before vLLM starts
+    if version != 0:
+        store.read_manifest(version)  # an unknown version fails before vLLM starts
     options = {"dataset": dataset, "k": k, "max_prompts": max_prompts, "temperature": temperature}
     with Evaluator(run, config, **options) as evaluator:
         metrics = evaluator.evaluate(version)

@@ -45,9 +45,9 @@ _EXTRA_TEXT = (
 
 def _corpus() -> Iterator[str]:
     # Changing the bundled datasets' text changes this tokenizer: bump the recipe in cache.py.
-    from streamrl.data.builtin import arithmetic_rows, math_rows
+    from streamrl.data.builtin import arithmetic_pool, math_rows
 
-    for row in [*arithmetic_rows(), *math_rows()]:
+    for row in [*arithmetic_pool(), *math_rows()]:
         yield row["prompt"][0]["content"]
         yield f"The answer is \\boxed{{{row['reward_model']['ground_truth']}}}."
     yield from _EXTRA_TEXT

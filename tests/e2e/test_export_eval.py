@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +29,14 @@ from storage.weights import WeightStore, WeightVersionNotFoundError
 from streamrl.cli_eval import add_commands
 from streamrl.config import RunConfig
 from streamrl.config_loading import load_config
-from streamrl.evaluation.evaluator import EvaluationLoop, Evaluator, evaluate, evaluation_sampling
+from streamrl.data import PromptSource
+from streamrl.evaluation.evaluator import (
+    EvaluationLoop,
+    Evaluator,
+    evaluate,
+    evaluation_sampling,
+    validation_dataset,
+)
 from streamrl.evaluation.records import read_eval_records
 from streamrl.export import OutputExistsError, export_version
 from streamrl.generator.engine import Engine
@@ -273,6 +282,25 @@ def test_eval_reports_the_accuracy_transformers_gives(
         assert metrics["val/avg@2"] * 2 * 8 == round(metrics["val/avg@2"] * 2 * 8)
 
 
+def test_version_0_is_the_initial_weights(run: Location, config: RunConfig, base_state):
+    """`streamrl eval --version 0` measures model.path itself, though the store holds no
+    version 0. (A fresh interpreter: a second in-process vLLM engine would tear down the
+    process groups the module's engine runs on.)"""
+    before = read_eval_records(run)
+    argv = [sys.executable, "-m", "streamrl", "eval", "--run", run.uri, "--version", "0"]
+    done = subprocess.run(argv + ["--no-record"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads(done.stdout[done.stdout.rindex("{\n") :])  # after any log lines
+    dataset, held_out = validation_dataset(config)
+    source = PromptSource(dataset, tokenizer_path=resolve_model_path("tiny-qwen2"))
+    prompts = source.prompts[: config.eval.max_prompts]
+    expected, _ = _expected_accuracy(Path(resolve_model_path("tiny-qwen2")), base_state, prompts)
+    assert held_out and 0 < expected < 1
+    assert metrics["version"] == 0
+    assert metrics["val/acc_greedy"] == expected
+    assert read_eval_records(run) == before  # --no-record
+
+
 @pytest.mark.usefixtures("vllm_greedy_on_export")  # taken before this loads other weights
 def test_follow_evaluates_every_eth_and_the_last_version_then_resumes(
     config: RunConfig, engine: Engine, base_state, tmp_path
@@ -300,8 +328,8 @@ def test_follow_evaluates_every_eth_and_the_last_version_then_resumes(
         assert loop.missed == [2]
         records = read_eval_records(run)
         assert [r["version"] for r in records] == [4, 5]
-        assert {r["held_out"] for r in records} == {False}  # training prompts: no val set
-        assert {r["dataset"] for r in records} == {"builtin:arithmetic"}
+        assert {r["held_out"] for r in records} == {True}  # tiny-cpu's data.val_path
+        assert {r["dataset"] for r in records} == {"builtin:arithmetic-test"}
         assert all(0 <= r["val/acc_greedy"] <= 1 and r["k"] == 2 for r in records)
         # A restarted evaluator finds everything done and returns at once.
         again = EvaluationLoop(evaluator, every_versions=2, poll_s=0.05)

@@ -19,7 +19,7 @@ from streamrl.data import (
     builtin_rows,
     load_rows,
 )
-from streamrl.data.builtin import MATH_PROBLEMS
+from streamrl.data.builtin import HELD_OUT_FACTS, MATH_PROBLEMS
 from streamrl.data.config import DataConfig
 from streamrl.models.tiny import build_tokenizer
 
@@ -208,10 +208,11 @@ def test_iteration_passes_over_skipped_positions(tokenizer: Any) -> None:
     assert resumed.position == walk.position
 
 
-def test_builtin_arithmetic_answers_are_right(tokenizer: Any) -> None:
-    rows = builtin_rows("arithmetic")
-    assert rows == builtin_rows("arithmetic")  # deterministic
-    assert len(rows) >= 1000
+@pytest.mark.parametrize("name", ["arithmetic", "arithmetic-test"])
+def test_builtin_arithmetic_answers_are_right(tokenizer: Any, name: str) -> None:
+    rows = builtin_rows(name)
+    assert rows == builtin_rows(name)  # deterministic
+    assert len(rows) >= 250
     kinds = {("word", "+"): 0, ("word", "*"): 0, ("direct", "+"): 0, ("direct", "*"): 0}
     for row in rows:
         question = row["prompt"][0]["content"].split("\n")[0]
@@ -232,10 +233,33 @@ def test_builtin_arithmetic_answers_are_right(tokenizer: Any) -> None:
         assert "\\boxed{}" in row["prompt"][0]["content"]
     assert min(kinds.values()) > 0.2 * len(rows)
     # every prompt fits the tiny-cpu preset's data.max_prompt_len with the tiny tokenizer
-    source = PromptSource(
-        DataConfig(path="builtin:arithmetic", max_prompt_len=96), tokenizer=tokenizer
-    )
+    source = PromptSource(DataConfig(path=f"builtin:{name}", max_prompt_len=96), tokenizer=tokenizer)
     assert source.num_dropped_too_long == 0
+
+
+def _facts(rows: list[dict[str, Any]]) -> set[tuple[str, int, int]]:
+    """(op, min, max) of each row, read from its question text (not from extra_info)."""
+    facts = set()
+    for row in rows:
+        match = re.search(r"(\d+) ([+*×]) (\d+)\?\n", row["prompt"][0]["content"])
+        assert match, row
+        a, b = int(match[1]), int(match[3])
+        facts.add(("+" if match[2] == "+" else "*", min(a, b), max(a, b)))
+    return facts
+
+
+def test_builtin_arithmetic_test_split_is_held_out_by_fact(tokenizer: Any) -> None:
+    """No training prompt asks a fact of the held-out split, in either order or wording, and
+    together the splits cover every single-digit fact."""
+    train = PromptSource(DataConfig(path="builtin:arithmetic"), tokenizer=tokenizer)
+    train_facts = _facts([{"prompt": [{"content": p.text}]} for p in train.prompts])
+    test_facts = _facts(builtin_rows("arithmetic-test"))
+    assert train_facts.isdisjoint(test_facts)
+    every = {(op, a, b) for op in "+*" for a in range(2, 10) for b in range(a, 10)}
+    assert train_facts | test_facts == every
+    assert test_facts == set(HELD_OUT_FACTS)
+    assert len(test_facts) == 18  # a quarter of the 72 facts: 9 per op
+    assert len(train.prompts) == len(builtin_rows("arithmetic")) > 1400
 
 
 x = sympy.Symbol("x")
