@@ -32,8 +32,10 @@ class LearnerProgress:
     against in the next step. `consumed`, `accepted` and `dropped_stale` count this step's groups
     (dropped for staleness, skipped unread or not), `*_total` every step of the run so far,
     including earlier lives of the learner (restored from its checkpoint). `waiting`: written
-    while the learner waits for groups in the middle of step `step` + 1: `cursor` is where it
-    waits (what it consumed of that step included), the counts are still the last step's.
+    between step records, whenever the learner's stream reader finds nothing new — while the
+    learner waits for groups of step `step` + 1 or trains on them: `cursor` is past what it
+    consumed for that step, `pending_accepted` the groups of it accepted so far (B while it
+    trains), the counts are still the last step's. After a step, `pending_accepted` is 0.
 
     Invariants: counts ≥ 0; accepted + dropped_stale ≤ consumed (the same for the totals); each
     total ≥ the step's count.
@@ -51,6 +53,7 @@ class LearnerProgress:
     waiting: bool = False
     updated_at: float = 0.0
     lease_epoch: int = 0  # the writer's lease epoch (storage.lease); 0 in older records
+    pending_accepted: int = 0  # 0 in older records
 
     def __post_init__(self) -> None:
         counts = [
@@ -63,6 +66,7 @@ class LearnerProgress:
             self.accepted_total,
             self.dropped_stale_total,
             self.lease_epoch,
+            self.pending_accepted,
         ]
         if min(counts) < 0:
             raise ValueError(f"learner progress {self}: steps, versions and counts are ≥ 0")

@@ -14,9 +14,12 @@ so far: `groups_per_step`; a = accepted / (consumed − dropped stale), the run'
 dynamic-sampling accept rate). Stale drops are left out of a: a group admitted by this rule is
 trained on before it is too stale, and counting the drops of groups admitted earlier (or by
 other generators) would raise the capacity exactly when the fleet is producing too much.
-So before a group sampled now is too stale the learner consumes
+The learner has already taken some of what version V trains on: n × B groups in the n = step
+mod K steps since it published V, and p = `pending_accepted` groups of its next step (collected
+so far, or all B while it trains on them). So before a group sampled now is too stale the
+learner consumes
 
-    capacity = (S + 1 − (V − v_g)) × K × B / a    groups,
+    capacity = ((S + 1 − (V − v_g)) × K × B − n × B − p) / a    groups,
 
 and a prompt is admitted while
 
@@ -32,8 +35,9 @@ Approximations, all of them bounded:
   * the learner's record and the log are read at most every `REFRESH_S` (our own commits are
     added as they happen): consumption is seen late (a pause lasts up to that much longer), other
     generators' commits too (we admit a little more);
-  * the steps the learner already took at version V are not subtracted: up to K × B / a groups
-    more than the learner can use;
+  * p moves with the cursor, in the same record (rewritten whenever the learner's reader finds
+    nothing new): groups the learner took since its last record still count in the backlog
+    instead;
   * a is the run's average so far, floored at `MIN_ACCEPT_RATE`; 1 before the learner consumed
     anything. Before the learner's first step (no record) it stands at cursor 0, version 0;
   * V − v_g is taken ≥ 0: the record may lag behind weights the generator already loaded.
@@ -95,12 +99,17 @@ def admission_capacity(
     learner_version: int,
     generator_version: int,
     accept_rate: float,
+    steps_since_publish: int = 0,
+    pending_accepted: int = 0,
 ) -> float:
     """Groups the learner will consume before a group sampled now with weights
-    `generator_version` exceeds `max_staleness`: (S + 1 − lag) × K × B / a, lag = V − v_g taken
-    ≥ 0; ≤ 0 when such a group would already be too stale."""
+    `generator_version` exceeds `max_staleness`: ((S + 1 − lag) × K × B − n × B − p) / a,
+    lag = V − v_g taken ≥ 0, n the steps since V was published, p the groups accepted for the
+    next step; ≤ 0 when such a group would already be too stale."""
     lag = max(learner_version - generator_version, 0)
-    return (max_staleness + 1 - lag) * publish_every * batch_groups / accept_rate
+    usable = (max_staleness + 1 - lag) * publish_every * batch_groups
+    taken = steps_since_publish * batch_groups + pending_accepted
+    return (usable - taken) / accept_rate
 
 
 class FlowGate:
@@ -136,14 +145,16 @@ class FlowGate:
         return self._paused_before + current
 
     def capacity(self, generator_version: int) -> float:
-        progress = self.progress
+        progress = self.progress or LearnerProgress(step=0, policy_version=0)
         return admission_capacity(
             max_staleness=self.learner.max_staleness,
             publish_every=self.learner.publish_every,
-            batch_groups=groups_per_step(progress, self.learner),
-            learner_version=0 if progress is None else progress.policy_version,
+            batch_groups=groups_per_step(self.progress, self.learner),
+            learner_version=progress.policy_version,
             generator_version=generator_version,
-            accept_rate=accept_rate(progress),
+            accept_rate=accept_rate(self.progress),
+            steps_since_publish=progress.step % self.learner.publish_every,
+            pending_accepted=progress.pending_accepted,
         )
 
     def admits(self, generator_version: int, uncommitted: int) -> bool:

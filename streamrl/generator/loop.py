@@ -2,8 +2,10 @@
 
 Consumes: prompts from this generator's shard of the dataset, and published weight versions.
 Produces: `ScoredGroup`s in the replay stream, one segment every `segment_groups` groups or
-`segment_seconds` seconds, whichever comes first. Every group is a rollout of the configured
-environment (`generator.env`; single-turn by default), driven by `EpisodeDriver`. A group with
+`segment_seconds` seconds, whichever comes first, and at once when flow control holds the
+generator back with nothing in flight (the learner may be waiting for exactly those groups).
+Every group is a rollout of the configured environment (`generator.env`; single-turn by
+default), driven by `EpisodeDriver`. A group with
 a failed reward or environment call (raised or timed out) is left out or trained on with score
 0, per `generator.reward.on_error`; either way the failures are counted in the next commit
 record.
@@ -168,9 +170,12 @@ class GeneratorLoop:
             in_flight = self.episodes.groups_in_flight
             self._stop.wait(ENV_WAIT_S if in_flight else PAUSED_SLEEP_S)
         self._write(self.episodes.advance(finished))
-        if self.writer.pending_groups >= cfg.segment_groups or (
-            self.writer.pending_groups and self.writer.pending_age_s >= cfg.segment_seconds
-        ):
+        pending = self.writer.pending_groups
+        held_back = self._gate.paused and not self.episodes.groups_in_flight  # no more will come
+        if pending and (
+            pending >= cfg.segment_groups or self.writer.pending_age_s >= cfg.segment_seconds
+            or held_back
+        ):  # fmt: skip
             self._flush()
         self.stats.paused_s = self._gate.paused_s
         if time.monotonic() >= self._next_log:

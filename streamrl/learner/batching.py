@@ -101,7 +101,10 @@ class BatchCollector:
     `vocab_size`, prompt + response ≤ `max_seq_len`); a mismatch raises
     `IncompatibleGroupError` (a stream written for another model is a user error, not data to
     skip). `totals` counts every batch so far: keep it in the learner state and pass it back on
-    resume. `oldest_usable(version)` is the staleness rule as a bound, for the stream reader."""
+    resume. `oldest_usable(version)` is the staleness rule as a bound, for the stream reader.
+    `pending_accepted`: the groups accepted for the batch being collected, or collected and not
+    yet trained on (the owner sets it back to 0 once their step is done); another thread may
+    read it at any time, for the learner's progress record."""
 
     batch_groups: int
     max_staleness: int
@@ -110,6 +113,7 @@ class BatchCollector:
     max_seq_len: int
     totals: FilterCounts = field(default_factory=FilterCounts)
     batch_tokens: int | None = None
+    pending_accepted: int = field(default=0, init=False)
 
     def oldest_usable(self, current_version: int) -> int:
         """The oldest policy version a group may have to pass the staleness filter at
@@ -126,6 +130,7 @@ class BatchCollector:
         `cursor()` after each one. `EOFError` if the iterator ends first (a StreamReader raises
         `StreamTimeoutError` instead)."""
         accepted: list[ScoredGroup] = []
+        self.pending_accepted = 0
         tokens, full = 0, False
         counts, after, consumed = FilterCounts(), cursor(), RolloutSums()
         oldest = self.oldest_usable(current_version)
@@ -152,6 +157,7 @@ class BatchCollector:
                 counts.dropped_zero_var += 1
             else:
                 accepted.append(group)
+                self.pending_accepted = len(accepted)
                 tokens += sum(len(t) for t in group.response_tokens)
                 full = len(accepted) == self.batch_groups or (
                     self.batch_tokens is not None and tokens >= self.batch_tokens

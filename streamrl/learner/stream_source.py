@@ -119,11 +119,13 @@ class StreamSource:
         return {"generators/paused_s_total": sum(r.paused_s for r in records)}
 
     def write_progress(self, batch: StreamBatch) -> None:
-        """Rank 0: record where the learner stands after `batch` (one small write)."""
+        """Rank 0: record where the learner stands after `batch` (one small write), which it has
+        trained on."""
         if not self.topology.is_main:
             return
         progress = self._progress_record(batch.cursor_after, batch.counts, batch.totals)
         with self._progress_lock:
+            self.collector.pending_accepted = 0
             self._check_lease()
             write_learner_progress(self.run, progress)
             self._progress = progress
@@ -146,10 +148,13 @@ class StreamSource:
         )
 
     def _report_waiting(self, cursor: Cursor) -> None:
-        """Rank 0, while waiting for groups mid-step (the reader's idle hook): the progress
-        record moves to `cursor`. Without it the groups this step consumed and rejected would
-        still count as the generators' backlog, and flow control could pause every generator
-        while the learner waits for one more group.
+        """Rank 0, whenever the reader finds nothing new (its idle hook: mid-step, or while the
+        step trains): the progress record moves to `cursor` and says how many groups the next
+        step holds (`pending_accepted`). Without the cursor the groups this step consumed and
+        rejected would still count as the generators' backlog, and flow control could pause
+        every generator while the learner waits for one more group; without the count it would
+        admit a whole step's groups more at a version about to be replaced (all of them stale
+        under max_staleness=0).
 
         Raises (ending the wait, on every rank) if `while_waiting` does or the run's lease is
         lost."""
@@ -165,11 +170,19 @@ class StreamSource:
 
     def _write_waiting(self, cursor: Cursor) -> None:
         last = self._progress
-        if last is not None and last.waiting and last.cursor == cursor:
+        pending = self.collector.pending_accepted
+        unchanged = last is not None and last.waiting and last.cursor == cursor
+        if unchanged and last.pending_accepted == pending:
             return
         if last is None:  # before the first step of this life
             last = self._progress_record(cursor, FilterCounts(), self.collector.totals)
-        progress = replace(last, cursor=cursor, waiting=True, updated_at=time.time())
+        progress = replace(
+            last,
+            cursor=cursor,
+            waiting=True,
+            pending_accepted=pending,
+            updated_at=time.time(),
+        )
         try:
             write_learner_progress(self.run, progress)
         except OSError as exc:  # advisory: the next step's record replaces it

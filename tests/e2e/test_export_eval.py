@@ -288,14 +288,15 @@ def test_version_0_is_the_initial_weights(run: Location, config: RunConfig, base
     process groups the module's engine runs on.)"""
     before = read_eval_records(run)
     argv = [sys.executable, "-m", "streamrl", "eval", "--run", run.uri, "--version", "0"]
-    done = subprocess.run(argv + ["--no-record"], capture_output=True, text=True, check=False)
+    done = subprocess.run([*argv, "--no-record"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads(done.stdout[done.stdout.rindex("{\n") :])  # after any log lines
     dataset, held_out = validation_dataset(config)
     source = PromptSource(dataset, tokenizer_path=resolve_model_path("tiny-qwen2"))
     prompts = source.prompts[: config.eval.max_prompts]
     expected, _ = _expected_accuracy(Path(resolve_model_path("tiny-qwen2")), base_state, prompts)
-    assert held_out and 0 < expected < 1
+    assert held_out
+    assert 0 < expected < 1
     assert metrics["version"] == 0
     assert metrics["val/acc_greedy"] == expected
     assert read_eval_records(run) == before  # --no-record

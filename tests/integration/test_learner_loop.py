@@ -273,7 +273,9 @@ def test_learner_records_its_progress_after_each_step_and_skips_stale_segments(t
 def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     """While a step waits for more groups, the progress record moves to the reader's cursor
     (`waiting`): the groups the step already consumed and rejected are no longer the
-    generators' backlog, so flow control cannot pause them while the learner starves."""
+    generators' backlog, so flow control cannot pause them while the learner starves; and it
+    says how many of the step's groups are accepted already (`pending_accepted`), so flow
+    control does not admit a whole step's groups more at this version."""
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
     writer = StreamWriter(run, "gen0")
@@ -293,6 +295,11 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
         time.sleep(0.1)
     assert (progress.waiting, progress.step, progress.policy_version) == (True, 0, 0)
     assert progress.cursor == learner.stream.reader.cursor  # past all 10 groups, mid-step
+    accepted = learner.stream.collector.pending_accepted  # the collector waits: settled
+    while (progress := read_learner_progress(run)).pending_accepted != accepted:
+        assert time.monotonic() < deadline, f"{progress} does not say {accepted} accepted"
+        time.sleep(0.1)
+    assert 0 < accepted < 12
     assert step.is_alive()
     _write_segments(writer, [0, 0, 0, 0], rng)
     step.join(timeout=120)
@@ -300,6 +307,28 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     assert result["generators/paused_s_total"] == 7.5  # from the generators' records
     progress = read_learner_progress(run)
     assert (progress.waiting, progress.step, progress.accepted) == (False, 1, 12)
+    assert progress.pending_accepted == 0  # the step is done: none held for the next one
+
+
+def test_a_learner_training_on_a_full_batch_records_that_it_holds_it(tmp_path, topology):
+    """Between collecting a batch and finishing its step, the reader idles at the end of the
+    stream: its waiting record says the next step holds all B groups (`pending_accepted`), so
+    flow control admits nothing more for this version; the record after the step holds none."""
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    _write_segments(StreamWriter(run, "gen0"), [0, 0], np.random.default_rng(2))
+    config = _config(run_dir, 1, "algorithm.dynamic_sampling=false")
+    learner = Learner(config, run, topology)
+    batch, _ = learner.stream.next_batch()  # collected, not trained yet
+    deadline = time.monotonic() + 60
+    while not (progress := read_learner_progress(run)) or progress.pending_accepted != 4:
+        assert time.monotonic() < deadline, f"no record of the batch held: {progress}"
+        time.sleep(0.1)
+    assert (progress.waiting, progress.step, progress.cursor) == (True, 0, batch.cursor_after)
+    learner.stream.write_progress(batch)
+    progress = read_learner_progress(run)
+    assert (progress.waiting, progress.pending_accepted) == (False, 0)
+    learner.release()
 
 
 def _learner_process(run_dir, *args: str) -> subprocess.Popen[str]:

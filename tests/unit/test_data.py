@@ -233,7 +233,9 @@ def test_builtin_arithmetic_answers_are_right(tokenizer: Any, name: str) -> None
         assert "\\boxed{}" in row["prompt"][0]["content"]
     assert min(kinds.values()) > 0.2 * len(rows)
     # every prompt fits the tiny-cpu preset's data.max_prompt_len with the tiny tokenizer
-    source = PromptSource(DataConfig(path=f"builtin:{name}", max_prompt_len=96), tokenizer=tokenizer)
+    source = PromptSource(
+        DataConfig(path=f"builtin:{name}", max_prompt_len=96), tokenizer=tokenizer
+    )
     assert source.num_dropped_too_long == 0
 
 

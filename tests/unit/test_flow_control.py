@@ -3,6 +3,8 @@ read from a real stream and learner record (local folder and SeaweedFS)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,54 @@ def test_admission_capacity_by_hand(
         accept_rate=rate,
     )
     assert capacity == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("staleness", "publish_every", "steps_since", "pending", "rate", "expected"),
+    [
+        (0, 1, 0, 4, 0.8, 0.0),  # synchronous, the learner trains on its batch: nothing usable
+        (0, 1, 0, 3, 0.8, 1.25),  # one of 4 groups still to accept, 4 in 5 accepted
+        (0, 1, 0, 0, 0.8, 5.0),  # a step starts: B / a
+        (1, 2, 1, 1, 0.5, 22.0),  # (2 versions × 2 steps × 4 − 1 step × 4 − 1) / 0.5
+        (4, 1, 0, 4, 1.0, 16.0),  # asynchronous: 5 × 4 − 4
+    ],
+)
+def test_admission_capacity_leaves_out_what_the_learner_took_at_its_version(
+    staleness, publish_every, steps_since, pending, rate, expected
+):
+    capacity = admission_capacity(
+        max_staleness=staleness,
+        publish_every=publish_every,
+        batch_groups=4,
+        learner_version=3,
+        generator_version=3,
+        accept_rate=rate,
+        steps_since_publish=steps_since,
+        pending_accepted=pending,
+    )
+    assert capacity == pytest.approx(expected)
+
+
+def test_synchronous_gate_refuses_while_the_learner_trains_on_a_full_batch(
+    run_location: Location,
+):
+    """max_staleness=0: a waiting record at the end of the stream (the reader idles while the
+    step trains) no longer reads as a learner that needs a whole step's groups at its version;
+    they would all be stale once it publishes."""
+    learner = LearnerConfig(batch_groups=4, mini_batch_groups=4, max_staleness=0)
+    gate = FlowGate(run_location, learner, "gen0")
+    writer = StreamWriter(run_location, "gen0")
+    _commit(writer, np.random.default_rng(0), 5)  # record 0: the step's 5 groups
+    trains = _progress(5, 4, cursor=Cursor(seq=1), waiting=True, pending_accepted=4)
+    write_learner_progress(run_location, trains)
+    gate.refresh()
+    assert gate.backlog == 0
+    assert not gate.admits(generator_version=1, uncommitted=0)
+    one_short = replace(trains, pending_accepted=3)  # 3 of 4 accepted; a = 4/5: 1.25 groups
+    write_learner_progress(run_location, one_short)
+    gate.refresh()
+    assert gate.admits(generator_version=1, uncommitted=1)
+    assert not gate.admits(generator_version=1, uncommitted=2)
 
 
 def _progress(consumed_total: int, accepted_total: int, **kwargs) -> LearnerProgress:

@@ -120,6 +120,7 @@ def test_learner_progress_record_round_trips_and_is_replaced(run_location: Locat
         {"consumed": 3, "accepted": 3, "dropped_stale": 1},  # more filtered than consumed
         {"consumed": 4, "consumed_total": 3},  # a total below the step's count
         {"step": -1},
+        {"pending_accepted": -1},
     ],
 )
 def test_learner_progress_record_rejects_broken_counts(fields: dict[str, int]):
