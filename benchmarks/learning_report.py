@@ -1,0 +1,247 @@
+"""The learning study's report (`benchmarks.learning_study`): tables, goals and a figure from
+the finished cells in `benchmarks/learning/`.
+
+    .venv/bin/python -m benchmarks.learning_study --report
+
+A cell file (`<arm>-s<seed>.json`) holds its evaluations (`version` = step, `val/acc_greedy`,
+`val/avg@k` = sampled pass@1, `val/response_len_mean`), its learner records per step (`time`,
+`stream/*`) and `wall_s`, launch to the final step's record. `base-s<seed>.json` holds step 0,
+the base model, for that seed. Spreads are sample standard deviations over seeds (n − 1);
+"±" is left out with one seed. The table sits in `benchmarks/LEARNING.md` between
+`BEGIN_MARK` and `END_MARK` (rewritten whole); the figure is `benchmarks/learning.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LEARNING_MD = HERE / "LEARNING.md"
+FIGURE = HERE / "learning.png"
+BEGIN_MARK = "<!-- study results: written by benchmarks/learning_report.py -->"
+END_MARK = "<!-- end of study results -->"
+ARM_ORDER = ("grpo", "dr_grpo", "dapo", "vapo", "dapo_sync")
+ARM_LABELS = {
+    "grpo": "GRPO",
+    "dr_grpo": "Dr. GRPO",
+    "dapo": "DAPO",
+    "vapo": "VAPO",
+    "dapo_sync": "DAPO sync",
+}
+GREEDY, LENGTH = "val/acc_greedy", "val/response_len_mean"
+
+
+def pass_at_1(evaluation: dict[str, Any]) -> float:
+    return float(evaluation[f"val/avg@{evaluation['k']}"])
+
+
+def load_cells(cells_dir: Path) -> tuple[dict[str, list[dict]], dict[int, dict]]:
+    """(arm → its finished cells by seed, seed → the base model's evaluation)."""
+    arms: dict[str, list[dict]] = {}
+    bases: dict[int, dict] = {}
+    for path in sorted(cells_dir.glob("*.json")):
+        cell = json.loads(path.read_text())
+        if path.name.startswith("base-"):
+            bases[cell["seed"]] = cell["evaluations"][0]
+        else:
+            arms.setdefault(cell["arm"], []).append(cell)
+    for cells in arms.values():
+        cells.sort(key=lambda c: c["seed"])
+    return arms, bases
+
+
+def spread(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation; 0 for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def fmt(values: Sequence[float], digits: int = 3) -> str:
+    if not values:
+        return "—"
+    mean, std = spread(values)
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(values) > 1 else "")
+
+
+class Arm:
+    """One arm's finished cells, with the base evaluations of their seeds as step 0."""
+
+    def __init__(self, name: str, cells: list[dict], bases: dict[int, dict]) -> None:
+        self.name, self.label, self.cells = name, ARM_LABELS.get(name, name), cells
+        self.seeds = [c["seed"] for c in cells]
+        self.by_step: dict[int, list[dict]] = {}
+        for cell in cells:
+            evaluations = list(cell["evaluations"])
+            if cell["seed"] in bases:
+                evaluations.append({**bases[cell["seed"]], "version": 0})
+            for evaluation in evaluations:
+                self.by_step.setdefault(int(evaluation["version"]), []).append(
+                    {**evaluation, "elapsed_s": elapsed_s(cell, int(evaluation["version"]))}
+                )
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.by_step)
+
+    def values(self, step: int, metric: Callable[[dict], float]) -> list[float]:
+        return [metric(e) for e in self.by_step.get(step, [])]
+
+    def run_means(self, key: str) -> list[float]:
+        """Each cell's mean over its steps of learner metric `key` (the first step left out:
+        it includes starting vLLM and the model)."""
+        means = []
+        for cell in self.cells:
+            values = [s[key] for s in cell["steps"][1:] if key in s]
+            if values:
+                means.append(statistics.fmean(values))
+        return means
+
+
+def elapsed_s(cell: dict, step: int) -> float:
+    """Seconds from the cell's launch to its learner record of `step` (0 at step 0)."""
+    if step == 0:
+        return 0.0
+    records = {s["step"]: s for s in cell["steps"]}
+    started = cell["steps"][-1]["time"] - cell["wall_s"]
+    return records[step]["time"] - started
+
+
+def tables(arms: list[Arm]) -> list[str]:
+    steps = sorted({s for arm in arms for s in arm.steps})
+    lines = []
+    for title, metric in (
+        ("Held-out greedy accuracy", lambda e: float(e[GREEDY])),
+        ("Held-out sampled pass@1", pass_at_1),
+        ("Mean sampled response length (tokens)", lambda e: float(e[LENGTH])),
+    ):
+        lines += [f"**{title}** (mean ± std over seeds; step 0 is the base model)", ""]
+        lines += ["| arm | seeds | " + " | ".join(f"step {s}" for s in steps) + " |"]
+        lines += ["|---|---|" + "---|" * len(steps)]
+        digits = 1 if "length" in title else 3
+        for arm in arms:
+            cells = [fmt(arm.values(s, metric), digits) for s in steps]
+            lines.append(f"| {arm.label} | {len(arm.seeds)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["**Runs** (means over seeds of per-run means; the first step, which starts vLLM "
+              "and the model, is left out of the per-step figures)", ""]  # fmt: skip
+    lines += ["| arm | seeds | wall-clock to the last step (s) | s/step | consumed/step | "
+              "stale/step | zero-variance/step | resumed |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm in arms:
+        walls = [c["wall_s"] for c in arm.cells]
+        per_step = [
+            (c["steps"][-1]["time"] - c["steps"][0]["time"]) / max(len(c["steps"]) - 1, 1)
+            for c in arm.cells
+        ]
+        resumed = sum(bool(c["resumed"]) for c in arm.cells)
+        lines.append(
+            f"| {arm.label} | {len(arm.seeds)} | {fmt(walls, 0)} | {fmt(per_step, 1)} | "
+            f"{fmt(arm.run_means('stream/consumed'), 1)} | "
+            f"{fmt(arm.run_means('stream/dropped_stale'), 2)} | "
+            f"{fmt(arm.run_means('stream/dropped_zero_var'), 2)} | {resumed} |"
+        )
+    return [*lines, ""]
+
+
+def goals(arms: dict[str, Arm], bases: dict[int, dict], seeds_wanted: int = 3) -> list[str]:
+    """The issue's goals, each met / not met / open (too few seeds yet), with the numbers."""
+    lines = ["**Goals** (held-out accuracy at the last step; met or not met once "
+             f"{seeds_wanted} seeds are in, open before)", ""]  # fmt: skip
+
+    def verdict(ok: bool, seeds: int) -> str:
+        return ("met" if ok else "not met") if seeds >= seeds_wanted else "open"
+
+    for arm in arms.values():
+        last, verdicts, numbers = max(arm.steps), [], []
+        for name, metric in (("greedy", lambda e: float(e[GREEDY])), ("pass@1", pass_at_1)):
+            final, base = arm.values(last, metric), [metric(b) for b in bases.values()]
+            gain = spread(final)[0] - spread(base)[0]
+            noise = max(spread(final)[1], spread(base)[1])
+            verdicts.append(gain > noise)
+            numbers.append(f"{name} {fmt(final)} against base {fmt(base)} (gain {gain:+.3f}, "
+                           f"spread {noise:.3f})")  # fmt: skip
+        outcome = verdict(all(verdicts), len(arm.seeds))
+        lines.append(f"- {arm.label} above the base model by more than the seed spread, greedy "
+                     f"and pass@1: {outcome} — step {last}: {'; '.join(numbers)}")  # fmt: skip
+    if "dapo" in arms and "grpo" in arms:
+        dapo, grpo = arms["dapo"], arms["grpo"]
+        last = min(max(dapo.steps), max(grpo.steps))
+        d, g = (a.values(last, lambda e: float(e[GREEDY])) for a in (dapo, grpo))
+        seeds = min(len(d), len(g))
+        lines.append(f"- DAPO ≥ GRPO at step {last}: {verdict(spread(d)[0] >= spread(g)[0], seeds)}"
+                     f" — {fmt(d)} against {fmt(g)}")  # fmt: skip
+    if "dapo" in arms and "dapo_sync" in arms:
+        lines += sync_goal(arms["dapo"], arms["dapo_sync"], verdict)
+    return [*lines, ""]
+
+
+def sync_goal(asynchronous: Arm, synchronous: Arm, verdict: Callable) -> list[str]:
+    steps = [s for s in asynchronous.steps if s in synchronous.steps and s > 0]
+    worst = []
+    for step in steps:
+        a, s = (arm.values(step, lambda e: float(e[GREEDY])) for arm in (asynchronous, synchronous))
+        gap = abs(spread(a)[0] - spread(s)[0])
+        worst.append((gap - max(spread(a)[1], spread(s)[1]), step, gap))
+    same = all(excess <= 0 for excess, _, _ in worst)
+    seeds = min(len(asynchronous.seeds), len(synchronous.seeds))
+    wall_a = spread([c["wall_s"] for c in asynchronous.cells])[0]
+    wall_s = spread([c["wall_s"] for c in synchronous.cells])[0]
+    largest = max(worst)[1:] if worst else (0, 0.0)
+    return [
+        f"- Synchronous and asynchronous DAPO reach the same held-out accuracy per step within "
+        f"the seed spread: {verdict(same, seeds)} — largest gap {largest[1]:.3f} at step "
+        f"{largest[0]}",
+        f"- Asynchronous DAPO gets there sooner: {verdict(wall_a < wall_s, seeds)} — "
+        f"{wall_a:.0f} s against {wall_s:.0f} s to the last step (synchronous / asynchronous "
+        f"= {wall_s / wall_a:.2f})",
+    ]
+
+
+def render_figure(arms: list[Arm], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("greedy accuracy", lambda e: float(e[GREEDY])), ("sampled pass@1", pass_at_1))
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8), sharey="row")
+    for row, (name, metric) in enumerate(metrics):
+        for arm in arms:
+            steps = arm.steps
+            means = [spread(arm.values(s, metric))[0] for s in steps]
+            stds = [spread(arm.values(s, metric))[1] for s in steps]
+            minutes = [spread([e["elapsed_s"] for e in arm.by_step[s]])[0] / 60 for s in steps]
+            label = f"{arm.label} ({len(arm.seeds)} seed{'s' * (len(arm.seeds) > 1)})"
+            for column, xs in enumerate((steps, minutes)):
+                axes[row][column].errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=label)
+        axes[row][0].set_ylabel(f"held-out {name}")
+    axes[1][0].set_xlabel("learner step")
+    axes[1][1].set_xlabel("wall-clock from launch (minutes)")
+    axes[0][0].legend(fontsize=8)
+    figure.suptitle("SmolLM2-135M on builtin:arithmetic-test (facts never trained on)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def write_report(cells_dir: Path) -> None:
+    found, bases = load_cells(cells_dir)
+    arms = {name: Arm(name, found[name], bases) for name in ARM_ORDER if name in found}
+    if not arms:
+        print(f"report: no finished cell in {cells_dir} yet")
+        return
+    block = [BEGIN_MARK, "", *tables(list(arms.values())), *goals(arms, bases), END_MARK]
+    text = LEARNING_MD.read_text() if LEARNING_MD.exists() else f"{BEGIN_MARK}\n{END_MARK}\n"
+    if BEGIN_MARK not in text or END_MARK not in text:
+        raise SystemExit(f"{LEARNING_MD} lacks the study markers; put back {BEGIN_MARK!r} and "
+                         f"{END_MARK!r} where the results go")  # fmt: skip
+    before, rest = text.split(BEGIN_MARK, 1)
+    after = rest.split(END_MARK, 1)[1]
+    LEARNING_MD.write_text(before + "\n".join(block) + after)
+    render_figure(list(arms.values()), FIGURE)
+    print("\n".join(block[2:-1]))
+    print(f"report: {LEARNING_MD} and {FIGURE}")
