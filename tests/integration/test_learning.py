@@ -71,6 +71,8 @@ def test_rl_raises_the_reward_of_a_learnable_task(tmp_path, algorithm):
     assert last > first + 0.3, (first, last, acc)
 
 
+@pytest.mark.slow  # ~1 min; the default run has the deterministic checks (test_flow_control,
+# test_learner_loop's full-batch record)
 def test_synchronous_training_drops_no_group_as_stale(tmp_path):
     """max_staleness=0: flow control admits, for each version, what the learner trains on at
     that version; the learner's waiting records say how much of the step it already holds.
