@@ -80,16 +80,15 @@ def _row(source: str, index: int, question: str, answer: str, **extra: Any) -> d
     }
 
 
-def arithmetic_facts(op: str) -> list[tuple[int, int]]:
-    """Every unordered single-digit fact (a ≤ b, both 2–9) of `op` ("+" or "*"): 36 each."""
-    return [(a, b) for a in range(2, 10) for b in range(a, 10)] if op in "+*" else []
+# Every unordered pair of operands (a ≤ b, both 2–9): 36 facts per op.
+_OPERAND_PAIRS = tuple((a, b) for a in range(2, 10) for b in range(a, 10))
 
 
 def _held_out_facts() -> frozenset[tuple[str, int, int]]:
     """(op, min, max) of the facts only the test split asks: a fixed quarter of each op's."""
     rng = random.Random(ARITHMETIC_HELD_OUT_SEED)
     return frozenset(
-        (op, a, b) for op in "+*" for a, b in rng.sample(arithmetic_facts(op), HELD_OUT_PER_OP)
+        (op, a, b) for op in "+*" for a, b in rng.sample(_OPERAND_PAIRS, HELD_OUT_PER_OP)
     )
 
 
