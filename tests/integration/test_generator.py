@@ -228,6 +228,33 @@ def test_generator_writes_scored_groups_to_the_stream(config: RunConfig, run_loc
     assert scorer.stats.timeouts == scorer.stats.errors == 0
 
 
+def test_a_generator_held_back_commits_its_open_segment_at_once(
+    config: RunConfig, tmp_path, engine
+):
+    """Flow control admits what the learner can use — here 2 groups: synchronous, 2 per step,
+    no learner record yet. Once both are scored and nothing is in flight, the generator commits
+    them at once, though neither the segment's size nor its age is reached: the learner may be
+    waiting for exactly these groups."""
+    overrides = [
+        "learner.max_staleness=0",
+        "learner.batch_groups=2",
+        "learner.mini_batch_groups=2",
+        "generator.segment_groups=100000",
+        "generator.segment_seconds=100000",
+    ]
+    held_back = load_config(["dapo", "tiny-cpu"], overrides=overrides)
+    run = open_location(str(tmp_path / "run"))
+    loop, scorer = _loop(held_back, run, engine)
+    deadline = time.monotonic() + 60
+    with scorer:
+        while not (records := list(read_log(run))):
+            assert time.monotonic() < deadline, "the held-back generator committed nothing"
+            loop.step()
+    assert [r.num_groups for r in records] == [2]
+    assert loop._gate.paused
+    assert loop.writer.pending_groups == 0
+
+
 def test_hanging_and_raising_rewards_are_counted_and_the_loop_goes_on(
     config: RunConfig, tmp_path, engine, monkeypatch
 ):
@@ -328,8 +355,13 @@ def test_corrupt_weight_versions_are_skipped_at_start_and_when_polled(
 def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_path):
     run_dir = tmp_path / "run"
     run = open_location(str(run_dir))
-    # Nothing is flushed by size or age: only SIGTERM can write the segment.
-    overrides = ["generator.segment_groups=100000", "generator.segment_seconds=100000"]
+    # Nothing is flushed by size or age, nor for being held back by flow control: only SIGTERM
+    # can write the segment.
+    overrides = [
+        "generator.segment_groups=100000",
+        "generator.segment_seconds=100000",
+        "generator.flow_control=off",
+    ]
     create_run(run, load_config(["dapo", "tiny-cpu"], overrides=overrides).model_dump(mode="json"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrl", "generator", "--run", str(run_dir), "--index", "0"],
