@@ -86,6 +86,8 @@ def train(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) -> dict[
     if not resumed:
         started_file.write_text(json.dumps({"time": time.time()}))
     started = json.loads(started_file.read_text())["time"]
+    if resumed and (run_dir / "run.json").exists():
+        argv.insert(argv.index("run") + 1, "--resume")
     print(f"  $ {shlex.join(['streamrl', *argv[3:]])}", flush=True)
     log = run_dir.parent / f"{run_dir.name}.out"
     with log.open("a") as out:
