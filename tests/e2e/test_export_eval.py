@@ -282,6 +282,7 @@ def test_eval_reports_the_accuracy_transformers_gives(
         assert metrics["val/avg@2"] * 2 * 8 == round(metrics["val/avg@2"] * 2 * 8)
 
 
+@pytest.mark.slow  # a vLLM engine of its own (~25 s); benchmarks/learning_study.py uses the path
 def test_version_0_is_the_initial_weights(run: Location, config: RunConfig, base_state):
     """`streamrl eval --version 0` measures model.path itself, though the store holds no
     version 0. (A fresh interpreter: a second in-process vLLM engine would tear down the
