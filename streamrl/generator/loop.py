@@ -5,10 +5,9 @@ Produces: `ScoredGroup`s in the replay stream, one segment every `segment_groups
 `segment_seconds` seconds, whichever comes first, and at once when flow control holds the
 generator back with nothing in flight (the learner may be waiting for exactly those groups).
 Every group is a rollout of the configured environment (`generator.env`; single-turn by
-default), driven by `EpisodeDriver`. A group with
-a failed reward or environment call (raised or timed out) is left out or trained on with score
-0, per `generator.reward.on_error`; either way the failures are counted in the next commit
-record.
+default), driven by `EpisodeDriver`. A group with a failed reward or environment call (raised
+or timed out) is left out or trained on with score 0, per `generator.reward.on_error`; either
+way the failures are counted in the next commit record.
 Waits for: vLLM, and the learner only through flow control (`generator.flow_control`): a new
 prompt is admitted only while the learner can still train on it within `max_staleness`
 (`streamrl.generator.flow_control`); paused with nothing in flight, the loop sleeps and keeps
