@@ -144,6 +144,32 @@ def tables(arms: list[Arm]) -> list[str]:
             f"{fmt(arm.run_means('stream/dropped_stale'), 2)} | "
             f"{fmt(arm.run_means('stream/dropped_zero_var'), 2)} | {resumed} |"
         )
+    return [*lines, "", *critic_table(arms)]
+
+
+def critic_table(arms: list[Arm]) -> list[str]:
+    """The value model's pre-training and its explained variance (arms with a critic only)."""
+    critics = [arm for arm in arms if any(c.get("value_pretrain") for c in arm.cells)]
+    if not critics:
+        return []
+    lines = ["**Value model** (critic-only pre-training steps before step 1, and the critic's "
+             "explained variance of its targets on each batch before its update)", "",
+             "| arm | seeds | pre-training steps | pre-training (s) | explained variance: "
+             "first 5 pre-training steps | last 5 pre-training steps | last 8 steps |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    ev = "critic/explained_var"
+    for arm in critics:
+        cells = [c for c in arm.cells if c.get("value_pretrain")]
+        pre = [c["value_pretrain"] for c in cells]
+        launched = [c["steps"][-1]["time"] - c["wall_s"] for c in cells]
+        seconds = [p[-1]["time"] - t for p, t in zip(pre, launched, strict=True)]
+        first = [statistics.fmean(r[ev] for r in p[:5]) for p in pre]
+        last = [statistics.fmean(r[ev] for r in p[-5:]) for p in pre]
+        trained = [statistics.fmean(s[ev] for s in c["steps"][-8:] if ev in s) for c in cells]
+        lines.append(
+            f"| {arm.label} | {len(cells)} | {fmt([len(p) for p in pre], 0)} | "
+            f"{fmt(seconds, 0)} | {fmt(first)} | {fmt(last)} | {fmt(trained)} |"
+        )
     return [*lines, ""]
 
 

@@ -149,11 +149,16 @@ def learner_summary(run_dir: Path) -> dict[str, Any]:
     keep = ("step", "time", "policy_version", "perf/step_s", "perf/wait_s", "stream/consumed",
             "stream/accepted", "stream/dropped_stale", "stream/dropped_zero_var",
             "rollout/acc", "rollout/response_len_mean", "rollout/truncated_frac",
-            "generators/paused_s_total")  # fmt: skip
-    records = [
-        r for r in read_metrics(open_location(str(run_dir))) if "value_pretrain_step" not in r
-    ]
-    return {"steps": [{k: r[k] for k in keep if k in r} for r in records]}
+            "generators/paused_s_total", "critic/explained_var")  # fmt: skip
+    records = read_metrics(open_location(str(run_dir)))
+    pretrain = [r for r in records if "value_pretrain_step" in r]  # VAPO's critic-only steps
+    return {
+        "steps": [{k: r[k] for k in keep if k in r} for r in records if r not in pretrain],
+        "value_pretrain": [
+            {k: r[k] for k in ("value_pretrain_step", "time", "critic/explained_var")}
+            for r in pretrain
+        ],
+    }
 
 
 def run_cell(args: argparse.Namespace, arm: str, seed: int) -> None:

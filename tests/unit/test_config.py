@@ -55,6 +55,15 @@ def test_algorithm_and_size_presets_combine(algorithm: str, size: str) -> None:
     assert (config.model.critic is not None) == (algorithm == "vapo")
 
 
+@pytest.mark.parametrize("size", ["tiny-cpu", "smollm2-cpu"])
+def test_cpu_size_presets_scale_the_critic_rate_with_the_actor_rate(size: str) -> None:
+    """A size preset sets the actor's learning rate for its model, so it sets the critic's too,
+    at VAPO's ratio (critic = 2 × actor): the algorithm preset's 2e-6 is for 7B+ models."""
+    config = load_config(["vapo", size])
+    assert config.learner.critic_lr == pytest.approx(2 * config.learner.lr)
+    assert config.learner.lr > load_config(["vapo"]).learner.lr
+
+
 def test_paper_defaults_of_each_algorithm() -> None:
     """The preset table: clip ranges, dual clip, aggregation and extras per algorithm."""
     grpo = load_config(["grpo"]).algorithm
