@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS_DIR = ROOT / "benchmarks" / "learning"
@@ -91,11 +91,24 @@ def train(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) -> dict[
     print(f"  $ {shlex.join(['streamrl', *argv[3:]])}", flush=True)
     log = run_dir.parent / f"{run_dir.name}.out"
     with log.open("a") as out:
-        process = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if process.returncode != 0:
-        raise SystemExit(f"{cell_name(arm, seed)}: streamrl run exited {process.returncode}; "
+        code = run_child(argv, out)
+    if code != 0:
+        raise SystemExit(f"{cell_name(arm, seed)}: streamrl run exited {code}; "
                          f"see {log} and {run_dir}/logs/")  # fmt: skip
     return {"started": started, "resumed": resumed}
+
+
+def run_child(argv: list[str], log: IO[str]) -> int:
+    """Run `argv` with its output in `log`; its exit code. On Ctrl-C (which the child, in the
+    terminal's process group, receives too) wait for the child to stop its own processes and
+    leave its checkpoint rather than kill it, as `subprocess.run` would."""
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        print("  interrupted: waiting for it to stop (Ctrl-C again to stop waiting)", flush=True)
+        process.wait()
+        raise
 
 
 def evaluate_versions(
@@ -111,8 +124,7 @@ def evaluate_versions(
             "--eval-prompts", str(args.eval_prompts)]  # fmt: skip
     log = run_dir.parent / f"{run_dir.name}.eval.out"
     with log.open("w") as stream:
-        code = subprocess.run([*argv, "--out", str(out)], cwd=ROOT, stdout=stream,
-                              stderr=subprocess.STDOUT, check=False).returncode  # fmt: skip
+        code = run_child([*argv, "--out", str(out)], stream)
     if code != 0:
         raise SystemExit(f"evaluating {run_dir} exited {code}; see {log}")
     return json.loads(out.read_text())
