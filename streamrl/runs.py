@@ -153,6 +153,8 @@ def prepare_run(
     wanted = config.model_dump(mode="json")
     if resume:
         stored = _stored_config(run)
+        config = _unused_as_stored(config, stored)
+        wanted = config.model_dump(mode="json")
         trusted, wanted_trusted = _trusted_values(stored), _trusted_values(wanted)
         # Judged against what the run uses now: checked, so a file changed outside a resume
         # is refused too.
@@ -179,6 +181,17 @@ def prepare_run(
     else:
         create_run(run, wanted)
     return config, run
+
+
+def _unused_as_stored(config: RunConfig, stored: Mapping[str, Any]) -> RunConfig:
+    """`config` with the settings of a component neither it nor the stored run has taken from
+    `stored`: they change nothing that is learned, so a preset that changed them since (the
+    size presets' critic rate) must not block a resume. Today: `learner.critic_lr` without a
+    value model (`model.critic`)."""
+    if config.model.critic is not None or stored["model"].get("critic") is not None:
+        return config
+    learner = config.learner.model_copy(update={"critic_lr": stored["learner"]["critic_lr"]})
+    return config.model_copy(update={"learner": learner})
 
 
 def open_existing_run(

@@ -192,3 +192,16 @@ def test_a_run_stored_before_fields_were_added_resumes_with_their_defaults(tmp_p
     assert load_run_config(run) == config
     with pytest.raises(StorageError, match=r"learner\.batch_tokens: null → 4096"):
         prepare_run(_config(tmp_path, "learner.batch_tokens=4096"), resume=True)
+
+
+def test_a_critic_rate_changed_by_a_preset_blocks_no_resume_of_a_run_without_a_critic(tmp_path):
+    """The size presets now set `learner.critic_lr`; a DAPO run created before (2e-6 stored)
+    still resumes with the same command. A run with a value model is still refused."""
+    _, run = prepare_run(_config(tmp_path, "learner.critic_lr=2e-6"))
+    resumed, _ = prepare_run(_config(tmp_path), resume=True)  # the preset's 2e-4 now
+    assert resumed.learner.critic_lr == 2e-6
+    assert load_run_config(run).learner.critic_lr == 2e-6
+    vapo = [f"storage.run_uri={tmp_path / 'vapo'}"]
+    prepare_run(load_config(["vapo", "tiny-cpu"], overrides=[*vapo, "learner.critic_lr=2e-6"]))
+    with pytest.raises(StorageError, match=r"learner\.critic_lr: 2e-06 → 0\.0002"):
+        prepare_run(load_config(["vapo", "tiny-cpu"], overrides=vapo), resume=True)
