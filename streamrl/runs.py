@@ -147,8 +147,9 @@ def prepare_run(
     and clears the stop marker a finished or stopped life left behind. A field of
     `TRUSTED_FIELDS` may differ from the value the run uses now only with
     `allow_trusted_changes` (`--allow-trusted-changes`); otherwise `TrustedChangeError` names
-    the fields and the flag. Without `resume`, an existing run is refused: pass `resume=True`
-    or choose another `storage.run_uri`."""
+    the fields and the flag. A setting of a component neither the run nor `config` has stays
+    as the run has it (`_unused_as_stored`). Without `resume`, an existing run is refused: pass
+    `resume=True` or choose another `storage.run_uri`."""
     run = open_run_location(config)
     wanted = config.model_dump(mode="json")
     if resume:
