@@ -28,6 +28,8 @@ class GeneratorProgress:
     `committed_after` lists, ascending, the positions after it whose groups are committed
     (groups finish out of order). Written only after the commits it describes. `paused_s`:
     seconds flow control held this index back, over all its lives, as of its last commit.
+    `dataset`: the fingerprint of the prompts the positions refer to
+    (`streamrl.data.PromptSource.fingerprint`; empty in a record written before it was kept).
     """
 
     writer_id: str
@@ -36,6 +38,7 @@ class GeneratorProgress:
     committed_after: tuple[tuple[int, int], ...] = ()
     paused_s: float = 0.0
     updated_at: float = 0.0
+    dataset: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "next_prompt", tuple(self.next_prompt))

@@ -19,14 +19,18 @@ Iteration order, for N generators that must never duplicate work:
   `iterate(..., start=position)` resumes exactly there; `skip=` names positions after `start`
   to pass over (prompts already done: a generator's groups finish out of order). A position is
   meaningful only for the same dataset, shuffle_seed, max_prompt_len, tokenizer and num_shards.
+  The run's configuration pins the settings; `PromptSource.fingerprint` names the prompts
+  themselves (their ids, token ids and answers, in order), so a restart can tell that the file
+  or bundled set behind the same `data.path` changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +106,7 @@ class PromptSource:
         )
         self.num_rows = len(rows)
         self.prompts, self.num_dropped_too_long = self._prepare(rows, tokenizer)
+        self.fingerprint = fingerprint(self.prompts)
         log.info(
             "dataset %s: %d rows, %d prompts kept, %d dropped as longer than %d tokens",
             self.path,
@@ -222,6 +227,17 @@ class PromptSource:
                 "some would get none; use fewer generators (generator.count) or more prompts"
             )
         return PromptIterator(self, shard, num_shards, start or PromptPosition(), skip)
+
+
+def fingerprint(prompts: Sequence[Prompt]) -> str:
+    """What a prompt position refers to: the prompts' count and a digest of their ids, token ids
+    and answers, in order ("<n> prompts, sha256:<first 16 hex digits>")."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(
+            json.dumps([prompt.prompt_id, prompt.token_ids, prompt.ground_truth]).encode()
+        )
+    return f"{len(prompts)} prompts, sha256:{digest.hexdigest()[:16]}"
 
 
 class PromptIterator(Iterator[Prompt]):

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from storage.fs import Location
 from storage.progress import GeneratorProgress, read_progress, write_progress
-from streamrl.data import PromptIterator, PromptPosition, PromptSource
+from streamrl.data import DatasetError, PromptIterator, PromptPosition, PromptSource
 
 __all__ = ["PromptLedger", "resume_prompts"]
 
@@ -33,11 +33,26 @@ def resume_prompts(
 ) -> tuple[PromptIterator, GeneratorProgress]:
     """Count one more start of `writer_id` in the run and return its prompts, continuing after
     what its earlier lives committed (from `first_start` on its first start), with its
-    progress record (`starts` counts this start)."""
+    progress record (`starts` counts this start). A dataset whose prompts differ from those
+    its earlier lives walked is refused (`DatasetError`) before anything is written: their
+    positions would skip or repeat prompts."""
     previous = read_progress(run, writer_id)
     if previous is None:
         previous = GeneratorProgress(writer_id, next_prompt=(first_start.epoch, first_start.offset))
-    progress = replace(previous, starts=previous.starts + 1, updated_at=time.time())
+    elif previous.dataset and previous.dataset != source.fingerprint:
+        raise DatasetError(
+            f"generator {writer_id} of run {run.uri} walked the prompts of {source.path} as "
+            f"{previous.dataset}; they are now {source.fingerprint}, so its saved position "
+            "would skip or repeat prompts. Restore the dataset the run was started with (the "
+            "same file, or the streamrl version that bundled it), or start a new run "
+            "(another storage.run_uri)"
+        )
+    progress = replace(
+        previous,
+        starts=previous.starts + 1,
+        updated_at=time.time(),
+        dataset=source.fingerprint,
+    )
     write_progress(run, progress)
     prompts = source.iterate(
         shard,

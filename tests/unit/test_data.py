@@ -146,6 +146,25 @@ def test_prompts_longer_than_max_prompt_len_are_dropped_and_counted(
         )
 
 
+def test_the_fingerprint_names_the_kept_prompts_and_changes_with_any_of_them(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    rows = [{"prompt": "apples " * n, "answer": str(n)} for n in range(1, 41)]
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+
+    def fingerprint(rows: list[dict[str, Any]], **options: Any) -> str:
+        _write_jsonl(tmp_path / "long.jsonl", rows)
+        config = DataConfig(path=path, answer_field="answer", **options)
+        return PromptSource(config, tokenizer=tokenizer).fingerprint
+
+    first = fingerprint(rows)
+    assert first.startswith("40 prompts, sha256:")
+    assert fingerprint(rows) == first  # a restart on the same file
+    assert fingerprint([*rows[:-1], {**rows[-1], "answer": "41"}]) != first  # an answer
+    assert fingerprint([*rows[:-1], {**rows[-1], "prompt": "pears"}]) != first  # a prompt
+    assert not fingerprint(rows, max_prompt_len=30).startswith("40 prompts")  # fewer kept
+
+
 def _take(iterator: Any, count: int) -> list[str]:
     return [next(iterator).prompt_id for _ in range(count)]
 

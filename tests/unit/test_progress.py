@@ -3,6 +3,7 @@ are) and the learner's position after each step."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from storage.learner_progress import (
 )
 from storage.progress import GeneratorProgress, read_all_progress, read_progress, write_progress
 from storage.records import Cursor
-from streamrl.data import PromptPosition, PromptSource
+from streamrl.data import DatasetError, PromptPosition, PromptSource
 from streamrl.data.config import DataConfig
 from streamrl.generator.progress import PromptLedger, resume_prompts
 from streamrl.models.tiny import build_tokenizer
@@ -141,3 +142,39 @@ def test_paused_seconds_add_up_over_a_generators_lives(tmp_path, source):
     ledger.committed(paused_s=1.0)
     assert read_progress(run, "gen0").paused_s == 3.5
     assert [p.paused_s for p in read_all_progress(run)] == [3.5]
+
+
+def _jsonl_source(path, answers: list[str]) -> PromptSource:
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": a}) + "\n"
+                            for i, a in enumerate(answers)))  # fmt: skip
+    config = DataConfig(path=str(path), answer_field="answer")
+    return PromptSource(config, tokenizer=build_tokenizer())
+
+
+def test_a_restart_refuses_a_dataset_whose_prompts_changed_and_writes_nothing(tmp_path):
+    run, data = open_location(str(tmp_path / "run")), tmp_path / "data.jsonl"
+    prompts, ledger, _ = _start(run, _jsonl_source(data, ["1", "2", "3", "4"]))
+    _take(prompts, ledger, 2, 0)
+    ledger.collected("r0")
+    ledger.committed()
+    before = read_progress(run, "gen0")
+    assert before.dataset.startswith("4 prompts, sha256:")
+
+    changed = _jsonl_source(data, ["1", "2", "30", "4"])  # one answer edited in place
+    with pytest.raises(DatasetError, match=r"gen0 .* as 4 prompts, sha256:.*; they are now 4 "
+                                           r"prompts, sha256:.*start a new run"):  # fmt: skip
+        _start(run, changed)
+    assert read_progress(run, "gen0") == before  # not counted as a start, position kept
+
+    prompts, _, progress = _start(run, _jsonl_source(data, ["1", "2", "3", "4"]))  # restored
+    assert progress.starts == 2
+    assert prompts.position == PromptPosition(0, 1)
+
+
+def test_a_record_from_before_fingerprints_takes_the_datasets_on_its_next_start(tmp_path, source):
+    run = open_location(str(tmp_path / "run"))
+    write_progress(run, GeneratorProgress("gen0", starts=3, next_prompt=(0, 5)))
+    prompts, _, progress = _start(run, source)
+    assert progress.dataset == source.fingerprint == read_progress(run, "gen0").dataset
+    assert progress.starts == 4
+    assert prompts.position == PromptPosition(0, 5)
