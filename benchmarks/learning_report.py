@@ -100,14 +100,15 @@ class Arm:
     def values(self, step: int, metric: Callable[[dict], float]) -> list[float]:
         return [metric(e) for e in self.by_step.get(step, [])]
 
-    def run_means(self, key: str) -> list[float]:
-        """Each cell's mean over its steps of learner metric `key` (the first step left out:
-        it includes starting vLLM and the model)."""
+    def run_means(self, key: str, last: int | None = None) -> list[float]:
+        """Each cell's mean over its steps (its `last` steps) of learner metric `key`, for the
+        cells that recorded it (the first step left out: it includes starting vLLM and the
+        model)."""
         means = []
         for cell in self.cells:
             values = [s[key] for s in cell["steps"][1:] if key in s]
             if values:
-                means.append(statistics.fmean(values))
+                means.append(statistics.fmean(values[-last:] if last else values))
         return means
 
 
@@ -137,10 +138,12 @@ def tables(arms: list[Arm]) -> list[str]:
             lines.append(f"| {arm.label} | {len(arm.seeds)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["**Runs** (means over seeds of per-run means; the first step, which starts vLLM "
-              "and the model, is left out of the per-step figures)", ""]  # fmt: skip
+              "and the model, is left out of the per-step figures; staleness: versions between "
+              "a trained group's sampling policy and the learner's; entropy: the policy's mean "
+              "token entropy on its batch)", ""]  # fmt: skip
     lines += ["| arm | seeds | wall-clock to the last step (s) | s/step | consumed/step | "
-              "stale/step | zero-variance/step | resumed |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "stale/step | zero-variance/step | staleness | entropy, last 8 steps | resumed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm in arms:
         walls = [c["wall_s"] for c in arm.cells]
         per_step = [
@@ -152,9 +155,18 @@ def tables(arms: list[Arm]) -> list[str]:
             f"| {arm.label} | {len(arm.seeds)} | {fmt(walls, 0)} | {fmt(per_step, 1)} | "
             f"{fmt(arm.run_means('stream/consumed'), 1)} | "
             f"{fmt(arm.run_means('stream/dropped_stale'), 2)} | "
-            f"{fmt(arm.run_means('stream/dropped_zero_var'), 2)} | {resumed} |"
+            f"{fmt(arm.run_means('stream/dropped_zero_var'), 2)} | "
+            f"{recorded(arm, arm.run_means('stream/staleness_mean'))} | "
+            f"{recorded(arm, arm.run_means('actor/entropy', last=8))} | {resumed} |"
         )
     return [*lines, "", *critic_table(arms)]
+
+
+def recorded(arm: Arm, values: list[float]) -> str:
+    """`values` over the cells that recorded them, saying how many when not every cell did
+    (cells measured before the study kept a metric lack it)."""
+    some = f" ({len(values)} of {len(arm.cells)})" if 0 < len(values) < len(arm.cells) else ""
+    return fmt(values, 2) + some
 
 
 def critic_table(arms: list[Arm]) -> list[str]:

@@ -161,7 +161,8 @@ def learner_summary(run_dir: Path) -> dict[str, Any]:
     keep = ("step", "time", "policy_version", "perf/step_s", "perf/wait_s", "stream/consumed",
             "stream/accepted", "stream/dropped_stale", "stream/dropped_zero_var",
             "rollout/acc", "rollout/response_len_mean", "rollout/truncated_frac",
-            "generators/paused_s_total", "critic/explained_var")  # fmt: skip
+            "generators/paused_s_total", "critic/explained_var", "stream/staleness_mean",
+            "actor/entropy", "actor/ref_kl")  # fmt: skip
     records = read_metrics(open_location(str(run_dir)))
     pretrain = [r for r in records if "value_pretrain_step" in r]  # VAPO's critic-only steps
     return {

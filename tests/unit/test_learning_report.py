@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.learning_report import Arm, goals
+from benchmarks.learning_report import Arm, goals, recorded
 
 BASE = {"version": 0, "val/acc_greedy": 0.70, "val/avg@4": 0.22, "k": 4}
 
@@ -94,3 +94,12 @@ def test_sync_matches_async_only_when_every_step_and_metric_is_within_the_spread
     assert found[key].startswith(" not met")
     assert "pass@1, step 8" in found[key]
     assert found["Asynchronous DAPO gets there sooner"].startswith(" not met")
+
+
+def test_a_metric_only_some_cells_recorded_says_over_how_many() -> None:
+    grpo = arm("grpo", [{8: (0.9, 0.8)}, {8: (0.92, 0.82)}, {8: (0.91, 0.81)}])
+    assert recorded(grpo, grpo.run_means("actor/entropy", last=8)) == "—"
+    for step in grpo.cells[2]["steps"]:
+        step["actor/entropy"] = 2.0 - step["step"] / 10  # 1.9, 1.8, ... 1.2 at step 8
+    assert grpo.run_means("actor/entropy", last=2) == [pytest.approx(1.25)]
+    assert recorded(grpo, grpo.run_means("actor/entropy", last=2)) == "1.25 (1 of 3)"
