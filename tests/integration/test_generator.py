@@ -7,6 +7,7 @@ runs a whole `streamrl generator` process.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -372,11 +373,14 @@ def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_
         text=True,
     )
     assert proc.stdout is not None
+    # Wait for the generator's first throughput line (30 s in) that counts a finished group:
+    # a fixed sleep can end before any group on a loaded machine, and then there is nothing
+    # to flush.
     for line in proc.stdout:
-        if "gen0 generating:" in line:
+        finished = re.search(r"gen0: ([0-9.]+) groups/s", line)
+        if finished and float(finished.group(1)) > 0:
             break
-    time.sleep(5.0)  # some groups finish and are scored, none is written yet
-    assert list(read_log(run)) == []
+    assert list(read_log(run)) == []  # scored groups, none written yet
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
