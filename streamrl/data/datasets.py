@@ -26,6 +26,7 @@ Iteration order, for N generators that must never duplicate work:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -106,7 +107,6 @@ class PromptSource:
         )
         self.num_rows = len(rows)
         self.prompts, self.num_dropped_too_long = self._prepare(rows, tokenizer)
-        self.fingerprint = fingerprint(self.prompts)
         log.info(
             "dataset %s: %d rows, %d prompts kept, %d dropped as longer than %d tokens",
             self.path,
@@ -118,6 +118,11 @@ class PromptSource:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The kept prompts' `fingerprint`, computed once when a generator first asks."""
+        return fingerprint(self.prompts)
 
     def _field(self, row: Mapping[str, Any], index: int, path: str, option: str) -> Any:
         try:
