@@ -1,5 +1,6 @@
 """Shared fixtures: a real S3 server (SeaweedFS on 127.0.0.1) and run locations on both backends;
-each test module leaves the process environment as it found it."""
+each test module leaves the process environment as it found it and torch.distributed
+uninitialised."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
@@ -22,6 +24,21 @@ def _environment_restored() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """Fail a module that leaves torch.distributed initialised. A later module's `Topology`
+    would adopt that group, and an unclosed in-process vLLM engine destroys the default group
+    whenever the garbage collector gets to it — in the middle of some later test."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # so that the modules after this one start clean
+        pytest.fail(
+            "torch.distributed is still initialised after this module: close every Engine "
+            "(`with Engine(...)` or `engine.close()`) and exit every Topology it started",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -84,8 +84,9 @@ class Evaluator:
     """One run's validation prompts, reward scorer and vLLM engine, to evaluate versions with.
 
     Use as a context manager (the scorer's worker processes start on entry). `engine`, when
-    given, must sample with `evaluation_sampling(config, k, temperature)`; by default one is
-    built from model.path. Building fails fast, before vLLM starts, on a bad dataset or reward.
+    given, must sample with `evaluation_sampling(config, k, temperature)` and stays open on
+    exit; by default one is built from model.path and closed on exit. Building fails fast,
+    before vLLM starts, on a bad dataset or reward.
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class Evaluator:
         check_reward_name(config.generator.reward.fn)  # user code runs in the workers only
         source = PromptSource(self.dataset, tokenizer_path=config.model.tokenizer or model_path)
         self.prompts = source.prompts[: max_prompts or config.eval.max_prompts]
+        self._owns_engine = engine is None  # closed on exit; a caller's engine is theirs
         if engine is None:
             engine = Engine(
                 model_path,
@@ -132,7 +134,11 @@ class Evaluator:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._scorer.__exit__(kind, exc, tb)
+        try:
+            self._scorer.__exit__(kind, exc, tb)
+        finally:
+            if self._owns_engine:
+                self.engine.close()
 
     @property
     def k(self) -> int:

@@ -305,6 +305,23 @@ class Engine:
             done.update((g.request_id, g) for g in self.step())
         return [done[i] for i in ids]
 
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut vLLM's engine down now (idempotent): its workers, its KV cache and the
+        torch.distributed group its core process joined. Left to the garbage collector instead,
+        an in-process core (the CPU default) is shut down whenever its client is collected,
+        and its shutdown destroys the process's default group, whoever initialised that by
+        then."""
+        self._in_flight.clear()
+        self._engine.engine_core.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -- weights -----------------------------------------------------------------------------
 
     def advance_weights(

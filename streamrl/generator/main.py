@@ -97,7 +97,9 @@ def _build(
         if policy_version:  # a version that does not exist fails before vLLM starts
             WeightStore(run).read_manifest(policy_version)
         seed = generator_seed(cfg.seed, index, progress.starts)
-        engine = Engine(model_path, config.model, cfg, seed=seed, adapter=config.served_adapter)
+        engine = stack.enter_context(
+            Engine(model_path, config.model, cfg, seed=seed, adapter=config.served_adapter)
+        )
         weights, seconds = Advance(None), 0.0
         if policy_version != 0:
             weight_source = WeightSource.of(run, config.weights)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,9 @@ def exported(run: Location, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(config: RunConfig, exported: Path) -> Engine:
-    return Engine(str(exported), config.model, evaluation_sampling(config), seed=0)
+def engine(config: RunConfig, exported: Path) -> Iterator[Engine]:
+    with Engine(str(exported), config.model, evaluation_sampling(config), seed=0) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,16 @@ def test_each_group_has_the_size_the_lengths_before_it_give(tmp_path) -> None:
             f"generator.adaptive_group.ema={EMA}",
         ],
     )
-    engine = Engine(resolve_model_path("tiny-qwen2"), config.model, config.generator, seed=0)
     run = open_location(str(tmp_path / "run"))
-    loop, scorer = _loop(config, run, engine)
-    with scorer:
-        _run_until(loop, groups=8)
+    model = resolve_model_path("tiny-qwen2")
+    with Engine(model, config.model, config.generator, seed=0) as engine:
+        loop, scorer = _loop(config, run, engine)
+        with scorer:
+            _run_until(loop, groups=8)
+        # Request seeds are spaced G_max apart: a request for more samples would overlap the
+        # next.
+        with pytest.raises(ValueError, match="spaces request seeds"):
+            engine.submit([5, 6, 7], n=MAX_SIZE + 1)
     assert loop.stats.dropped_groups == 0
     committed = sum(r.num_groups for r in read_log(run))
     groups = [
@@ -58,6 +63,3 @@ def test_each_group_has_the_size_the_lengths_before_it_give(tmp_path) -> None:
     assert len(sizes) >= 2
     assert max(sizes) > BASE  # requests of more than generator.group_size samples
     assert loop.episodes.group_sizes.mean_length == ell
-    # Request seeds are spaced G_max apart: a request for more samples would overlap the next.
-    with pytest.raises(ValueError, match="spaces request seeds"):
-        engine.submit([5, 6, 7], n=MAX_SIZE + 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -47,9 +47,11 @@ def _config(flow_control: str, *overrides: str) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
+def engine() -> Iterator[Engine]:
     config = _config("staleness")
-    return Engine(resolve_model_path(config.model.path), config.model, config.generator, seed=0)
+    path = resolve_model_path(config.model.path)
+    with Engine(path, config.model, config.generator, seed=0) as engine:
+        yield engine
 
 
 def _run(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +51,9 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(config: RunConfig, model_path: str) -> Engine:
-    return Engine(model_path, config.model, config.generator, seed=0)
+def engine(config: RunConfig, model_path: str) -> Iterator[Engine]:
+    with Engine(model_path, config.model, config.generator, seed=0) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

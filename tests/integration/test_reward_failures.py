@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +63,10 @@ def _config(on_error: str, reward: str = RAISES_ON_ODD, *overrides: str) -> RunC
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
+def engine() -> Iterator[Engine]:
     config = _config("drop_group")
-    return Engine(resolve_model_path("tiny-qwen2"), config.model, config.generator, seed=0)
+    with Engine(resolve_model_path("tiny-qwen2"), config.model, config.generator, seed=0) as engine:
+        yield engine
 
 
 def _generate(
