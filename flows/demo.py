@@ -8,7 +8,8 @@ The terminal shows a short header (the run, where its logs are, the placement pl
 line per learner step and streamrl's warnings. Everything else — Prefect's server and engine
 messages, vLLM's and torch's start-up output — goes to `<run>/logs/demo.log` (each process's
 own output to `<run>/logs/<process>.log`). Ctrl-C stops every process of the run; the last
-checkpoint stays intact and the terminal says how to resume.
+checkpoint stays intact and the terminal says how to resume. (The flow runs in a child process
+of a session of its own, which the command passes Ctrl-C to: `_flow_in_a_session_of_its_own`.)
 """
 
 from __future__ import annotations
@@ -17,24 +18,53 @@ import argparse
 import logging
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import IO
 
-from flows.run import streamrl_run
-from storage.fs import open_location
-from streamrl.config_base import ConfigError
-from streamrl.config_loading import parse_overrides
-from streamrl.launch import format_summary, run_summary
-
 DEFAULT_STEPS = 16
 FLOWS = str(Path(__file__).resolve().parent)
+_FLOW_PROCESS = "STREAMRL_DEMO_FLOW_PROCESS"  # set in the process that runs the flow
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.resume and not args.run_uri:
+        parser.error("--resume needs --run-uri (the run to resume)")
+    if os.environ.get(_FLOW_PROCESS) != "1":
+        if not args.run_uri:  # chosen once, here: the child's clock may have moved on
+            argv = ["--run-uri", time.strftime("./runs/demo-%Y%m%d-%H%M%S"), *argv]
+        return _flow_in_a_session_of_its_own(argv)
+    import flows.run  # noqa: F401  (Prefect configures its logging on import: before the split)
+    from streamrl.config_base import ConfigError
+    from streamrl.config_loading import parse_overrides
+
+    try:  # before they become a flow run's parameters: a credential never gets that far
+        parse_overrides(args.overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    logs = Path(args.run_uri) / "logs"
+    terminal = _terminal_only_for_the_flow(logs / "demo.log")
+    env = f", environment {args.env}" if args.env else ""
+    env += ", LoRA adapters" if args.lora else ""
+    print(f"streamrl demo: DAPO, {args.size}{env}, {args.steps} steps, {args.generators} "
+          f"generator(s)\n  run:  {args.run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
+    try:
+        return _run(args, terminal)
+    except Exception as exc:  # its traceback is in demo.log; the terminal gets the reason
+        logging.getLogger(__name__).exception("the demo failed")
+        print(f"demo failed: {exc}\n(details in {logs}/demo.log)", file=terminal)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
     raw = argparse.RawTextHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser = argparse.ArgumentParser(prog="flows.demo", description=__doc__, formatter_class=raw)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="learner steps")
     parser.add_argument("--run-uri", default=None, help="default: ./runs/demo-<time>")
     parser.add_argument("--resume", action="store_true", help="resume the run at --run-uri")
@@ -47,29 +77,40 @@ def main(argv: list[str] | None = None) -> int:
         "--lora", action="store_true", help="train LoRA adapters on the frozen base (preset lora)"
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    if args.resume and not args.run_uri:
-        parser.error("--resume needs --run-uri (the run to resume)")
-    try:  # before they become a flow run's parameters: a credential never gets that far
-        parse_overrides(args.overrides)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    run_uri = args.run_uri or time.strftime("./runs/demo-%Y%m%d-%H%M%S")
-    logs = Path(run_uri) / "logs"
-    terminal = _terminal_only_for_the_flow(logs / "demo.log")
-    env = f", environment {args.env}" if args.env else ""
-    env += ", LoRA adapters" if args.lora else ""
-    print(f"streamrl demo: DAPO, {args.size}{env}, {args.steps} steps, {args.generators} "
-          f"generator(s)\n  run:  {run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
-    try:
-        return _run(args, run_uri, terminal)
-    except Exception as exc:  # its traceback is in demo.log; the terminal gets the reason
-        logging.getLogger(__name__).exception("the demo failed")
-        print(f"demo failed: {exc}\n(details in {logs}/demo.log)", file=terminal)
-        return 1
+    return parser
 
 
-def _run(args: argparse.Namespace, run_uri: str, terminal: IO[str]) -> int:
+def _flow_in_a_session_of_its_own(argv: list[str]) -> int:
+    """Run the demo in a child process of a session of its own, pass it the terminal's Ctrl-C
+    (and a closed terminal's hang-up, or SIGTERM, as one) and return its exit code.
+
+    A terminal sends Ctrl-C to every process of its foreground process group. Prefect's
+    temporary server, started by the flow's process, would be one of them and stop at once,
+    while the flow still has to stop the run's components and report its end to that server;
+    it would then wait for a server that is gone. In the child's session the server is stopped
+    only by the flow, at its end (and the components, each in a session of its own, only by
+    the flow's supervisor)."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flows.demo", *argv],
+        env={**os.environ, _FLOW_PROCESS: "1"},
+        start_new_session=True,
+    )
+
+    def forward(signum: int, frame: object) -> None:
+        child.send_signal(signal.SIGINT)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    code = child.wait()
+    return code if code >= 0 else 128 - code  # a child killed by signal N: 128 + N, as a shell
+
+
+def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
+    from flows.run import streamrl_run
+    from storage.fs import open_location
+    from streamrl.launch import format_summary, run_summary
+
+    run_uri = args.run_uri
     try:
         state = streamrl_run(
             preset="dapo",

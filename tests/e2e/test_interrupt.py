@@ -1,11 +1,14 @@
-"""Stopping a run from outside: SIGTERM to `streamrl run`, Ctrl-C (SIGINT) to `make demo`'s
-flow (whose terminal shows a short header, then step lines). Every process of the run ends (the
-generator flushes, the learner stops with its last checkpoint intact), nothing is left running,
-and the terminal says how to resume."""
+"""Stopping a run from outside: SIGTERM to `streamrl run`, Ctrl-C (SIGINT) to the demo's command
+(whose terminal shows a short header, then step lines) and a terminal's Ctrl-C to `make demo`
+(SIGINT to the whole foreground process group). Every process of the run ends (the generator
+flushes, the learner stops with its last checkpoint intact), nothing is left running, and the
+terminal says how to resume."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,26 +35,51 @@ TINY = [
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _processes_of(run_dir: Path) -> list[str]:
-    """Command lines of the live processes that name `run_dir` (the run's components)."""
+def _live_processes() -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command line) of every live process but this one."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if str(run_dir) in argv and state != "Z":
-            found.append(f"{entry.name}: {argv}")
+        if state != "Z":
+            found.append((int(entry.name), int(parent), argv))
     return found
 
 
-def _interrupt_after_a_checkpoint(argv: list[str], run_dir: Path, sig: int) -> tuple[int, str]:
-    """Start `argv`, wait for the run's first committed checkpoint, send `sig` to the
-    supervisor alone (as a terminal's Ctrl-C reaches only it: each component runs in a session
-    of its own), and return its exit code and output."""
+def _processes_of(run_dir: Path) -> list[str]:
+    """Command lines of the live processes that name `run_dir` (the run's components)."""
+    return [f"{pid}: {argv}" for pid, _, argv in _live_processes() if str(run_dir) in argv]
+
+
+def _descendants(root: int) -> set[int]:
+    """The live processes started by `root`, by the processes it started, and so on."""
+    children: dict[int, list[int]] = {}
+    for pid, parent, _ in _live_processes():
+        children.setdefault(parent, []).append(pid)
+    found, frontier = set(), [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.add(child)
+            frontier.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> list[str]:
+    return [f"{pid}: {argv}" for pid, _, argv in _live_processes() if pid in pids]
+
+
+def _interrupt_after_a_checkpoint(
+    argv: list[str], run_dir: Path, sig: int, *, whole_group: bool = False
+) -> tuple[int, str]:
+    """Start `argv`, wait for the run's first committed checkpoint, send `sig` and return the
+    exit code and output, once every process `argv` had started by then has ended.
+    `whole_group`: to every process of `argv`'s process group at once, as a terminal's Ctrl-C
+    does; otherwise to `argv`'s process alone."""
     process = subprocess.Popen(
         argv,
         cwd=ROOT,
@@ -59,6 +87,7 @@ def _interrupt_after_a_checkpoint(argv: list[str], run_dir: Path, sig: int) -> t
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=whole_group,  # its own group, standing for the terminal's
     )
     try:
         run = open_location(str(run_dir))
@@ -68,10 +97,21 @@ def _interrupt_after_a_checkpoint(argv: list[str], run_dir: Path, sig: int) -> t
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(1)
         assert _processes_of(run_dir), "the run's components should be running"
-        process.send_signal(sig)
+        started = _descendants(process.pid)  # Prefect's server among them
+        if whole_group:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
         output, _ = process.communicate(timeout=200)
+        deadline = time.monotonic() + 10
+        while (left := _alive(started)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, left
     finally:
-        if process.poll() is None:
+        if process.poll() is None:  # no run left behind by a failed test
+            for pid in _descendants(process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.kill()
     return process.returncode, output
 
@@ -114,4 +154,19 @@ def test_ctrl_c_to_the_demo_stops_every_process_and_says_how_to_resume(tmp_path)
     assert first_step <= 15, output
     assert "Starting temporary server" in (run_dir / "logs" / "demo.log").read_text()
     assert not [line for line in lines if "| INFO" in line or "Traceback" in line], output
+    _assert_stopped_cleanly(run_dir)
+
+
+def test_ctrl_c_in_the_terminal_of_make_demo_stops_every_process_and_says_how_to_resume(tmp_path):
+    """A terminal's Ctrl-C reaches make and the demo's command at once. Were Prefect's
+    temporary server in their group, it would stop at once and the flow hang reporting the
+    run's end to it; the flow and its server run in a session of their own, which the command
+    passes the Ctrl-C on to. Every process ends and the terminal tells how to resume."""
+    run_dir = tmp_path / "demo"
+    demo_args = shlex.join(["--size", "tiny-cpu", "--run-uri", str(run_dir), *TINY])
+    argv = ["make", "--no-print-directory", "demo", "STEPS=500", f"DEMO_ARGS={demo_args}"]
+    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT, whole_group=True)
+    assert code == -signal.SIGINT, output  # make dies of the signal, after its child ended
+    assert f"flows.demo --resume --run-uri {run_dir}" in output
+    assert "Traceback" not in output
     _assert_stopped_cleanly(run_dir)
