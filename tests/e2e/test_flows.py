@@ -61,14 +61,22 @@ async def _flow_run_artifacts(flow_run_id) -> list:
         )
 
 
-async def _logs(flow_run_id) -> str:
+def _logs(flow_run_id) -> str:
+    """The flow run's log messages as the API has them, once this process has sent it every
+    one (Prefect sends log records in batches, in the background: the last ones may not be
+    there when the flow returns)."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
 
-    async with get_client() as client:
-        logs = await client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-        )
-    return "\n".join(log.message for log in logs)
+    APILogHandler().flush()  # blocks until every record queued in this process is sent
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+            )
+
+    return "\n".join(log.message for log in asyncio.run(read()))
 
 
 def test_deployment_of_the_streamrl_flow_completes_with_artifacts(prefect_server, tmp_path):
@@ -172,6 +180,6 @@ def test_a_generator_that_always_fails_fails_the_flow_run_with_its_reason(prefec
 
     state = streamrl_run(**kwargs, return_state=True)
     assert state.is_failed()
-    logs = asyncio.run(_logs(state.state_details.flow_run_id))
+    logs = _logs(state.state_details.flow_run_id)
     assert "gen0 failed for good" in str(state.message) + logs
     assert "no_such_module" in logs
