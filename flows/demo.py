@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.run_uri:  # chosen once, here: the child's clock may have moved on
             argv = ["--run-uri", time.strftime("./runs/demo-%Y%m%d-%H%M%S"), *argv]
         return _flow_in_a_session_of_its_own(argv)
+    # The command passes Ctrl-C on as SIGINT: stop on it even if this process was started with
+    # SIGINT ignored, as a shell starts a command in the background.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import flows.run  # noqa: F401  (Prefect configures its logging on import: before the split)
     from streamrl.config_base import ConfigError
     from streamrl.config_loading import parse_overrides

@@ -73,13 +73,23 @@ def _alive(pids: set[int]) -> list[str]:
     return [f"{pid}: {argv}" for pid, _, argv in _live_processes() if pid in pids]
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _interrupt_after_a_checkpoint(
-    argv: list[str], run_dir: Path, sig: int, *, whole_group: bool = False
+    argv: list[str],
+    run_dir: Path,
+    sig: int,
+    *,
+    whole_group: bool = False,
+    sigint_ignored: bool = False,
 ) -> tuple[int, str]:
     """Start `argv`, wait for the run's first committed checkpoint, send `sig` and return the
     exit code and output, once every process `argv` had started by then has ended.
     `whole_group`: to every process of `argv`'s process group at once, as a terminal's Ctrl-C
-    does; otherwise to `argv`'s process alone."""
+    does; otherwise to `argv`'s process alone. `sigint_ignored`: `argv` starts with SIGINT
+    ignored, as a shell starts a command in the background."""
     process = subprocess.Popen(
         argv,
         cwd=ROOT,
@@ -88,6 +98,7 @@ def _interrupt_after_a_checkpoint(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=whole_group,  # its own group, standing for the terminal's
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
     )
     try:
         run = open_location(str(run_dir))
@@ -169,4 +180,16 @@ def test_ctrl_c_in_the_terminal_of_make_demo_stops_every_process_and_says_how_to
     assert code == -signal.SIGINT, output  # make dies of the signal, after its child ended
     assert f"flows.demo --resume --run-uri {run_dir}" in output
     assert "Traceback" not in output
+    _assert_stopped_cleanly(run_dir)
+
+
+def test_sigterm_to_the_demo_started_in_the_background_stops_every_process(tmp_path):
+    """`make demo &` in a script, then `kill`: the command, started with SIGINT ignored, passes
+    SIGTERM on to its flow as Ctrl-C, and the flow stops on it all the same."""
+    run_dir = tmp_path / "demo"
+    argv = [sys.executable, "-m", "flows.demo", "--size", "tiny-cpu", "--run-uri", str(run_dir),
+            *TINY]  # fmt: skip
+    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGTERM, sigint_ignored=True)
+    assert code == 130, output
+    assert f"flows.demo --resume --run-uri {run_dir}" in output
     _assert_stopped_cleanly(run_dir)
