@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from storage.checkpoints import CheckpointStore
@@ -35,42 +36,30 @@ TINY = [
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _live_processes() -> list[tuple[int, int, str]]:
-    """(pid, parent pid, command line) of every live process but this one."""
+def _processes_of(run_dir: Path) -> list[str]:
+    """Command lines of the live processes that name `run_dir` (the run's components)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z":
-            found.append((int(entry.name), int(parent), argv))
+        if str(run_dir) in argv and state != "Z":
+            found.append(f"{entry.name}: {argv}")
     return found
 
 
-def _processes_of(run_dir: Path) -> list[str]:
-    """Command lines of the live processes that name `run_dir` (the run's components)."""
-    return [f"{pid}: {argv}" for pid, _, argv in _live_processes() if str(run_dir) in argv]
-
-
-def _descendants(root: int) -> set[int]:
-    """The live processes started by `root`, by the processes it started, and so on."""
-    children: dict[int, list[int]] = {}
-    for pid, parent, _ in _live_processes():
-        children.setdefault(parent, []).append(pid)
-    found, frontier = set(), [root]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            found.add(child)
-            frontier.append(child)
-    return found
-
-
-def _alive(pids: set[int]) -> list[str]:
-    return [f"{pid}: {argv}" for pid, _, argv in _live_processes() if pid in pids]
+def _alive(processes: list[psutil.Process]) -> list[str]:
+    """Those of `processes` still running (a zombie is not), by pid and command line."""
+    alive = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{process.pid}: {' '.join(process.cmdline())}")
+    return alive
 
 
 def _ignore_sigint() -> None:
@@ -108,7 +97,7 @@ def _interrupt_after_a_checkpoint(
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(1)
         assert _processes_of(run_dir), "the run's components should be running"
-        started = _descendants(process.pid)  # Prefect's server among them
+        started = psutil.Process(process.pid).children(recursive=True)  # Prefect's server too
         if whole_group:
             os.killpg(process.pid, sig)
         else:
@@ -120,9 +109,9 @@ def _interrupt_after_a_checkpoint(
         assert not left, left
     finally:
         if process.poll() is None:  # no run left behind by a failed test
-            for pid in _descendants(process.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            for child in psutil.Process(process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             process.kill()
     return process.returncode, output
 
