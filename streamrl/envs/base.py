@@ -36,9 +36,16 @@ space limit of `memory_mb`, with `call_timeout_s` per reset or step call and
 `episode_timeout_s` for all of an episode's calls together. A call that raises, hangs, crashes
 its worker or returns something malformed ends its episode (finish reason `env_error` or
 `timeout`, counted) and scores 0; it never stops the generator (a tool that raises is not
-such a failure: a `ToolEnvironment` answers it as an error message). Each observation message is
-cut to `observation_max_chars`. An episode still running after `max_turns` model turns, or
-when it reaches `max_episode_tokens` tokens, ends there and is scored as it stands.
+such a failure: a `ToolEnvironment` answers it as an error message). A step's observation is
+at most `MAX_OBSERVATION_MESSAGES` messages (more is a malformed answer) whose contents are cut
+to `observation_max_chars` characters in all (shared among them, each saying what was cut),
+and, rendered as tokens by the generator, to `observation_max_tokens`. The state and messages
+must nest at most `streamrl.envs.limits.MAX_JSON_DEPTH` deep, and the state be at most
+`streamrl.envs.worker.MAX_STATE_JSON_CHARS` characters as JSON. An episode still running after
+`max_turns` model turns, or when it reaches `max_episode_tokens` tokens, ends there and is
+scored as it stands. The model's turn is the policy's text, which can be anything: an
+environment reads it in time linear in its length and answers what it cannot read with an
+observation, so a degenerate policy costs only its own episode.
 
 A user's environment lives at module level in an importable module and is named by import
 path, `generator.env.fn = "my_pkg.envs:MyEnv"`; the class is constructed once per worker with
@@ -55,7 +62,20 @@ if TYPE_CHECKING:
     from streamrl.envs.formats import ToolFormat
     from streamrl.rewards.registry import RewardFn
 
-__all__ = ["EnvContext", "Environment", "Message", "Reset", "SingleTurnEnv", "Step", "Task"]
+__all__ = [
+    "MAX_OBSERVATION_MESSAGES",
+    "EnvContext",
+    "Environment",
+    "Message",
+    "Reset",
+    "SingleTurnEnv",
+    "Step",
+    "Task",
+]
+
+MAX_OBSERVATION_MESSAGES = 64
+"""Most messages one step may answer with; each is rendered and tokenised by the generator, and
+a turn is answered in one or a few (a tool environment: one per call it ran)."""
 
 Message = dict[str, Any]
 """A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str}; a tool's
@@ -107,8 +127,9 @@ class EnvContext:
 
     `reward`: the configured reward function (`generator.reward.fn`), `reward_fn` its name;
     `tool_format`: how tool calls are written and answered (`streamrl.envs.formats`);
-    `observation_max_chars`, `call_timeout_s`, `memory_mb`: the `generator.env` limits, for an
-    environment that must stay inside them (a tool's subprocess).
+    `observation_max_chars` (a step's whole observation), `call_timeout_s`, `memory_mb`: the
+    `generator.env` limits, for an environment that must stay inside them (a tool's
+    subprocess).
     """
 
     reward: RewardFn

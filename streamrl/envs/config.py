@@ -82,9 +82,18 @@ class EnvConfig(Section):
         4000,
         ge=16,
         le=10**8,
-        description="Longest observation text (a tool's result, an environment's message) in "
-        "characters; longer ones are cut, saying so. The generator also enforces "
-        "max_episode_tokens.",
+        description="Most characters of one step's whole observation (every tool result and "
+        "message answering one model turn, together); they share it, the short ones whole and "
+        "the long ones cut evenly, saying so.",
+    )
+    observation_max_tokens: int | None = Field(
+        2048,
+        ge=16,
+        le=MAX_SEQUENCE_TOKENS,
+        description="Most tokens of one step's observation as the chat template renders it "
+        "(with the template's own tokens); the generator cuts its messages' contents to fit, "
+        "and ends the episode with finish reason max_tokens when even empty messages would not. "
+        "null: no limit but max_episode_tokens.",
     )
     tool_format: Literal["auto", "hermes", "tagged"] = Field(
         "auto",

@@ -21,9 +21,12 @@ arguments, or the same JSON as hermes, inside <tool> tags:
 and the results come back in one user message of <tool_result name="..."> blocks (a template
 that knows no tools knows no tool role either).
 
-Parsing never raises: a call that cannot be read becomes a `ToolCall` with `error` set, which
-the environment answers with an error result. A call left open at the end of the turn (the
-model stopped inside it) is read as if closed.
+Parsing never raises, whatever the policy wrote: a call that cannot be read becomes a
+`ToolCall` with `error` set, which the environment answers with an error result. That includes
+a call block longer than `MAX_CALL_CHARS`, arguments nested deeper than `MAX_JSON_DEPTH`,
+integers longer than Python reads from text (4300 digits), and anything that exhausts the
+parsers (brackets nested thousands deep). A call left open at the end of the turn (the model
+stopped inside it) is read as if closed.
 """
 
 from __future__ import annotations
@@ -32,19 +35,29 @@ import ast
 import contextlib
 import json
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol
 
 from streamrl.envs.base import Message
+from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth
 from streamrl.envs.tools import Tool, ToolCall, ToolResult
 
 __all__ = [
+    "MAX_CALL_CHARS",
     "TOOL_FORMATS",
     "HermesFormat",
     "TaggedFormat",
     "ToolFormat",
     "resolve_tool_format",
 ]
+
+MAX_CALL_CHARS = 16_384
+"""Longest tool call read, in characters (one call block's text, stripped): room for a long
+program for the python tool (~4k tokens); a longer block is answered with an error unread."""
+
+_MAX_INT_DIGITS = sys.int_info.default_max_str_digits  # 4300: what int() reads from text
+_TOO_LONG_INT = 10**_MAX_INT_DIGITS
 
 
 class ToolFormat(Protocol):
@@ -80,6 +93,31 @@ def _blocks(text: str, opening: str, closing: str) -> list[str]:
     return [match.group(1).strip() for match in pattern.finditer(text)]
 
 
+def _read(parse_one: Callable[[str], ToolCall], body: str) -> ToolCall:
+    """`parse_one(body)` for a call block of at most `MAX_CALL_CHARS` whose arguments nest at
+    most `MAX_JSON_DEPTH` deep; any other block becomes a call with `error` set."""
+    if len(body) > MAX_CALL_CHARS:
+        return ToolCall(
+            "",
+            error=f"the call is {len(body)} characters long; at most {MAX_CALL_CHARS}: write "
+            "a shorter call",
+        )
+    try:
+        call = parse_one(body)
+    except (RecursionError, MemoryError, ValueError, OverflowError) as exc:  # module docstring
+        return ToolCall(
+            "",
+            error=f"{type(exc).__name__} while reading it: write arguments nested at most "
+            f"{MAX_JSON_DEPTH} deep, with integers of at most {_MAX_INT_DIGITS} digits",
+        )
+    if max(nesting_depth(call.arguments), nesting_depth(call.positional)) > MAX_JSON_DEPTH:
+        return ToolCall(
+            call.name,
+            error=f"the arguments nest more than {MAX_JSON_DEPTH} levels deep; write them flatter",
+        )
+    return call
+
+
 def _from_json(body: str) -> ToolCall:
     """A call written as {"name": ..., "arguments": {...}} (arguments may be a JSON string)."""
     try:
@@ -109,7 +147,7 @@ class HermesFormat:
         return list(messages)  # the chat template describes the tools
 
     def parse(self, text: str) -> list[ToolCall]:
-        return [_from_json(body) for body in _blocks(text, "<tool_call>", "</tool_call>")]
+        return [_read(_from_json, body) for body in _blocks(text, "<tool_call>", "</tool_call>")]
 
     def format_call(self, name: str, arguments: dict[str, Any]) -> str:
         """A call as a Qwen-style template writes an assistant's `tool_calls` (and as the model
@@ -160,9 +198,10 @@ class TaggedFormat:
         return "\n".join(lines)
 
     def parse(self, text: str) -> list[ToolCall]:
-        return [_from_json(b) if b.startswith("{") else _from_python(b) for b in _blocks(
-            text, "<tool>", "</tool>"
-        )]  # fmt: skip
+        return [
+            _read(_from_json if body.startswith("{") else _from_python, body)
+            for body in _blocks(text, "<tool>", "</tool>")
+        ]
 
     def format_call(self, name: str, arguments: dict[str, Any]) -> str:
         shown = ", ".join(f"{key}={_literal(value)}" for key, value in arguments.items())
@@ -183,6 +222,8 @@ def _from_python(body: str) -> ToolCall:
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
         return ToolCall("", error="expected a call name(arg=value, ...)")
     name = node.func.id
+    if any(_too_long_int(n) for n in ast.walk(node)):
+        return ToolCall(name, error=f"an integer argument is longer than {_MAX_INT_DIGITS} digits")
     try:
         positional = tuple(ast.literal_eval(a) for a in node.args)
         keywords = {}
@@ -193,6 +234,16 @@ def _from_python(body: str) -> ToolCall:
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return ToolCall(name, error="arguments must be literals (strings, numbers, lists, ...)")
     return ToolCall(name, keywords, positional)
+
+
+def _too_long_int(node: ast.AST) -> bool:
+    """An integer literal longer than JSON (and int()) reads: a hexadecimal one may be; it could
+    not be printed in a message or a result."""
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int)
+        and abs(node.value) >= _TOO_LONG_INT
+    )
 
 
 def _literal(value: Any) -> str:

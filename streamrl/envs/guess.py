@@ -4,8 +4,10 @@ a right answer or after `max_guesses` answers.
 
 The answer read from a turn is the last `\\boxed{...}` number, else the last number in it; it
 is right when it equals the ground truth (compared exactly as fractions, so `12`, `12.0` and
-`24/2` are all 12). Score: 1 for a right first answer, halved for every further guess it took
-(0.5, 0.25, ...), 0 if none was right; each turn's reward (1 right, 0 wrong) is recorded.
+`24/2` are all 12). A number longer than `MAX_NUMBER_CHARS` characters is not read as one, and
+reading a turn takes time linear in its length, whatever the policy wrote. Score: 1 for a right
+first answer, halved for every further guess it took (0.5, 0.25, ...), 0 if none was right;
+each turn's reward (1 right, 0 wrong) is recorded.
 """
 
 from __future__ import annotations
@@ -16,22 +18,45 @@ from typing import Any, ClassVar
 
 from streamrl.envs.base import Environment, Reset, Step, Task
 
-__all__ = ["GuessEnv", "read_number"]
+__all__ = ["MAX_NUMBER_CHARS", "GuessEnv", "read_number"]
 
-_BOXED = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+MAX_NUMBER_CHARS = 64
+"""Longest number read from a turn, in characters (commas left out): longer digit runs are a
+degenerate policy's, not an answer, and a bounded number is cheap to compare and to show."""
+
+_BOX = "\\boxed{"
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")  # no nested repetition: linear
 
 
 def read_number(text: str) -> Fraction | None:
     """The answer a turn gives: the last boxed number, else the last number; None if none."""
-    boxed = [m for m in _BOXED.findall(text) if _NUMBER.fullmatch(m.replace(",", ""))]
-    candidates = boxed or _NUMBER.findall(text.replace(",", ""))
-    if not candidates:
+    boxed = [content.strip().replace(",", "") for content in _boxed(text)]
+    numbers = [n for n in boxed if len(n) <= MAX_NUMBER_CHARS and _NUMBER.fullmatch(n)] or [
+        n for n in _NUMBER.findall(text.replace(",", "")) if len(n) <= MAX_NUMBER_CHARS
+    ]
+    if not numbers:
         return None
     try:
-        return Fraction(candidates[-1].replace(",", ""))
-    except (ValueError, ZeroDivisionError):
+        return Fraction(numbers[-1])
+    except (ValueError, ZeroDivisionError):  # "1.5/3", "1/0": no number
         return None
+
+
+def _boxed(text: str) -> list[str]:
+    """The contents of every `\\boxed{...}` holding no brace, in one pass over `text`: each
+    search starts where the last stopped, and a closing brace found is reused by every box
+    opened before it."""
+    contents: list[str] = []
+    start, close = 0, -1
+    while (start := text.find(_BOX, start)) >= 0:
+        start += len(_BOX)
+        if close < start:
+            close = text.find("}", start)
+            if close < 0:
+                break
+        if text.find("{", start, close) < 0:
+            contents.append(text[start:close])
+    return contents
 
 
 class GuessEnv(Environment):
@@ -54,7 +79,10 @@ class GuessEnv(Environment):
         if guesses >= self.max_guesses:
             return Step(state=state, done=True, reward=0.0)
         if guess is None:
-            hint = "I could not find a number in your answer."
+            hint = (
+                f"I could not find a number (of at most {MAX_NUMBER_CHARS} characters) in your "
+                "answer."
+            )
         else:
             hint = f"{_shown(guess)} is too {'low' if guess < target else 'high'}."
         left = self.max_guesses - guesses
@@ -80,4 +108,6 @@ def read_target(task: Task) -> Fraction:
 
 
 def _shown(value: Fraction) -> str:
+    """A guess for the hint: an integer as it is, else a decimal. A guess is at most
+    `MAX_NUMBER_CHARS` long (`read_number`), so neither overflows."""
     return str(value.numerator) if value.denominator == 1 else str(float(value))

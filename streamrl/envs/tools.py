@@ -8,8 +8,10 @@ OpenAI-style entry of a chat template's `tools=` list.
 
 `Tool.run(call)` checks a parsed call's arguments against the schema and runs the function;
 every way a call can go wrong — a call that could not be parsed, an unknown tool, missing,
-unknown or mistyped arguments, a function that raises — becomes an error result the model
-reads as the tool's answer, never an exception in the environment.
+unknown or mistyped arguments, a function that raises or returns what cannot be written as
+JSON — becomes an error result the model reads as the tool's answer, never an exception in the
+environment. What a result echoes of the model's call is bounded: a tool name to
+`MAX_TOOL_NAME_CHARS`, an argument's value to a short excerpt, the whole result to `max_chars`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Tool", "ToolCall", "ToolResult", "as_tool", "run_tool_call", "tool", "truncate"]
+from streamrl.envs.limits import truncate
+
+__all__ = [
+    "MAX_TOOL_NAME_CHARS",
+    "Tool",
+    "ToolCall",
+    "ToolResult",
+    "as_tool",
+    "run_tool_call",
+    "tool",
+    "truncate",
+]
+
+MAX_TOOL_NAME_CHARS = 64
+"""Longest tool name echoed back to the model (an unknown tool's, in its error result)."""
 
 _JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -80,12 +96,12 @@ class Tool:
         try:
             arguments = self._bind(call)
         except ValueError as problem:
-            return _error(self.name, f"{problem}. Usage: {self.usage()}")
+            return _error(self.name, f"{problem}. Usage: {self.usage()}", max_chars)
         try:
             value = self.fn(**arguments)
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
         except Exception as exc:  # deliberate: the model reads what its call did wrong
-            return _error(self.name, f"{type(exc).__name__}: {exc}")
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
+            return _error(self.name, f"{type(exc).__name__}: {exc}", max_chars)
         return ToolResult(self.name, truncate(text, max_chars))
 
     def usage(self) -> str:
@@ -146,25 +162,29 @@ def as_tool(item: Tool | Callable[..., Any]) -> Tool:
 def run_tool_call(tools: Mapping[str, Tool], call: ToolCall, max_chars: int) -> ToolResult:
     """Run one parsed call against `tools` (by name): a malformed call or an unknown tool is
     answered with an error result."""
+    name = _short_name(call.name)
     if call.error is not None:
-        return _error(call.name or "tool", f"the tool call could not be read: {call.error}")
+        message = f"the tool call could not be read: {call.error}"
+        return _error(name or "tool", message, max_chars)
     if call.name not in tools:
         known = ", ".join(sorted(tools)) or "none"
-        return _error(call.name, f"unknown tool '{call.name}'; the tools are: {known}")
+        return _error(name, f"unknown tool '{name}'; the tools are: {known}", max_chars)
     return tools[call.name].run(call, max_chars)
 
 
-def truncate(text: str, max_chars: int) -> str:
-    """`text` cut to at most `max_chars` characters, saying how much was cut."""
-    if len(text) <= max_chars:
-        return text
-    note = f"\n[... {{}} more characters cut; limit {max_chars}]"
-    keep = max(0, max_chars - len(note.format(len(text))))
-    return text[:keep] + note.format(len(text) - keep)
+def _short_name(name: str) -> str:
+    """A tool name as the model wrote it, cut to `MAX_TOOL_NAME_CHARS`."""
+    return name if len(name) <= MAX_TOOL_NAME_CHARS else name[: MAX_TOOL_NAME_CHARS - 3] + "..."
 
 
-def _error(name: str, message: str) -> ToolResult:
-    return ToolResult(name, f"Error: {message}", ok=False)
+def _error(name: str, message: str, max_chars: int) -> ToolResult:
+    return ToolResult(name, truncate(f"Error: {message}", max_chars), ok=False)
+
+
+def _excerpt(value: Any) -> str:
+    """`repr(value)` cut to 80 characters, for a message about a model's argument."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # -- the schema of a function's arguments ----------------------------------------------------
@@ -231,7 +251,7 @@ def _mismatch(value: Any, spec: Mapping[str, Any]) -> str | None:
     """Why `value` does not fit `spec` (the JSON schema keywords type, enum, items, anyOf),
     or None; keywords beyond those are not checked."""
     if "enum" in spec and value not in spec["enum"]:
-        return f"must be one of {spec['enum']}, got {value!r}"
+        return f"must be one of {spec['enum']}, got {_excerpt(value)}"
     if "anyOf" in spec and all(_mismatch(value, s) for s in spec["anyOf"]):
         return f"has the wrong type ({type(value).__name__})"
     kind = spec.get("type")
@@ -242,7 +262,7 @@ def _mismatch(value: Any, spec: Mapping[str, Any]) -> str | None:
     if expected is None:
         return None
     if not isinstance(value, expected) or (isinstance(value, bool) and kind != "boolean"):
-        return f"must be {kind}, got {type(value).__name__} {value!r}"[:200]
+        return f"must be {kind}, got {type(value).__name__} {_excerpt(value)}"
     if kind == "array" and "items" in spec:
         for item in value:
             if problem := _mismatch(item, spec["items"]):

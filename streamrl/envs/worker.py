@@ -4,9 +4,12 @@ step and score calls with the checks every answer passes before it leaves the wo
 The worker is boxed in by `streamrl.rewards.worker` (no credentials, a memory limit, dead with
 its parent) before `load_environment` imports anything of the user's. Each call checks the
 environment's answer here, in the worker, so only well-formed values come back: messages
-with a string role and content (content cut to `observation_max_chars`), a state that is
-plain JSON (round-tripped, so the next call sees what any fresh process would), a finite
-turn reward, a score in [0, 1]. Anything else raises `EnvValueError`, a counted env_error.
+with a string role and content (a step's: at most `MAX_OBSERVATION_MESSAGES`, their contents
+cut to `observation_max_chars` in all, shared fairly), a state that is plain JSON of at most
+`MAX_STATE_JSON_CHARS` characters nested at most `MAX_JSON_DEPTH` deep (round-tripped, so the
+next call sees what any fresh process would; messages are round-tripped and bounded alike), a
+finite turn reward, a score in [0, 1]. Anything else raises `EnvValueError`, a counted
+env_error whose message names what to change.
 """
 
 from __future__ import annotations
@@ -14,17 +17,27 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from streamrl.envs.base import EnvContext, Environment, Message, Reset, Step, Task
+from streamrl.envs.base import (
+    MAX_OBSERVATION_MESSAGES,
+    EnvContext,
+    Environment,
+    Message,
+    Reset,
+    Step,
+    Task,
+)
 from streamrl.envs.formats import TOOL_FORMATS
+from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth, truncate_all
 from streamrl.envs.registry import EnvResolutionError, resolve_env
-from streamrl.envs.tools import truncate
 from streamrl.rewards.registry import RewardResolutionError, resolve_reward
 from streamrl.rewards.worker import check_score, loaded
 
 __all__ = [
+    "MAX_STATE_JSON_CHARS",
     "EnvSpec",
     "EnvValueError",
     "Started",
@@ -35,6 +48,14 @@ __all__ = [
     "checked_step",
     "load_environment",
 ]
+
+MAX_STATE_JSON_CHARS = 2**20
+"""Largest episode state, in characters of JSON (1 MiB). The generator holds the state of every
+episode in flight (thousands at once) and it crosses processes twice per call: at this cap a
+thousand episodes hold ~1 GiB. Ample for what an episode must remember (counters, a board, a
+scratch file); what is bigger belongs outside the state, re-derived from the task."""
+
+_JSON_CHARS_PER_CHAR = 6  # JSON writes a control character as a 6-character \u escape
 
 
 class EnvValueError(ValueError):
@@ -139,11 +160,16 @@ def call_score(task: Task, state: Any, final: str) -> float:
 
 
 def _messages(messages: object, env: Environment, where: str) -> list[Message]:
-    """`messages` checked, each content cut to `observation_max_chars`."""
+    """`messages` checked; a step's at most `MAX_OBSERVATION_MESSAGES`, their contents cut to
+    `observation_max_chars` in all (`truncate_all`). A reset's are the prompt: not cut."""
     if not isinstance(messages, list):
         raise EnvValueError(f"{_name(env)}.{where} gave messages {_shown(messages)}, not a list")
-    limit = env.context.observation_max_chars
-    checked = []
+    if where == "step" and len(messages) > MAX_OBSERVATION_MESSAGES:
+        raise EnvValueError(
+            f"{_name(env)}.step gave {len(messages)} messages; at most "
+            f"{MAX_OBSERVATION_MESSAGES}: answer a turn in fewer messages (join what belongs "
+            "together into one)"
+        )
     for message in messages:
         if not (
             isinstance(message, dict)
@@ -154,23 +180,46 @@ def _messages(messages: object, env: Environment, where: str) -> list[Message]:
                 f"{_name(env)}.{where} gave the message {_shown(message)}; a message is "
                 '{"role": str, "content": str} (a tool\'s answer adds "name")'
             )
-        content = message["content"] if where == "reset" else truncate(message["content"], limit)
-        checked.append({**message, "content": content})
-    return _round_trip(checked, env, f"{where}'s messages")
+    if where == "reset":
+        return _round_trip(messages, env, "reset's messages", max_chars=None)
+    limit = env.context.observation_max_chars
+    contents = truncate_all([m["content"] for m in messages], limit)
+    checked = [{**m, "content": c} for m, c in zip(messages, contents, strict=True)]
+    # the contents, at most `limit` characters, and as much again as any state for the rest
+    most = MAX_STATE_JSON_CHARS + _JSON_CHARS_PER_CHAR * limit
+    return _round_trip(checked, env, "step's messages", max_chars=most)
 
 
 def _json_state(state: object, env: Environment, where: str) -> Any:
-    return _round_trip(state, env, f"{where}'s state")
+    return _round_trip(state, env, f"{where}'s state", max_chars=MAX_STATE_JSON_CHARS)
 
 
-def _round_trip(value: object, env: Environment, what: str) -> Any:
+def _round_trip(value: object, env: Environment, what: str, max_chars: int | None) -> Any:
+    """`value` through JSON, refused unless it is plain JSON nested at most `MAX_JSON_DEPTH`
+    deep (measured first, without recursion) of at most `max_chars` characters."""
+    fix = (
+        f"keep episode data small and shallow: at most {MAX_JSON_DEPTH} levels of lists and "
+        f"dicts, and a state of at most {MAX_STATE_JSON_CHARS} characters as JSON"
+    )
+    if nesting_depth(value) > MAX_JSON_DEPTH:
+        raise EnvValueError(
+            f"{_name(env)}: {what} nests more than {MAX_JSON_DEPTH} levels deep (or holds "
+            f"itself); {fix}"
+        )
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except MemoryError:
+        raise EnvValueError(f"{_name(env)}: {what} is too large to write as JSON; {fix}") from None
     except (TypeError, ValueError) as exc:
         raise EnvValueError(
             f"{_name(env)}: {what} is not plain JSON ({exc}); keep episode data in dicts, "
             "lists, strings, numbers, bools and None"
         ) from None
+    if max_chars is not None and len(text) > max_chars:
+        raise EnvValueError(
+            f"{_name(env)}: {what} is {len(text)} characters as JSON; at most {max_chars}: {fix}"
+        )
+    return json.loads(text)
 
 
 def _name(env: Environment) -> str:
@@ -178,5 +227,6 @@ def _name(env: Environment) -> str:
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
+    """`value` for a message: a bounded repr (six levels deep at most, long items elided)."""
+    text = reprlib.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

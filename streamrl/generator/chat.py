@@ -12,6 +12,11 @@ own chat template:
   after `<|im_end|>`, or the whole closing when the turn stopped on a stop string and sampled no
   end-of-turn token), the new messages, and the generation prompt of the next assistant turn.
   These are environment tokens (loss mask 0).
+- `observation_ids_within(messages, ended_with_eos, max_tokens)`: the same, at most
+  `max_tokens` long (`generator.env.observation_max_tokens`): the messages' contents are cut to
+  fit, saying so, or None when even the template's own tokens around empty messages do not fit.
+  Character limits alone do not bound tokens: text a tokenizer splits badly (rare characters,
+  byte soup a degenerate policy echoes through a tool) takes several tokens per character.
 
 The new messages are rendered as the template's *delta*: the template applied to a probe
 conversation with and without them, the difference taken as text. That is exact only for
@@ -26,12 +31,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from streamrl.envs.limits import truncate_all
+
 __all__ = ["ChatRenderer", "TemplateNotAppendOnlyError"]
 
 Message = Mapping[str, Any]
 
 # Probe contents: characters no template adds, so they mark where a message's content sits.
 _USER, _ASSISTANT, _OBSERVATION = "\x02user-probe\x03", "\x02assistant-probe\x03", "\x02obs\x03"
+
+_FIT_ATTEMPTS = 4  # renderings with cut contents tried before the contents are emptied
 
 
 class TemplateNotAppendOnlyError(ValueError):
@@ -77,6 +86,33 @@ class ChatRenderer:
             eos_text = self._eos_text()
             closing = closing[len(eos_text) :] if closing.startswith(eos_text) else closing
         return self._encode(closing + delta)
+
+    def observation_ids_within(
+        self, messages: Sequence[Message], ended_with_eos: bool, max_tokens: int | None
+    ) -> list[int] | None:
+        """`observation_ids`, at most `max_tokens` long (None: no limit). Longer ones are
+        rendered again with the messages' contents cut together (`truncate_all`: fairly, each
+        saying what was cut) to the characters that fit at the tokens per character just
+        measured, a tenth to spare; after a few tries the contents are emptied. None when even
+        empty messages take more than `max_tokens`."""
+        ids = self.observation_ids(messages, ended_with_eos)
+        if max_tokens is None or len(ids) <= max_tokens:
+            return ids
+        emptied = [{**m, "content": ""} for m in messages]
+        frame = len(self.observation_ids(emptied, ended_with_eos))
+        if frame > max_tokens:
+            return None
+        originals = [m["content"] for m in messages]
+        chars = sum(len(c) for c in originals)
+        for _ in range(_FIT_ATTEMPTS):
+            chars = chars * (max_tokens - frame) // max(len(ids) - frame, 1) * 9 // 10
+            contents = truncate_all(originals, chars)
+            cut = [{**m, "content": c} for m, c in zip(messages, contents, strict=True)]
+            ids = self.observation_ids(cut, ended_with_eos)
+            if len(ids) <= max_tokens:
+                return ids
+            chars = sum(len(c) for c in contents)
+        return self.observation_ids(emptied, ended_with_eos)
 
     def ended_with_eos(self, token_ids: Sequence[int]) -> bool:
         """Whether a sampled turn's last token ends the turn (EOS / end-of-turn)."""

@@ -10,15 +10,16 @@ scored groups (`Rollout`s whose every episode ended and was scored). Per prompt:
    prompt is the data source's tokens when the environment kept the row's messages
    and gives no tools (always so for `single_turn`), else `ChatRenderer` renders it;
 2. each episode then goes on by itself: its turn's text goes to the environment's `step`; the
-   observation is rendered as the chat template's delta and appended to the episode's exact
-   token history, which is the next request (n = 1, at most `turn_max_tokens` and what is left
-   of `max_episode_tokens`); sampled tokens have loss mask 1 and the weight version that
-   sampled each (`Completion.versions`), observation tokens mask 0 and the version of the turn
-   before them;
+   observation is rendered as the chat template's delta (its contents cut to fit
+   `observation_max_tokens`) and appended to the episode's exact token history, which is the
+   next request (n = 1, at most `turn_max_tokens` and what is left of `max_episode_tokens`);
+   sampled tokens have loss mask 1 and the weight version that sampled each
+   (`Completion.versions`), observation tokens mask 0 and the version of the turn before them;
 3. an episode ends when the environment says so (`single_turn`: after its first turn, answered
    inline: `streamrl.envs.runner`), after `max_turns` turns (the runner), when a turn is cut at
-   its token limit or the next one would not fit `max_episode_tokens` (`max_tokens`), or when
-   an environment call failed (`env_error`, `timeout`);
+   its token limit, the next one would not fit `max_episode_tokens` or an observation would
+   not fit `observation_max_tokens` even with its messages emptied (`max_tokens`), or when an
+   environment call failed (`env_error`, `timeout`);
 4. once all G have ended, each is scored by the environment (`score`: by default the reward
    function, in isolated workers); the group's responses' sampled lengths then go to the rule.
 
@@ -307,9 +308,11 @@ class EpisodeDriver:
             rollout.episodes[i] = reply.episode
             transcript = rollout.transcripts[i]
             assert self.renderer is not None  # only a multi-turn environment goes on
-            ids = self.renderer.observation_ids(reply.messages, rollout.last_eos[i])
-            used = len(rollout.prompt_ids) + transcript.length + len(ids)
-            if used >= self.max_episode_tokens:
+            ids = self.renderer.observation_ids_within(
+                reply.messages, rollout.last_eos[i], self.env.observation_max_tokens
+            )
+            used = len(rollout.prompt_ids) + transcript.length + len(ids or ())
+            if ids is None or used >= self.max_episode_tokens:
                 self._ended(rollout, i, reply.episode.finish("max_tokens"))
                 continue
             transcript.add_observation(ids)

@@ -360,7 +360,7 @@ def test_calculator_refuses_anything_but_bounded_arithmetic(expression: str, pro
 
 
 def test_calculator_env_runs_calls_until_a_turn_without_one() -> None:
-    env = CalculatorEnv(EnvContext(math_reward, "math", TAGGED, observation_max_chars=200))
+    env = CalculatorEnv(EnvContext(math_reward, "math", TAGGED, observation_max_chars=1000))
     task = Task([{"role": "user", "content": "What is 6 × 7?"}], "42")
     reset = env.reset(task)
     assert reset.messages[0]["role"] == "system"
@@ -375,7 +375,12 @@ def test_calculator_env_runs_calls_until_a_turn_without_one() -> None:
     assert "unknown tool 'sqrt'" in step.messages[0]["content"]
     many = "".join('<tool>calculate(expression="1")</tool>' for _ in range(6))
     flood = env.step(task, step.state, many)
-    assert flood.messages[0]["content"].count("more than 4 tool calls in one turn") == 2
+    (flooded,) = flood.messages
+    assert flooded["content"].count("<tool_result") == 5  # four run, one for the rest
+    assert (
+        "Error: 2 more tool calls in this turn were not run: at most 4 per turn"
+        in (flooded["content"])
+    )
     assert (flood.tool_calls, flood.tool_errors) == (6, 2)  # this turn's
     final = env.step(task, flood.state, "So the answer is \\boxed{42}.")
     assert final.done
