@@ -19,6 +19,8 @@ Each call starts a fresh bubblewrap (`bwrap`) sandbox, runs one program in it an
 * **network**: a network namespace with no interfaces (not even the host's loopback).
 * **environment**: built from an allowlist (`BOX_ENVIRONMENT` and what the caller passes);
   nothing of the caller's environment reaches the program.
+* **system calls**: a seccomp filter refuses what the box does not need and an attacker would
+  (`streamrl.isolation.seccomp`: new namespaces, mounts, the keyring, eBPF, io_uring, ...).
 * **limits** (`BoxLimits`): wall clock (the caller kills the box's init), CPU seconds, address
   space per process, processes (threads included), file size, open files, scratch size — set by
   the launcher inside the box before the program starts, so the program cannot raise them.
@@ -31,19 +33,16 @@ There is no fallback: if the box cannot be made (bwrap missing, user namespaces 
 
 Memory: each process of the box may use `memory_mb` of address space, so a box holds at most
 `processes × memory_mb` plus its scratch; a cgroup would bound the sum, but is not available to
-an unprivileged worker. In a root caller's box the program's uid may still create a user
-namespace of its own (bwrap's `--disable-userns` needs one of the box's own); inside it the
-program sees only the box's view.
+an unprivileged worker. Making a namespace of its own (where it could mount a tmpfs around
+that bound) is refused by the syscall filter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -54,6 +53,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from streamrl.isolation.process import (
+    Streams,
+    box_init,
+    close_quietly,
+    kill_box,
+    memfd,
+    wait_box,
+)
+from streamrl.isolation.seccomp import box_filter
 
 __all__ = [
     "BOX_ENVIRONMENT",
@@ -214,11 +223,12 @@ def _run(
     started = time.monotonic()
     python = argv[0] == PYTHON
     with contextlib.ExitStack() as stack, _box_uid() as uid:
-        data_fds = [_memfd(name, content) for name, content in files.items()]
-        for fd in data_fds:
+        data_fds = [memfd(name, content) for name, content in files.items()]
+        syscall_filter = memfd("seccomp", box_filter())
+        for fd in (*data_fds, syscall_filter):
             stack.callback(os.close, fd)
         info_read, info_write = os.pipe()
-        stack.callback(_close_quietly, info_read)
+        stack.callback(close_quietly, info_read)
         spec = {
             "uid": uid,
             "rlimits": limits.rlimits(),
@@ -228,7 +238,7 @@ def _run(
         command = [
             *_bwrap_command(uid is not None, limits, {**BOX_ENVIRONMENT, **env}),
             *_file_arguments(files, data_fds),
-            "--info-fd", str(info_write),
+            "--seccomp", str(syscall_filter), "--info-fd", str(info_write),
             "--", _python_path(), "-I", *([] if python else ["-S"]),
             "-c", _LAUNCHER, json.dumps(spec),
         ]  # fmt: skip
@@ -238,20 +248,20 @@ def _run(
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(info_write, *data_fds),
+                pass_fds=(info_write, syscall_filter, *data_fds),
                 env={"PATH": os.defpath},
                 start_new_session=True,
             )
         finally:
             os.close(info_write)
         with process:
-            init = _box_init(info_read)
-            stack.callback(_close_quietly, init)
-            io = _Streams(process, limits.output_bytes)
+            init = box_init(info_read)
+            stack.callback(close_quietly, init)
+            io = Streams(process, limits.output_bytes)
             timed_out = not io.communicate(stdin, deadline=started + limits.wall_s)
             if timed_out:
-                _kill(process, init)
-            returncode = _wait(process, started + limits.wall_s + 5.0, init)
+                kill_box(process, init)
+            returncode = wait_box(process, started + limits.wall_s + 5.0, init)
     return BoxResult(
         bytes(io.stdout),
         bytes(io.stderr),
@@ -370,6 +380,8 @@ def _probe() -> BoxUnavailableError | None:
         )
     except BoxUnavailableError as error:
         return error
+    except RuntimeError as error:  # no libseccomp: the syscall filter cannot be built
+        return BoxUnavailableError(f"the box for model-written code cannot be made here: {error}")
     except OSError as error:
         return BoxUnavailableError(f"the box could not be started ({error}): {_INSTALL_FIX}")
     uid = result.stdout.strip()
@@ -383,7 +395,7 @@ def _probe() -> BoxUnavailableError | None:
     )
 
 
-# -- the box's uid, its init, its output ----------------------------------------------------
+# -- the box's uid ---------------------------------------------------------------------------
 
 _UID_BASE = 1 << 30  # far above real users; unique per box: this process's pid and a slot
 _uid_lock = threading.Lock()
@@ -405,123 +417,3 @@ def _box_uid():  # type: ignore[no-untyped-def]
     finally:
         with _uid_lock:
             _uid_slots_free.append(slot)
-
-
-def _memfd(name: str, content: bytes) -> int:
-    fd = os.memfd_create(f"box-{name}", 0)
-    os.write(fd, content) if len(content) < 1 << 16 else _write_all(fd, content)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _write_all(fd: int, content: bytes) -> None:
-    view = memoryview(content)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _box_init(info_fd: int) -> int | None:
-    """A pidfd of the box's init (bwrap's --info-fd names it), or None if bwrap failed."""
-    data = b""
-    while True:
-        chunk = os.read(info_fd, 4096)
-        data += chunk
-        with contextlib.suppress(ValueError):
-            pid = int(json.loads(data)["child-pid"])
-            try:
-                return os.pidfd_open(pid)
-            except ProcessLookupError:  # already done
-                return None
-        if not chunk:
-            return None
-
-
-def _kill(process: subprocess.Popen[bytes], init: int | None) -> None:
-    """SIGKILL the box's init — the kernel then kills everything in its PID namespace — and
-    bwrap itself."""
-    if init is not None:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(init, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def _wait(process: subprocess.Popen[bytes], deadline: float, init: int | None) -> int:
-    try:
-        code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        _kill(process, init)
-        code = process.wait()
-    return 128 - code if code > 128 else code  # bwrap exits 128+N for a program killed by N
-
-
-def _close_quietly(fd: int | None) -> None:
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-@dataclasses.dataclass
-class _Streams:
-    """The program's stdin, stdout and stderr, served together until all are closed."""
-
-    process: subprocess.Popen[bytes]
-    keep: int
-    stdout: bytearray = dataclasses.field(default_factory=bytearray)
-    stderr: bytearray = dataclasses.field(default_factory=bytearray)
-    cut: bool = False
-
-    def communicate(self, stdin: bytes, *, deadline: float) -> bool:
-        """Write `stdin`, read the output; False if `deadline` came first."""
-        p = self.process
-        assert p.stdin is not None
-        assert p.stdout is not None
-        assert p.stderr is not None
-        with selectors.DefaultSelector() as selector:
-            for stream in (p.stdout, p.stderr):
-                os.set_blocking(stream.fileno(), False)
-                selector.register(stream.fileno(), selectors.EVENT_READ, stream is p.stdout)
-            pending = memoryview(stdin)
-            if pending:
-                os.set_blocking(p.stdin.fileno(), False)
-                selector.register(p.stdin.fileno(), selectors.EVENT_WRITE)
-            else:
-                p.stdin.close()
-            while selector.get_map():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                for key, _ in selector.select(remaining):
-                    if key.events & selectors.EVENT_WRITE:
-                        pending = self._write(selector, key.fd, pending)
-                    else:
-                        self._read(selector, key.fd, to_stdout=key.data)
-        if len(self.stderr) > self.keep:
-            del self.stderr[: len(self.stderr) - self.keep]
-        return True
-
-    def _write(self, selector: selectors.BaseSelector, fd: int, pending: memoryview) -> memoryview:
-        assert self.process.stdin
-        try:
-            pending = pending[os.write(fd, pending[: 1 << 16]) :]
-        except BrokenPipeError:  # the program stopped reading: the rest is not wanted
-            pending = pending[:0]
-        if not pending:
-            selector.unregister(fd)
-            self.process.stdin.close()
-        return pending
-
-    def _read(self, selector: selectors.BaseSelector, fd: int, *, to_stdout: bool) -> None:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            selector.unregister(fd)
-            return
-        if to_stdout:
-            room = self.keep - len(self.stdout)
-            self.cut |= len(chunk) > room
-            self.stdout += chunk[: max(0, room)]
-        else:
-            self.stderr += chunk
-            if len(self.stderr) > 2 * self.keep:
-                self.cut = True
-                del self.stderr[: len(self.stderr) - self.keep]

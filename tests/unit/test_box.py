@@ -236,6 +236,29 @@ def test_a_killed_worker_leaves_no_box_behind(tmp_path: Path) -> None:
     assert processes_with(marker) == []
 
 
+def test_no_namespace_of_its_own_and_no_io_uring() -> None:
+    """Inside a user namespace of its own a program could mount a tmpfs around the scratch
+    limit; the syscall filter refuses it, by each way in, while threads and processes work."""
+    result = run(
+        """
+        import ctypes, errno, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        def refused(value):
+            return errno.errorcode.get(ctypes.get_errno(), '?') if value == -1 else 'allowed'
+        CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x20000, 17
+        print(refused(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS)))
+        print(refused(libc.syscall(56, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)))  # clone, x86-64
+        print(refused(libc.syscall(425, 8, ctypes.create_string_buffer(120))))  # io_uring_setup
+        print(subprocess.run(['unshare', '--user', '--map-root-user', 'true']).returncode != 0)
+        thread = threading.Thread(target=print, args=('thread',))
+        thread.start()
+        thread.join()
+        print(subprocess.run(['true']).returncode)
+        """
+    )
+    assert out(result).splitlines() == ["EPERM", "EPERM", "EPERM", "True", "thread", "0"]
+
+
 def test_a_fork_bomb_is_stopped_at_the_process_limit() -> None:
     limits = BoxLimits(wall_s=10.0, memory_mb=256, processes=6)
     started = time.monotonic()

@@ -26,6 +26,7 @@ from streamrl.envs.worker import MAX_STATE_JSON_CHARS, EnvValueError, checked_st
 from streamrl.generator.chat import ChatRenderer
 from streamrl.models import resolve_model_path
 from streamrl.rewards import math_reward
+from tests.env_fns import echo
 
 HERMES, TAGGED = TOOL_FORMATS["hermes"], TOOL_FORMATS["tagged"]
 TASK = Task([{"role": "user", "content": "What is 3 * 4?"}], "12")
@@ -39,16 +40,6 @@ def power(base: int, exponent: int) -> int:
         exponent: The exponent.
     """
     return base**exponent
-
-
-def echo(text: str, times: int = 1) -> str:
-    """Repeat a text.
-
-    Args:
-        text: What to repeat.
-        times: How often.
-    """
-    return text * times
 
 
 class Tools(ToolEnvironment):

@@ -88,25 +88,6 @@ def test_replacing_its_output_files_with_fifos_does_not_hang(env: PythonEnv) -> 
     assert time.monotonic() - started < 2
 
 
-def test_the_environment_refuses_to_start_without_the_box(tmp_path: Path) -> None:
-    code = (
-        "from streamrl.envs import TOOL_FORMATS, EnvContext\n"
-        "from streamrl.envs.python_env import PythonEnv\n"
-        "from streamrl.rewards import math_reward\n"
-        "PythonEnv(EnvContext(math_reward, 'math', TOOL_FORMATS['hermes']))\n"
-    )
-    started = subprocess.run(
-        [sys.executable, "-c", code],
-        env={"PATH": str(tmp_path)},  # no bwrap on it
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert started.returncode != 0
-    assert "BoxUnavailableError" in started.stderr
-    assert "apt-get install bubblewrap" in started.stderr
-
-
 def test_a_generators_python_environment_fails_on_entry_without_the_box(tmp_path: Path) -> None:
     """The workers a generator starts for `generator.env.fn=python` refuse to load, and the
     generator's start fails naming the fix."""
