@@ -11,14 +11,16 @@ VENV="${VENV:-.venv}"
 
 # The box for model-written code (the python tool, code rewards) is bubblewrap's; there is no
 # fallback, so install it when we can and otherwise say what to run.
-if ! command -v bwrap >/dev/null; then
+# Its syscall filter is built by libseccomp.
+if ! command -v bwrap >/dev/null || ! ldconfig -p 2>/dev/null | grep -q libseccomp.so.2; then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-        echo "==> installing bubblewrap (the box for model-written code)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+        echo "==> installing bubblewrap and libseccomp2 (the box for model-written code)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2
     else
-        echo "==> WARNING: bubblewrap (bwrap) is missing: the python tool and code rewards will" \
-             "refuse to start. Install it: sudo apt-get install bubblewrap (Debian/Ubuntu)," \
-             "sudo dnf install bubblewrap (Fedora)" >&2
+        echo "==> WARNING: bubblewrap or libseccomp is missing: the python tool and code rewards" \
+             "will refuse to start. Install them: sudo apt-get install bubblewrap libseccomp2" \
+             "(Debian/Ubuntu), sudo dnf install bubblewrap libseccomp (Fedora)" >&2
     fi
 fi
 
