@@ -18,7 +18,8 @@ each with the job variables its pool's template declares: `gpu_count` from the c
 `PoolSupervisor.poll()` reads the children's states and `<run>/control/fleet.json` (`streamrl
 scale`), hands what changed to the restart policy (`streamrl.supervision`: the same rules as for
 processes on one machine) and carries out its answer: a lost generator replaced by a new run of
-its index (`generator_retries` within `placement.retry_window_s`); a failed learner attempt's
+its index (`generator_retries` within `placement.retry_window_s`; none when its own supervisor
+says a restart would fail the same way: the run stops); a failed learner attempt's
 other nodes cancelled and, once they have ended or are fenced, every node started again as the
 next attempt (resuming from the last committed checkpoint, taking the run's lease over;
 `learner_retries` times); the evaluator restarted once; the generators flushing once every
@@ -69,6 +70,7 @@ from streamrl.launch import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
 from streamrl.runs import open_run_location
 from streamrl.supervision import (
+    NOT_RESTARTED,
     Abort,
     Action,
     Cancel,
@@ -300,8 +302,9 @@ class PoolSupervisor:
         for child in self._refresh():
             stopped = stop_requested(self.run, child.name)
             displaced = child.unit.kind == "learner" and DISPLACED in child.message
+            repeats = NOT_RESTARTED in child.message  # its own supervisor said so
             cause = self._describe(child)
-            self._feed(Ended(child.unit, child.completed, now, cause, stopped, displaced))
+            self._feed(Ended(child.unit, child.completed, now, cause, stopped, displaced, repeats))
         self._feed(Tick(now))
         wanted = requested_generators(self.run, self.config.placement.max_generators)
         if wanted is not None:
@@ -389,6 +392,8 @@ class PoolSupervisor:
     @staticmethod
     def _failed_for_good(failure: Failure) -> str:
         unit = failure.unit
+        if failure.deterministic:  # the cause, its flow run's message, says why
+            return f"{unit.name} cannot run: {failure.cause}"
         if unit.kind == "generator":
             return (
                 f"{unit.name} failed for good ({failure.allowed} replacements within "

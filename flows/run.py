@@ -40,6 +40,7 @@ from streamrl.config_loading import Override, load_config
 from streamrl.placement import PlacementPlan, PoolsPlacement, plan_placement
 from streamrl.runs import open_run_location, prepare_run
 from streamrl.supervisor import ComponentFailedError, Supervisor
+from streamrl.user_code import check_user_code
 
 __all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
@@ -199,6 +200,7 @@ def streamrl_run(
             config, generators=count, retries=generator_retries, learner_retries=learner_retries
         )
     placement = plan_placement(config, generators=count)  # refused before anything starts
+    check_user_code(config)  # its processes import the user's code here
     config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
     return supervise(
         config,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -249,6 +250,55 @@ def put_if_absent(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
         if _is_precondition_failure(exc):
             return False
         raise
+
+
+def create_once(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
+    """`put_if_absent`, telling a retried request of this call's own apart from another
+    writer's: True if `path` now holds exactly `data` (so `data` must be unique to the caller:
+    a holder id, a nonce)."""
+    if put_if_absent(fs, path, data):
+        return True
+    try:
+        return bool(fs.cat_file(path) == data)
+    except FileNotFoundError:  # a concurrent conditional write lost without a winner
+        return False
+
+
+_honours_conditional_writes: set[tuple[str, str]] = set()
+_probe_lock = threading.Lock()
+
+
+def check_conditional_writes(location: Location) -> None:
+    """Make sure the store refuses a second create of one name (`put_if_absent`), which one
+    learner per run and the stream's gap-free commit log rely on. Probed once per process and
+    bucket with a scratch object under `location` that is created twice and removed; local
+    folders (hard links) always refuse.
+
+    Raises:
+        StorageError: the store let the second create through (it ignores `If-None-Match`).
+    """
+    if location.is_local:
+        return
+    store = (str(location.fs.protocol), location.path.lstrip("/").split("/", 1)[0])
+    with _probe_lock:
+        if store in _honours_conditional_writes:
+            return
+        path = location.join(f".conditional-write-probe-{uuid.uuid4().hex}")
+        try:
+            first = put_if_absent(location.fs, path, b"first")
+            second = put_if_absent(location.fs, path, b"second")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                location.fs.rm_file(path)
+        if first and not second:
+            _honours_conditional_writes.add(store)
+            return
+    raise StorageError(
+        f"the store of {location.uri} ignores conditional writes: creating one object twice "
+        f"with If-None-Match succeeded {'twice' if second else 'neither time'}. streamrl needs "
+        "them to keep one learner per run and the stream's commit log gap-free; use a store "
+        "that honours them (AWS S3, SeaweedFS, MinIO, Ceph RGW, ...) or a local folder"
+    )
 
 
 def replace_object(location: Location, path: str, data: bytes) -> None:

@@ -11,8 +11,9 @@ Invariants:
 - run.json is created with `put_if_absent` and never modified: the first creator wins, a
   second `create_run` behaves like `open_run` (it checks its config against the stored one).
 - It never holds credentials: keys that name one (`storage.credentials`: `key`, `secret`,
-  `token`, `AWS_*`, `*_KEY`, `*TOKEN*`, ...) are removed from the config at any depth before
-  writing (and before comparing), whatever the caller passed.
+  `token`, `AWS_*`, `*_KEY`, `*TOKEN*`, ...) and strings with a URL that carries one (a
+  password, a token before the host, a signature) are removed from the config at any depth
+  before writing (and before comparing), whatever the caller passed.
 - A resumed run must use a compatible config: every field must equal the stored one except
   those under `RESUME_SAFE_FIELDS` (capacity, timing, logging and storage-access knobs that do
   not change what is learned). All incompatible fields are reported together.

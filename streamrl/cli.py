@@ -28,20 +28,33 @@ Joins an existing run (its run.json holds the configuration) and generates until
 stop marker appears or SIGTERM arrives; then flushes its open segment and exits 0. One
 generator per index: it refuses an index another live generator holds (after waiting up to
 30 s for that one's lease to lapse, in case it crashed; exit code 3), and stops, committing
-nothing more, if another takes its index over (--take-over; exit code 3).
+nothing more, if another takes its index over (--take-over; exit code 3). A reward or
+environment that cannot be resolved the same way every time (generator.reward.fn or
+generator.env.fn names a module, function or class that is not there) exits with code 4 before
+vLLM starts, its error line saying what to change: supervisors stop the run instead of
+restarting it. One that may load next time (its import raised or timed out) fails otherwise
+and is restarted.
 """
 
 
 def _cmd_generator(args: argparse.Namespace) -> int:
     from storage.lease import NOT_HOLDER_EXIT_CODE
+    from streamrl.envs import EnvLoadError, EnvResolutionError
     from streamrl.generator.main import run_generator
     from streamrl.launch import GeneratorIndexHeldError, GeneratorIndexLostError
+    from streamrl.rewards import RewardLoadError, RewardResolutionError
+    from streamrl.supervision import USER_CODE_EXIT_CODE
 
     try:
         stats = run_generator(args.run, args.index, take_over=args.take_over)
     except (GeneratorIndexHeldError, GeneratorIndexLostError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return NOT_HOLDER_EXIT_CODE
+    except (RewardResolutionError, EnvResolutionError) as exc:
+        if isinstance(exc, (RewardLoadError, EnvLoadError)):
+            raise  # may load next time: a restart is worth it
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_CODE_EXIT_CODE
     print(f"generator {args.index}: {stats.groups} groups in {stats.segments} segments")
     return 0
 
@@ -64,9 +77,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _cmd_learner(args: argparse.Namespace) -> int:
     from storage.lease import NOT_HOLDER_EXIT_CODE, LeaseHeldError, LeaseLostError
     from streamrl.learner import run_learner
+    from streamrl.learner.stream_source import StopRequested
     from streamrl.learner.topology import exit_process
 
-    if args.program:  # SIGTERM (a supervisor stopping the run) unwinds: the lease is released
+    # SIGTERM (a supervisor stopping the run) unwinds: the lease is released. With
+    # learner.checkpoint_on_stop, run_learner takes SIGTERM over to stop with a checkpoint.
+    if args.program:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         print(f"learner: trained to step {run_learner(args.run, take_over=args.take_over)}")
@@ -74,6 +90,9 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     except (LeaseHeldError, LeaseLostError) as exc:  # another learner writes this run
         print(f"error: {exc}", file=sys.stderr)  # says DISPLACED: torchrun loses the exit code
         code = NOT_HOLDER_EXIT_CODE
+    except StopRequested as exc:  # SIGTERM / Ctrl-C, checkpointed
+        print(f"learner: {exc}", file=sys.stderr)
+        code = 128 + signal.SIGTERM
     except SystemExit as exc:  # SIGTERM
         code = exc.code if isinstance(exc.code, int) else 1
     if args.program:  # this process ends here, without an interpreter teardown to race
@@ -88,7 +107,9 @@ examples:
   streamrl run --resume --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo \\
       learner.total_steps=40                 extend a finished run by 20 steps
 A whole run on this machine without a Prefect server: the learner, the generators and the
-evaluator as subprocesses. A crashed generator is restarted (--max-restarts); the run ends when
+evaluator as subprocesses. Nothing starts before the configuration is valid and the modules
+its import paths name are found. A crashed generator is restarted (--max-restarts); one whose
+reward or environment cannot be resolved (exit code 4) stops the run at once. The run ends when
 the learner reaches learner.total_steps. Each process's output goes to <run>/logs/ (local runs)
 or ./streamrl-logs/; the console shows learner steps, warnings and errors.
 """
@@ -103,10 +124,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from streamrl.placement import plan_placement
     from streamrl.runs import prepare_run
     from streamrl.supervisor import ComponentFailedError, RunInterruptedError, Supervisor
+    from streamrl.user_code import check_user_code
 
     config = config_from(args)
     count = args.generators or config.generator.count
     placement = plan_placement(config, generators=count)  # refused before anything starts
+    check_user_code(config)  # a misspelt module too
     config, run = prepare_run(
         config, resume=args.resume, allow_trusted_changes=args.allow_trusted_changes
     )

@@ -8,6 +8,7 @@ and prepare the bundled models. Also the configuration arguments every run comma
 from __future__ import annotations
 
 import argparse
+import sys
 from importlib import resources
 from typing import Any
 
@@ -19,6 +20,7 @@ from streamrl.config_loading import UNIONS, available_presets, load_config
 from streamrl.envs.config import EnvConfig
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
+from streamrl.user_code import check_user_code, modules_not_found
 
 __all__ = ["add_commands", "add_config_args", "config_from"]
 
@@ -33,6 +35,9 @@ EXAMPLES_VALIDATE = """\
 examples:
   streamrl config validate --config my-run.yaml
   streamrl config validate --preset qwen2.5-7b-dapo learner.total_steps=500
+Checks every field and rule, and that the top-level module of each import path
+(generator.reward.fn, generator.env.fn) is found on this machine (without importing it; with
+placement.mode=pools only noted: the pools' workers import it).
 exit status: 0 when valid, 2 with one line per problem otherwise.
 """
 
@@ -80,6 +85,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     config = config_from(args)
+    if config.placement.runs_here:
+        check_user_code(config)
+    else:  # the pools' workers import it, in their image: this machine may well lack it
+        for problem in modules_not_found(config.user_code):
+            print(f"note: on this machine, {problem}; the work pools' workers import it, "
+                  "from placement.image", file=sys.stderr)  # fmt: skip
     print(
         f"ok: algorithm {config.algorithm.name}, model {config.model.path}, run {config.run_name}"
     )

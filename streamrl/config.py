@@ -313,6 +313,17 @@ class RunConfig(Section):
         return None
 
     @property
+    def user_code(self) -> dict[str, str]:
+        """The fields that name a user's code by import path ('package.module:attribute'), by
+        dotted name: generator.reward.fn and generator.env.fn unless they are registered names.
+        Its modules are imported by the generators' worker processes only."""
+        fields = {
+            "generator.reward.fn": self.generator.reward.fn,
+            "generator.env.fn": self.generator.env.fn,
+        }
+        return {name: path for name, path in fields.items() if ":" in path}
+
+    @property
     def run_name(self) -> str:
         """Display name of the run."""
         return self.logging.run_name or self.storage.run_uri.rstrip("/").rsplit("/", 1)[-1]

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from storage.credentials import CREDENTIAL_NAME, credential_paths
+from storage.credentials import CREDENTIAL_NAME, CREDENTIAL_URL, credential_paths
 from streamrl._dicts import deep_merge
 from streamrl.algorithms.config import ALGORITHM_CLASSES
 from streamrl.algorithms.correction_config import CORRECTION_CLASSES
@@ -116,10 +116,13 @@ def _load_layer(ref: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
 CREDENTIAL_OVERRIDE = (
     rf"(?i)^(?:[^=]*\.)?\s*{CREDENTIAL_NAME}\s*[.=]"
     rf"|^\s*(?:storage|placement)\b[^=]*=.*?(?<![\w-])[\"']?{CREDENTIAL_NAME}[\"']?\s*:"
+    rf"|^[^=]*=.*?(?:{CREDENTIAL_URL})"
 )
 """An override that sets a credential: one whose dotted key names one
-(`placement.env.HF_TOKEN=...`), or a storage/placement mapping with such a key
-(`storage.storage_options={secret: ...}`). The deployments' parameter schema refuses it, so the
+(`placement.env.HF_TOKEN=...`), a storage/placement mapping with such a key
+(`storage.storage_options={secret: ...}`), or a value holding a URL with a password, a token or
+a signature (`storage.endpoint_url=https://user:pass@host`, a presigned `data.path`: see
+`storage.credentials.CREDENTIAL_URL`). The deployments' parameter schema refuses it, so the
 Prefect server refuses the flow run before storing its parameters; in the flow,
 `parse_overrides` refuses every credential, naming its path."""
 

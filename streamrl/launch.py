@@ -31,14 +31,15 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from storage.fs import Location, StorageError, put_if_absent
-from storage.lease import LeaseHeldError, LeaseLostError, LeaseRecord, RunLease, read_lease
+from storage.fs import Location, create_once
+from storage.lease import LeaseHeldError, LeaseLostError, RunLease
 from streamrl.config import RunConfig
 from streamrl.placement import PLACED_VARIABLES, ProcessPlacement
-from streamrl.processes import die_with_parent
+from streamrl.processes import dying_with_parent
 from streamrl.rendezvous import LearnerNode
 
 __all__ = [
@@ -128,15 +129,15 @@ def run_process(
         inherited = {k: v for k, v in inherited.items() if k not in PLACED_VARIABLES}
         planned, cpus = placement.env(), placement.cpus
     process = subprocess.Popen(
-        list(argv),
+        # No Python between fork and exec (the supervisor has threads): an exec wrapper sets
+        # the parent-death signal and the cores.
+        dying_with_parent(list(argv), supervisor, signal.SIGTERM, cpus or ()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
         env={**inherited, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
         start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
-        # Only system calls between fork and exec: safe with the supervisor's threads.
-        preexec_fn=lambda: _in_child(supervisor, cpus),
     )
     stop = stop or threading.Event()
     watcher = threading.Thread(
@@ -154,14 +155,6 @@ def run_process(
     reader.join(timeout=10)
     watcher.join()
     return code
-
-
-def _in_child(supervisor: int, cpus: tuple[int, ...] | None) -> None:
-    """In the child, before exec: SIGTERM when the supervisor dies (its thread that started us
-    waits for us, so it ends only with the supervisor); the planned cores."""
-    die_with_parent(supervisor, signal.SIGTERM)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def _forward_lines(process: subprocess.Popen[str], on_line: Callable[[str], None]) -> None:
@@ -216,10 +209,11 @@ def claim_generator_index(run: Location, *, first: int = 0, owner: str = "") -> 
 
 
 def _claim(run: Location, index: int, owner: str) -> bool:
-    """Create index `index`'s claim record unless it exists; True if this call created it."""
+    """Create index `index`'s claim record unless it exists; True if this call created it (a
+    retried request of its own included: the record carries a nonce and is read back)."""
     folder = run.child("control", "generators")
-    record = json.dumps({"index": index, "owner": owner, "at": time.time()}).encode()
-    return put_if_absent(folder.fs, folder.join(f"{index}.json"), record)
+    record = {"index": index, "owner": owner, "at": time.time(), "nonce": uuid.uuid4().hex}
+    return create_once(folder.fs, folder.join(f"{index}.json"), json.dumps(record).encode())
 
 
 # -- the index a generator process runs as ---------------------------------------------------
@@ -273,10 +267,10 @@ def hold_generator_index(
        absent), so `claim_generator_index` never hands it out afterwards.
     2. Its lease — `storage.lease` on `<run>/generators/gen<index>/`: an epoch record that the
        holder renews every `ttl_s`/3 and releases when it ends — is taken. If another process
-       holds it live, this one waits until that lease would lapse (at most about `ttl_s`: a
-       crashed holder no longer renews) and takes it then; if it was renewed, the holder is
-       alive and this refuses. `take_over` takes it at once: for a supervisor restarting the
-       index, which saw the previous process end.
+       holds it, this one watches the record for up to `ttl_s` on its own clock: renewed, the
+       holder is alive and this refuses; not renewed, it lapsed and this takes it. `take_over`
+       takes it at once: for a supervisor restarting the index, which saw the previous process
+       end.
 
     Raises:
         GeneratorIndexHeldError: a live generator holds the index (the message names it).
@@ -285,56 +279,19 @@ def hold_generator_index(
         raise ValueError(f"generator index must be ≥ 0, got {index}")
     _claim(run, index, owner=f"streamrl generator --index {index}")
     where = run.child("generators", f"gen{index}")
-    if not take_over:
-        _wait_until_lapsed(run, index, where, ttl_s)
+    kind = ("generator", f"generator index {index} of run {run.uri}")
     try:
-        return GeneratorIndex(index, RunLease.acquire(where, ttl_s=ttl_s, take_over=take_over))
-    except LeaseHeldError as exc:  # another generator won the race for the next epoch
-        raise GeneratorIndexHeldError(
-            f"generator index {index} of run {run.uri} was taken by another generator at the "
-            f"same moment; {_HELD_ADVICE}"
-        ) from exc
+        lease = RunLease.acquire(where, ttl_s=ttl_s, take_over=take_over, kind=kind)
+    except LeaseHeldError as exc:
+        raise GeneratorIndexHeldError(f"{exc}. {_HELD_ADVICE}") from exc
+    return GeneratorIndex(index, lease)
 
 
 _HELD_ADVICE = (
-    "two generators must never run one index (they would generate its data shard twice). Stop "
+    "Two generators must never run one index (they would generate its data shard twice): stop "
     "that generator first, or start this one with another --index; if that process has ended "
     "(its machine is gone), its lease lapses by itself, or pass --take-over"
 )
-
-
-def _wait_until_lapsed(run: Location, index: int, where: Location, ttl_s: float) -> None:
-    """Return once generator `index`'s lease is free or has lapsed; raise if it is renewed."""
-    try:
-        current = read_lease(where)
-    except StorageError as exc:
-        raise GeneratorIndexHeldError(
-            f"generator index {index} of run {run.uri}: {exc}; if no generator runs this index, "
-            "start this one with --take-over"
-        ) from exc
-    if current is None or not current.live(time.time()):
-        return
-    left = current.expires_at - time.time()
-    if left <= 2 * ttl_s:  # longer: not a lease of this ttl; refuse rather than wait
-        log.info(
-            "generator index %d of run %s is held by %s (lease until %s): waiting %.0f s to see "
-            "whether it renews it", index, run.uri, current.holder, time.ctime(current.expires_at),
-            left,
-        )  # fmt: skip
-        time.sleep(left + min(1.0, ttl_s / 10))
-        latest = read_lease(where)
-        if latest is None or not latest.live(time.time()):
-            return
-        current = latest
-    raise GeneratorIndexHeldError(_held_message(run, index, current))
-
-
-def _held_message(run: Location, index: int, held: LeaseRecord) -> str:
-    return (
-        f"generator index {index} of run {run.uri} is held by a live generator: {held.holder} "
-        f"(lease epoch {held.epoch}, renewed until {time.ctime(held.expires_at)}); "
-        f"{_HELD_ADVICE}"
-    )
 
 
 # -- summaries -------------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 
 `die_with_parent(parent_pid, sig)` asks the kernel to send `sig` to the calling process when
 its parent dies, however the parent dies (a SIGKILL runs no cleanup). Used by reward workers
-(SIGKILL: they hold nothing) and by every process a supervisor starts (SIGTERM: a generator
-flushes, a learner's torchrun stops its ranks). The kernel sends the signal when the *thread*
-that started the child ends, so a supervisor starts each child from a thread that lives as long
-as the child. Elsewhere than on Linux: a no-op.
+(SIGKILL: they hold nothing). `dying_with_parent(argv, ...)` is the same for a program a
+supervisor starts (SIGTERM: a generator flushes, a learner's torchrun stops its ranks): `argv`
+behind a small exec wrapper that sets the signal (and the planned cores) and then execs it.
+A `preexec_fn` would run Python between fork and exec in a child of a threaded parent, which
+can crash on state the parent's other threads left mid-change; the wrapper is a fresh
+interpreter. The kernel sends the signal when the *thread* that started the child ends, so a
+supervisor starts each child from a thread that lives as long as the child. Elsewhere than on
+Linux: a no-op.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import signal
 import sys
 
-__all__ = ["die_with_parent"]
+__all__ = ["die_with_parent", "dying_with_parent"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Loaded once, before any fork: the call in a freshly forked child then only enters libc.
@@ -31,3 +35,42 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+# Runs in the child: the parent-death signal (checked against a parent that died first), the
+# cores, then the program. Arguments: parent pid, signal, comma-separated cores, argv.
+_WRAPPER = """
+import ctypes, os, sys
+parent, sig, cores = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0) != 0:
+    sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}")
+if os.getppid() != parent:
+    os._exit(1)
+if cores:
+    os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+try:
+    os.execvp(sys.argv[4], sys.argv[4:])
+except OSError as error:
+    sys.exit(f"cannot run {sys.argv[4]}: {error.strerror}")
+"""
+
+
+def dying_with_parent(
+    argv: list[str], parent_pid: int, sig: int = signal.SIGTERM, cpus: tuple[int, ...] = ()
+) -> list[str]:
+    """`argv` behind the exec wrapper (module docstring): it gets `sig` when `parent_pid` (the
+    thread of it that starts the child) dies, and runs on `cpus` (all when empty)."""
+    if _LIBC is None:
+        return list(argv)
+    cores = ",".join(str(c) for c in cpus)
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        _WRAPPER,
+        str(parent_pid),
+        str(int(sig)),
+        cores,
+        *argv,
+    ]

@@ -331,11 +331,19 @@ def _lines(changes: dict[str, tuple[Any, Any]]) -> str:
 
 
 def stop_on_sigterm(stop: threading.Event | None = None) -> threading.Event:
-    """`stop`, or a new event, set by SIGTERM when called from the main thread: a process
-    that watches it finishes its work in hand and exits 0."""
+    """`stop`, or a new event, set by SIGTERM or SIGINT (Ctrl-C) when called from the main
+    thread: a process that watches it finishes its work in hand, releases what it holds (its
+    lease) and exits 0. A second Ctrl-C interrupts at once."""
     stop = stop or threading.Event()
+
+    def stopping(signum: int, frame: object) -> None:
+        stop.set()
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, stopping)
+        signal.signal(signal.SIGINT, stopping)
     return stop
 
 

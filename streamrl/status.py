@@ -42,6 +42,7 @@ from typing import Any
 from storage.checkpoints import CheckpointStore, LearnerState
 from storage.control import stop_requested
 from storage.fs import Location, StorageError
+from storage.lease import lives
 from storage.manifest import open_run
 from storage.records import CommitRecord, Cursor
 from storage.stream import quarantined, read_log
@@ -69,7 +70,9 @@ STOP_MARKER = ("control", "STOP")  # written by `storage.control.request_stop`
 @dataclass(frozen=True)
 class GeneratorStatus:
     """One generator id's share of the commit log. `incarnations`: the process lives that
-    committed under this id, oldest first (more than one = restarts). `reward_*`: its failed
+    committed under this id, oldest first. `restarts` / `resumes`: the later starts of its
+    index after a crash or kill / after a clean stop (from its index lease's epochs; None when
+    it has none: then `incarnations` − 1 are counted as restarts). `reward_*`: its failed
     reward calls and the groups it dropped for them, summed over its commit records (see
     `storage.records.CommitRecord`)."""
 
@@ -82,6 +85,8 @@ class GeneratorStatus:
     reward_errors: int = 0
     reward_timeouts: int = 0
     reward_dropped_groups: int = 0
+    restarts: int | None = None
+    resumes: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,7 @@ def read_status(run: Location, *, previous: RunStatus | None = None) -> RunStatu
     weight_versions = tuple(weights.versions())
     weight_version = weights.latest_version() if weight_versions else None
     stream = read_stream(run, since=previous.stream if previous is not None else None)
+    stream = replace(stream, generators=tuple(_with_lives(run, g) for g in stream.generators))
 
     step = max(int(last_metrics["step"]) if last_metrics else 0, checkpoint_step or 0)
     policy_version, consumed, source = _learner_position(last_metrics, checkpoint, stream)
@@ -302,6 +308,14 @@ def read_stream(run: Location, *, since: StreamStatus | None = None) -> StreamSt
         + sum(r.reward_dropped_groups for r in records),
         groups_before=tuple(groups_before),
     )
+
+
+def _with_lives(run: Location, generator: GeneratorStatus) -> GeneratorStatus:
+    """`generator` with its restarts and resumes, from its index lease (`storage.lease.lives`)."""
+    counted = lives(run.child("generators", generator.writer_id))
+    if counted is None:  # not a `streamrl generator` index: its commits' incarnations tell
+        return generator
+    return replace(generator, restarts=counted[0], resumes=counted[1])
 
 
 def _count(seen: GeneratorStatus | None, record: CommitRecord) -> GeneratorStatus:

@@ -131,7 +131,7 @@ def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
     if not st.generators:
         yield "generators", "none has committed yet"
     for g in st.generators:
-        restarts = _restarts(len(g.incarnations) - 1)
+        restarts = _lives(g)
         failures = ""
         if g.reward_errors or g.reward_timeouts or g.reward_dropped_groups:
             failures = f"; {_reward_failures(g)}"
@@ -198,8 +198,11 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _restarts(count: int) -> str:
-    return "" if count == 0 else f", {_plural(count, 'restart')}"
+def _lives(g: GeneratorStatus) -> str:
+    """ ", 1 restart, 2 resumes": the later starts of a generator's index."""
+    restarts = len(g.incarnations) - 1 if g.restarts is None else g.restarts
+    counts = [_plural(n, word) for n, word in ((restarts, "restart"), (g.resumes, "resume")) if n]
+    return "".join(f", {count}" for count in counts)
 
 
 def _plural(count: int, noun: str) -> str:

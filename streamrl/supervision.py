@@ -23,7 +23,9 @@ The rules:
   over) while its budget lasts (a generator: `generator_retries` within `generator_window_s`;
   the evaluator: `evaluator_retries`); one that completed, ended after it was asked to stop
   (scaled in, the run's stop marker), or was displaced (another generator holds its index),
-  is not. `TargetGenerators` scales out (new indexes) or in (the newest stop).
+  is not. One that failed as a restart would fail again (`deterministic`: the user code its
+  configuration names cannot be resolved, `USER_CODE_EXIT_CODE`) aborts the run at once,
+  its cause as the reason. `TargetGenerators` scales out (new indexes) or in (the newest stop).
 - **Finishing**: nothing is restarted or scaled; the others flush; what still runs
   `finish_grace_s` after the learner completed is cancelled. `done` then.
 - **Aborting**: a budget spent, or `Interrupted`: the run stops; later events are ignored.
@@ -42,6 +44,8 @@ from streamrl.placement import Component as Kind
 __all__ = [
     "FENCE_AFTER_S",
     "FINISH_GRACE_S",
+    "NOT_RESTARTED",
+    "USER_CODE_EXIT_CODE",
     "Abort",
     "Action",
     "Cancel",
@@ -64,6 +68,13 @@ FINISH_GRACE_S = 180.0  # generators flush, the evaluator scores the last versio
 # A worker that lost its infrastructure may never report a cancelled node ended: after this
 # long the next attempt starts anyway, and its lease take-over fences the old nodes.
 FENCE_AFTER_S = 120.0
+# A process whose configuration names user code that cannot be resolved the same way every time
+# (generator.reward.fn or generator.env.fn: a module, function or class that is not there)
+# exits with this code (`streamrl generator`): supervisors do not restart it.
+USER_CODE_EXIT_CODE = 4
+# How a backend says a unit failed so, in the failure it reports (a flow run's state message
+# carries it to the supervisor of a run on work pools).
+NOT_RESTARTED = "not restarted: a restart would fail the same way"
 
 
 class RestartBudget:
@@ -107,6 +118,7 @@ class Failure:
     recent: int  # of those, within the window
     allowed: int  # restarts allowed within the window
     window_s: float
+    deterministic: bool = False  # a restart would fail the same way: none was tried
 
 
 # -- events: what a backend tells the policy ------------------------------------------------
@@ -126,6 +138,9 @@ class Ended:
     # A learner that refused the run or stopped because another learner holds its lease
     # (`storage.lease`): restarting it (taking the run over) would displace that learner.
     displaced: bool = False
+    # It failed as a restart would fail again (USER_CODE_EXIT_CODE, or NOT_RESTARTED in a flow
+    # run's state message); `cause` says why, in the unit's own words.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -309,6 +324,13 @@ class SupervisionPolicy:
             return []
         if event.completed or asked or event.stop_requested or self.finish_deadline is not None:
             return []
+        if event.deterministic:
+            budget = self.budgets[unit.name]
+            failure = Failure(
+                unit, event.cause, budget.total, len(budget.times), budget.allowed,
+                budget.window_s, deterministic=True,
+            )  # fmt: skip
+            return self._abort(f"{unit.name} cannot run ({event.cause}); {NOT_RESTARTED}", failure)
         spent, failure = self._spend(self.budgets[unit.name], event)
         if not spent:
             return self._abort(f"{unit.name} failed for good", failure)

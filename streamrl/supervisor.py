@@ -23,6 +23,7 @@ from storage.lease import DISPLACED, NOT_HOLDER_EXIT_CODE
 from streamrl.component_output import RESTART_NOTICE, ComponentLogs
 from streamrl.config import RunConfig
 from streamrl.launch import (
+    STOP_GRACE_S,
     evaluator_command,
     generator_command,
     learner_command,
@@ -40,6 +41,8 @@ from streamrl.placement import (
 from streamrl.rendezvous import LearnerNode
 from streamrl.runs import open_run_location
 from streamrl.supervision import (
+    NOT_RESTARTED,
+    USER_CODE_EXIT_CODE,
     Abort,
     Action,
     Cancel,
@@ -225,12 +228,23 @@ class Supervisor:
 
         while not component.stop.is_set():
             component.exit_code = run_process(
-                component.argv, line, component.stop, placement=component.placement
+                component.argv,
+                line,
+                component.stop,
+                placement=component.placement,
+                grace_s=self._grace_s(component),
             )
             notice = self._ended(component)
             if notice is None:
                 return
             show(notice)
+
+    def _grace_s(self, component: Component) -> float:
+        """How long a stopped component has before SIGKILL: a learner its `stop_grace_s` (for
+        the checkpoint on stop) and a margin, at least what every component has."""
+        if component.unit.kind != "learner":
+            return STOP_GRACE_S
+        return max(STOP_GRACE_S, self.config.learner.stop_grace_s + 10.0)
 
     def run(self) -> dict[str, Any]:
         """`streamrl run`: every component on a thread of this process until the learner is
@@ -293,9 +307,15 @@ class Supervisor:
         # Under torchrun a rank's exit code is lost; the learner's own line says it too.
         said = any(DISPLACED in line for line in component.tail)
         displaced = component.unit.kind != "evaluator" and (code == NOT_HOLDER_EXIT_CODE or said)
+        cause = f"exit code {code}"
+        deterministic = code == USER_CODE_EXIT_CODE
+        if deterministic:  # its error line says what to change
+            errors = [line for line in component.tail if line.startswith("error: ")]
+            cause += f": {errors[-1].removeprefix('error: ')}" if errors else ""
         event = Ended(
-            component.unit, code == 0, time.monotonic(), f"exit code {code}", displaced=displaced
-        )
+            component.unit, code == 0, time.monotonic(), cause, displaced=displaced,
+            deterministic=deterministic,
+        )  # fmt: skip
         notice = None
         for action in self._decide(event):
             match action:
@@ -333,10 +353,11 @@ class Supervisor:
     def _failed_for_good(self, failure: Failure) -> str:
         component = next(c for c in self.components if c.unit == failure.unit)
         tail = "\n    ".join(list(component.tail)[-10:])
-        return (
-            f"{component.name} failed for good ({failure.cause} after {failure.restarts} "
-            f"restarts); its last lines:\n    {tail}"
-        )
+        if failure.deterministic:
+            why = f"cannot run ({failure.cause}); {NOT_RESTARTED}"
+        else:
+            why = f"failed for good ({failure.cause} after {failure.restarts} restarts)"
+        return f"{component.name} {why}; its last lines:\n    {tail}"
 
     def _stop_run(self, reason: str) -> None:
         """The stop marker when this supervisor owns the run, then every process stopped."""

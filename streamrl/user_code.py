@@ -1,5 +1,8 @@
-"""Importing a user's object by import path ('package.module:attribute'), for the registries
-of rewards (`streamrl.rewards.registry`) and environments (`streamrl.envs.registry`).
+"""A user's object by import path ('package.module:attribute'), for the registries of rewards
+(`streamrl.rewards.registry`) and environments (`streamrl.envs.registry`): its shape checked
+(`split_import_path`), its top-level module looked for without running anything
+(`modules_not_found`; `check_user_code` before a run on this machine starts), and the object
+imported (`import_object`).
 
 Every way it can fail raises the caller's error class with a message that names the path and
 what to change: a module that is not there (or imports one that is not installed), a module
@@ -10,13 +13,72 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-__all__ = ["import_object"]
+from streamrl.config_base import ConfigError
+
+if TYPE_CHECKING:
+    from streamrl.config import RunConfig
+
+__all__ = ["check_user_code", "import_object", "modules_not_found", "split_import_path"]
+
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 
 
-def import_object(path: str, what: str, error: type[Exception]) -> object:
+def split_import_path(path: str, *, dotted_attribute: bool = True) -> tuple[str, str] | None:
+    """`(module, attribute)` of `path` when it looks like 'package.module:attribute' (the
+    attribute dotted only with `dotted_attribute`); None when it does not."""
+    attribute = _DOTTED if dotted_attribute else r"[A-Za-z_]\w*"
+    match = re.fullmatch(rf"({_DOTTED}):({attribute})", path)
+    return (match[1], match[2]) if match else None
+
+
+_INSTALLED = "check the spelling and that its package is installed or on PYTHONPATH"
+
+
+def modules_not_found(paths: Mapping[str, str]) -> list[str]:
+    """One problem per import path of `paths` (a field's dotted name → 'package.module:attr')
+    whose top-level package or module cannot be found, as a process `streamrl run` starts would
+    look for it: on this interpreter's path and in the working directory (`python -m` puts it
+    first). Runs no user code: finding a submodule would import its package, so only the
+    top-level name is looked for; the rest is found out where the object is imported."""
+    problems = []
+    for field, path in paths.items():
+        top = path.partition(":")[0].partition(".")[0]
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except ValueError:  # in sys.modules without a spec (__main__): it is there
+            found = True
+        if not found:
+            found = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+        if not found:
+            problems.append(f"{field}: no module named '{top}' (got {path!r}); {_INSTALLED}")
+    return problems
+
+
+def check_user_code(config: RunConfig) -> None:
+    """Before a run's processes start on this machine: the top-level module of each import
+    path of its configuration (`RunConfig.user_code`) is found, as they will look for it.
+
+    Raises:
+        ConfigError: one line per module that is not there, with the fix.
+    """
+    if problems := modules_not_found(config.user_code):
+        raise ConfigError(problems)
+
+
+def import_object(
+    path: str, what: str, error: type[Exception], raised: type[Exception] | None = None
+) -> object:
     """The object at `path` ('package.module:attribute', the attribute possibly dotted).
-    `what` names it in messages ("reward", "environment"); failures raise `error`."""
+    `what` names it in messages ("reward", "environment"); failures raise `error`, but a module
+    whose import raised, which may fail only this time (a file or host it reads), raises
+    `raised` (default `error`)."""
     module_name, _, attribute = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -24,16 +86,15 @@ def import_object(path: str, what: str, error: type[Exception]) -> object:
         missing = e.name or module_name
         if module_name == missing or module_name.startswith(f"{missing}."):
             raise error(
-                f"{what} {path!r}: no module named '{missing}'; check the spelling and that "
-                f"its package is installed or on PYTHONPATH ({what} workers import it in a "
-                "fresh process)"
+                f"{what} {path!r}: no module named '{missing}'; {_INSTALLED} ({what} workers "
+                "import it in a fresh process)"
             ) from e
         raise error(
             f"{what} {path!r}: importing '{module_name}' failed because it imports "
             f"'{missing}', which is not installed"
         ) from e
     except Exception as e:
-        raise error(
+        raise (raised or error)(
             f"{what} {path!r}: importing '{module_name}' raised {type(e).__name__}: {e}"
         ) from e
     target: object = module

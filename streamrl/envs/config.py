@@ -6,12 +6,12 @@ Light on purpose: pydantic only, so the configuration loads without torch or vLL
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config_base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
+from streamrl.envs.registry import check_env_name
 
 __all__ = ["EnvConfig"]
 
@@ -107,11 +107,7 @@ class EnvConfig(Section):
     @field_validator("fn")
     @classmethod
     def _fn_is_name_or_import_path(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?", value):
-            raise ValueError(
-                f"{value!r} is neither an environment name (e.g. 'calculator') nor an import "
-                "path 'package.module:ClassName'"
-            )
+        check_env_name(value)  # imports nothing of the user's; a ValueError naming the fix
         return value
 
     @property

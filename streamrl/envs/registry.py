@@ -12,11 +12,12 @@ nothing of the user's.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from streamrl.envs.base import Environment
-from streamrl.user_code import import_object
+from streamrl.user_code import import_object, split_import_path
 
 __all__ = [
     "ENVIRONMENTS",
@@ -39,12 +40,15 @@ ENVIRONMENTS: Mapping[str, str] = MappingProxyType(
 
 
 class EnvResolutionError(ValueError):
-    """`generator.env.fn` names no usable environment; the message says what to change."""
+    """`generator.env.fn` names no usable environment; the message says what to change. Raised
+    as such (not as `EnvLoadError`), it fails the same way every time: the name, the module or
+    the class is not there or is no environment."""
 
 
 class EnvLoadError(EnvResolutionError):
-    """The environment workers could not start: the import or the environment's construction
-    was still running at `startup_timeout_s`, raised, or a worker died starting."""
+    """The environment workers could not start, which may not happen again: the import or the
+    environment's construction raised or was still running at `startup_timeout_s`, or a worker
+    died starting."""
 
 
 def registered_envs() -> list[str]:
@@ -54,7 +58,8 @@ def registered_envs() -> list[str]:
 
 def check_env_name(name_or_path: str) -> None:
     """Fail fast on what can be told without running user code: an unknown registered name,
-    or an import path that is not `package.module:ClassName`.
+    or an import path that is not `package.module:ClassName` (a dotted name without the colon
+    included).
 
     Raises:
         EnvResolutionError: the message says what to change.
@@ -72,7 +77,7 @@ def resolve_env(name_or_path: str) -> type[Environment]:
             `Environment` subclass.
     """
     path = _import_path(name_or_path)
-    target = import_object(path, "environment", EnvResolutionError)
+    target = import_object(path, "environment", EnvResolutionError, EnvLoadError)
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise EnvResolutionError(
             f"environment {name_or_path!r} is {type(target).__name__} {target!r:.60}, not a "
@@ -82,24 +87,30 @@ def resolve_env(name_or_path: str) -> type[Environment]:
 
 
 def _import_path(name_or_path: str) -> str:
-    if ":" not in name_or_path:
-        if name_or_path in ENVIRONMENTS:
-            return ENVIRONMENTS[name_or_path]
-        names = registered_envs()
-        close = difflib.get_close_matches(name_or_path, names, n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        dotted = ""
-        if "." in name_or_path:
-            module, _, attribute = name_or_path.rpartition(".")
-            dotted = f" An import path separates the class with a colon: '{module}:{attribute}'."
+    if ":" in name_or_path:
+        if split_import_path(name_or_path) is None:
+            raise EnvResolutionError(
+                f"environment import path {name_or_path!r} must look like "
+                "'package.module:ClassName'"
+            )
+        return name_or_path
+    if name_or_path in ENVIRONMENTS:
+        return ENVIRONMENTS[name_or_path]
+    module, _, attribute = name_or_path.rpartition(".")
+    if split_import_path(f"{module}:{attribute}"):
         raise EnvResolutionError(
-            f"unknown environment {name_or_path!r}; {hint}registered environments: "
-            f"{', '.join(names)}, or a user's Environment subclass as "
-            f"'package.module:ClassName'.{dotted}"
+            f"{name_or_path!r} is not a registered environment, and an import path separates "
+            f"the module from the class with a colon: write it as '{module}:{attribute}'"
         )
-    module_name, _, attribute = name_or_path.partition(":")
-    if not module_name or not attribute:
+    if not re.fullmatch(r"[A-Za-z_]\w*", name_or_path):
         raise EnvResolutionError(
-            f"environment import path {name_or_path!r} must look like 'package.module:ClassName'"
+            f"{name_or_path!r} is neither an environment name (e.g. 'calculator') nor an import "
+            "path 'package.module:ClassName'"
         )
-    return name_or_path
+    names = registered_envs()
+    close = difflib.get_close_matches(name_or_path, names, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise EnvResolutionError(
+        f"unknown environment {name_or_path!r}; {hint}registered environments: "
+        f"{', '.join(names)}, or a user's Environment subclass as 'package.module:ClassName'"
+    )

@@ -32,8 +32,8 @@ from streamrl.envs.base import (
 )
 from streamrl.envs.formats import TOOL_FORMATS
 from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth, truncate_all
-from streamrl.envs.registry import EnvResolutionError, resolve_env
-from streamrl.rewards.registry import RewardResolutionError, resolve_reward
+from streamrl.envs.registry import EnvLoadError, EnvResolutionError, resolve_env
+from streamrl.rewards.registry import RewardLoadError, RewardResolutionError, resolve_reward
 from streamrl.rewards.worker import check_score, loaded
 
 __all__ = [
@@ -88,8 +88,9 @@ def load_environment(spec: EnvSpec) -> Environment:
     cls = resolve_env(spec.fn)
     try:
         reward = resolve_reward(spec.reward_fn)
-    except RewardResolutionError as error:
-        raise EnvResolutionError(f"{error} (generator.reward.fn)") from error
+    except RewardResolutionError as error:  # as transient as the reward's own error
+        wrapped = EnvLoadError if isinstance(error, RewardLoadError) else EnvResolutionError
+        raise wrapped(f"{error} (generator.reward.fn)") from error
     context = EnvContext(
         reward=reward,
         reward_fn=spec.reward_fn,

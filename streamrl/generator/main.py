@@ -54,6 +54,9 @@ def build_generator(
         _build(config, run, index, policy_version, before_commit=held.check) as loop,
     ):
         yield loop
+        # The loop has flushed: the index is free before the engine shuts down, so that a
+        # resumed generator takes it at once even if this one is killed while shutting down.
+        held.release()
 
 
 @contextlib.contextmanager

@@ -30,16 +30,18 @@ def run_learner(
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
     number of steps done. Call it on every rank: torchrun's environment sets the topology.
     `take_over`: take the run's lease even from a learner that still holds it (a supervisor
-    that saw the previous learner end; `storage.lease`)."""
+    that saw the previous learner end; `storage.lease`). With `learner.checkpoint_on_stop`,
+    SIGTERM or Ctrl-C (from the main thread) stops it with a checkpoint: `StopRequested`."""
     import os
 
     from streamrl.learner.loop import Learner
     from streamrl.learner.topology import Topology
     from streamrl.placement import bind_rank
-    from streamrl.runs import open_existing_run
+    from streamrl.runs import open_existing_run, stop_on_sigterm
 
     # A learner of several ranks placed on cores: each rank on its own (threads = its share).
     bind_rank(int(os.environ.get("LOCAL_RANK", "0")))
     config, run = open_existing_run(run_uri, storage_options)
+    stop = stop_on_sigterm() if config.learner.checkpoint_on_stop else None
     with Topology.from_env(config.learner.device) as topology:
-        return Learner(config, run, topology, take_over=take_over).run()
+        return Learner(config, run, topology, take_over=take_over, stop=stop).run()

@@ -95,6 +95,7 @@ class LearnerCheckpoints:
     ) -> None:
         self.config, self.run, self.topology, self.models = config, run, topology, models
         self.store, self.fence = CheckpointStore(run, fence=fence), fence
+        self.last_saved_step: int | None = None  # the step of the checkpoint restored or saved
 
     def restore(self) -> TrainingState:
         """Load the newest verified checkpoint into the models (and each rank's RNG states) and
@@ -107,6 +108,7 @@ class LearnerCheckpoints:
             )
         self._check_compatible(self.store.read_state(latest), latest)
         state = self._restored(self.store.load(latest, self._app_state()))
+        self.last_saved_step = state.step
         log.info(
             "resumed at step %d, version %d, stream %s", state.step, state.version, state.cursor
         )
@@ -115,6 +117,7 @@ class LearnerCheckpoints:
     def save(self, state: TrainingState) -> None:
         """Checkpoint the models and `state` (its `version`: committed), then retain."""
         self.store.save(self._app_state(), self._record(state))
+        self.last_saved_step = state.step
         self.store.retain(self.config.learner.keep_checkpoints)
         if self.config.storage.stream_retention == "consumed":
             self._release_consumed()

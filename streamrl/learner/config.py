@@ -77,7 +77,12 @@ class LearnerConfig(Section):
     )
     eps: float = Field(1e-8, gt=0.0, description="AdamW ε.")
     warmup_steps: int = Field(
-        10, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up steps."
+        10,
+        ge=0,
+        le=MAX_STEPS,
+        description="Linear learning-rate warm-up, in optimiser updates (batch_groups / "
+        "mini_batch_groups of them per learner step); at most the run's updates, "
+        "total_steps × batch_groups / mini_batch_groups.",
     )
     schedule: Schedule = Field(
         "constant",
@@ -113,6 +118,23 @@ class LearnerConfig(Section):
         description="The learner's lease on the run (one learner per run) lasts this long "
         "without renewal: a new learner may take the run over once it lapsed (or at once with "
         "--take-over), and the old one then writes nothing more.",
+    )
+    checkpoint_on_stop: bool = Field(
+        True,
+        description="On SIGTERM or Ctrl-C (a preempted spot machine, a supervisor stopping the "
+        "run): finish the step in hand (or abandon its wait for data) and commit a checkpoint "
+        "of it before exiting, so a resume loses no step. false: stop at once, resuming from "
+        "the last periodic checkpoint.",
+    )
+    stop_grace_s: float = Field(
+        25.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="Seconds a stopped learner has before it is killed (Kubernetes: the pod's "
+        "terminationGracePeriodSeconds, 30 by default; keep this below it). A checkpoint on "
+        "stop that would not fit in what is left of it is not started (it would be cut off "
+        "half-way, never committed), and a supervisor of this run waits this long, plus a "
+        "margin, before SIGKILL.",
     )
     max_skipped_updates: int = Field(
         5,
@@ -181,6 +203,26 @@ class LearnerConfig(Section):
                 f"({self.mini_batch_groups}); e.g. set learner.mini_batch_groups="
                 f"{self.batch_groups}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _warmup_ends_within_the_run(self) -> LearnerConfig:
+        """The schedule (`streamrl.learner.optim.build_scheduler`) counts optimiser updates and
+        refuses a warm-up longer than the run: the peak lr would never be reached."""
+        updates = self.total_steps * self.updates_per_batch
+        if self.warmup_steps <= updates:
+            return self
+        run = f"total_steps ({self.total_steps})"
+        if self.updates_per_batch > 1:
+            run = (
+                f"the run's optimiser updates, {run} × {self.updates_per_batch} per step "
+                f"(batch_groups / mini_batch_groups) = {updates}"
+            )
+        raise ValueError(
+            f"warmup_steps ({self.warmup_steps}) exceeds {run}: the peak learning rate would "
+            f"never be reached; set learner.warmup_steps ≤ {updates} or raise "
+            "learner.total_steps"
+        )
         return self
 
     @model_validator(mode="after")

@@ -44,6 +44,7 @@ reference) is refused before anything is loaded or written, naming the differenc
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -63,7 +64,7 @@ from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.reporting import MetricsReporter, read_metrics
 from streamrl.learner.step import StepSettings, train_on_batch
-from streamrl.learner.stream_source import StreamSource
+from streamrl.learner.stream_source import StopRequested, StreamSource
 from streamrl.learner.topology import Topology
 
 __all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
@@ -84,11 +85,22 @@ class Learner:
     `state` (a `TrainingState`) is where it stands: step, version, stream cursor."""
 
     def __init__(
-        self, config: RunConfig, run: Location, topology: Topology, *, take_over: bool = False
+        self,
+        config: RunConfig,
+        run: Location,
+        topology: Topology,
+        *,
+        take_over: bool = False,
+        stop: threading.Event | None = None,
     ) -> None:
         """Take the run's lease (rank 0; `take_over`: even from a live holder, see
-        `storage.lease`), build the models and resume from the latest checkpoint."""
+        `storage.lease`), build the models and resume from the latest checkpoint. `stop`: set
+        (by SIGTERM) to stop with a checkpoint (`run`)."""
         self.config, self.run_location, self.topology = config, run, topology
+        self.stop = stop or threading.Event()
+        self.stop_deadline: float | None = None  # monotonic: when `stop` was set + the grace
+        threading.Thread(target=self._note_stop, daemon=True, name="stop-deadline").start()
+        self.last_checkpoint_s = 0.0
         self.lease: RunLease | None = None
         topology.decide_on_main(lambda: self._acquire_lease(take_over))
         try:
@@ -140,7 +152,7 @@ class Learner:
             self.state,
             vocab_size=self.models.policy.model.config.vocab_size,
             lease=self.lease,
-            while_waiting=self.publisher.check_failed,
+            while_waiting=self._while_waiting,
         )
 
     def _health_monitor(self) -> HealthMonitor:
@@ -165,21 +177,64 @@ class Learner:
 
     def run(self) -> int:
         """Train until `total_steps`, then checkpoint, publish and stop the generators; the
-        run's lease is released at the end (also on an error)."""
+        run's lease is released at the end (also on an error).
+
+        Once `stop` is set (SIGTERM: a preempted machine, a supervisor stopping the run) the
+        step in hand is finished — or, still waiting for its data, abandoned — and with
+        `learner.checkpoint_on_stop` a checkpoint of the last finished step is committed
+        within `learner.stop_grace_s`; then `StopRequested` is raised."""
         cfg = self.config.learner
         try:
             with self.reporter:
                 if not self.state.value_pretrained:
                     self.pretrain_value()
                 while self.state.step < cfg.total_steps:
+                    if self.topology.decide_on_main(self.stop.is_set):
+                        raise StopRequested(f"stopped after step {self.state.step}")
                     self.train_step()
             self.publisher.flush()  # the last version is committed before the generators stop
             self._guard()
             if self.topology.is_main:
                 request_stop(self.run_location, f"learner reached {cfg.total_steps} steps")
+        except StopRequested:
+            self._checkpoint_on_stop()
+            raise
         finally:
             self.release()
         return self.state.step
+
+    def _note_stop(self) -> None:
+        self.stop.wait()
+        self.stop_deadline = time.monotonic() + self.config.learner.stop_grace_s
+
+    def _while_waiting(self) -> None:
+        """Rank 0, while the stream has nothing new: a failed publish fails the learner; a stop
+        abandons the wait."""
+        self.publisher.check_failed()
+        if self.stop.is_set():
+            raise StopRequested("stopped while waiting for data")
+
+    def _checkpoint_on_stop(self) -> None:
+        """Commit a checkpoint of the last finished step, unless one exists, it is turned off,
+        or it would not fit in what is left of `stop_grace_s` (a checkpoint takes about as
+        long as the last one did); a checkpoint cut off half-way is never committed."""
+        cfg, step = self.config.learner, self.state.step
+        if not cfg.checkpoint_on_stop or not self.state.value_pretrained or step == 0:
+            return
+        if self.checkpoints.last_saved_step == step:
+            log.info("stopped at step %d, which is checkpointed", step)
+            return
+        deadline = self.stop_deadline or time.monotonic() + cfg.stop_grace_s
+        left = self.topology.decide_on_main(lambda: deadline - time.monotonic())
+        if left < 1.2 * self.last_checkpoint_s:
+            log.warning(
+                "stopped at step %d with %.0f s of learner.stop_grace_s left, less than a "
+                "checkpoint takes (%.0f s): not saved; a resume starts from step %s",
+                step, left, self.last_checkpoint_s, self.checkpoints.last_saved_step,
+            )  # fmt: skip
+            return
+        self._checkpoint()
+        log.warning("stopped: checkpoint of step %d committed; a resume loses nothing", step)
 
     def _guard(self) -> None:
         """Every rank, before the learner writes the run: fail (`LeaseLostError`) if rank 0 no
@@ -209,7 +264,10 @@ class Learner:
     def _train_batch(self, *, train_policy: bool = True) -> tuple[StreamBatch, dict[str, float]]:
         """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
-        batch, stream_metrics = self.stream.next_batch()
+        collected = self.stream.next_batch()
+        if collected is None:  # the wait was abandoned: nothing of this step happened
+            raise StopRequested(f"stopped after step {self.state.step}, waiting for data")
+        batch, stream_metrics = collected
         past = self.state.past_rewards(batch)
         self.state.trained_on(batch)
         collected = time.perf_counter()
@@ -310,6 +368,8 @@ class Learner:
 
     def _checkpoint(self) -> None:
         # A checkpoint at version v implies v is committed: flush raises if it was not.
+        started = time.monotonic()
         self.publisher.flush()
         self._guard()
         self.checkpoints.save(self.state)
+        self.last_checkpoint_s = time.monotonic() - started

@@ -35,9 +35,14 @@ from streamrl.learner.batching import BatchCollector, FilterCounts, StreamBatch
 from streamrl.learner.checkpointing import TrainingState
 from streamrl.learner.topology import Topology
 
-__all__ = ["StreamSource"]
+__all__ = ["StopRequested", "StreamSource"]
 
 log = logging.getLogger(__name__)
+
+
+class StopRequested(Exception):  # noqa: N818 (a request, not an error)
+    """The learner was asked to stop (SIGTERM, Ctrl-C): raised by `while_waiting` to abandon
+    the wait for a batch; `next_batch` then returns None on every rank."""
 
 
 class StreamSource:
@@ -85,15 +90,19 @@ class StreamSource:
         self._groups = self.reader.groups(timeout_s=cfg.stream_timeout_s)
         self._quarantined_before = len(quarantined(run))
 
-    def next_batch(self) -> tuple[StreamBatch, dict[str, float]]:
+    def next_batch(self) -> tuple[StreamBatch, dict[str, float]] | None:
         """The next batch and the stream's metrics, decided on rank 0 and handed to every rank
-        (an error there, e.g. a stream timeout, raises on every rank)."""
+        (an error there, e.g. a stream timeout, raises on every rank); None on every rank when
+        the wait for it was abandoned (`StopRequested`): nothing of it was consumed, the
+        learner's cursor still points at its first group."""
         return self.topology.decide_on_main(self._collect)
 
-    def _collect(self) -> tuple[StreamBatch, dict[str, float]]:
+    def _collect(self) -> tuple[StreamBatch, dict[str, float]] | None:
         reader, seen_before = self.reader, len(self.reader.stats.quarantined)
         try:
             batch = self.collector.collect(self._groups, lambda: reader.cursor, self.state.version)
+        except StopRequested:
+            return None
         except StreamTimeoutError as exc:
             raise StreamTimeoutError(
                 f"{exc}; the learner is at step {self.state.step}. Start generators for this run "
@@ -156,8 +165,8 @@ class StreamSource:
         admit a whole step's groups more at a version about to be replaced (all of them stale
         under max_staleness=0).
 
-        Raises (ending the wait, on every rank) if `while_waiting` does or the run's lease is
-        lost."""
+        Raises (ending the wait, on every rank) if `while_waiting` does (`StopRequested`: the
+        wait is abandoned) or the run's lease is lost."""
         self._while_waiting()
         with self._progress_lock:
             self._check_lease()

@@ -50,6 +50,12 @@ class LocalPlacement(Section):
     def check_on_this_machine(self) -> None:
         """Local runs are planned on this machine."""
 
+    @property
+    def runs_here(self) -> bool:
+        """Whether the processes run on the machine that starts the run, so that the modules
+        of the user's code they import are found there: yes."""
+        return True
+
     def scaling_limit(self, run_uri: str) -> int:
         """The most generators `streamrl scale` may ask for: none, a local run is not scaled."""
         raise PlacementError(
@@ -82,8 +88,9 @@ class PoolsPlacement(Section):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables added to every flow run's `env` job variable. Not "
-        "credentials (AWS_*, *_KEY, *TOKEN*, *SECRET*, *PASSWORD* are refused): those belong "
-        "in the pool's Kubernetes secret or the worker's environment.",
+        "credentials (names such as AWS_*, *_KEY, *TOKEN*, *SECRET*, *PASSWORD*, *_PASS, "
+        "*_PAT, *_CREDS, and URLs with a password, token or signature, are refused): those "
+        "belong in the pool's Kubernetes secret or the worker's environment.",
     )
     retry_window_s: float = Field(
         3600.0,
@@ -113,6 +120,12 @@ class PoolsPlacement(Section):
             "streamrl flow does (prefect deployment run streamrl/dapo ...); `streamrl run` runs "
             "them on this machine: leave placement.mode=local"
         )
+
+    @property
+    def runs_here(self) -> bool:
+        """No: each process runs on a work pool's worker (in `image`), which imports the user's
+        code there."""
+        return False
 
     def scaling_limit(self, run_uri: str) -> int:
         """The most generators `streamrl scale` may ask for."""

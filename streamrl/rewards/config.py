@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from streamrl.config_base import MAX_WAIT_S, Section
+from streamrl.rewards.registry import check_reward_name
 
 __all__ = [
     "RewardConfig",
@@ -57,9 +57,5 @@ class RewardConfig(Section):
     @field_validator("fn")
     @classmethod
     def _fn_is_name_or_import_path(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?", value):
-            raise ValueError(
-                f"{value!r} is neither a reward name (e.g. 'math') nor an import path "
-                "'package.module:function'"
-            )
+        check_reward_name(value)  # imports nothing of the user's; a ValueError naming the fix
         return value

@@ -3,7 +3,8 @@ mechanism behind the reward scorer (`streamrl.rewards.scoring`) and the environm
 (`streamrl.envs.runner`).
 
 `IsolatedPool` runs `workers` spawned processes, each boxed in by `streamrl.rewards.worker`
-(no credentials, an address-space limit, dead with its parent, the OOM killer's first choice)
+(an allowlisted environment, an address-space limit, dead with its parent, the OOM killer's
+first choice)
 before it loads the user's code with the pool's loader. Callers from any number of threads
 `submit(fn, *args, timeout_s=...)` and get a `Future[Outcome]` that never raises: user code may
 raise, hang or crash its interpreter, and each of those comes back as an `Outcome` with

@@ -16,16 +16,18 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
 from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
-from streamrl.user_code import import_object
+from streamrl.user_code import import_object, split_import_path
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFn",
+    "RewardLoadError",
     "RewardResolutionError",
     "check_reward_name",
     "registered_rewards",
@@ -56,7 +58,15 @@ REWARD_FUNCTIONS: Mapping[str, RewardFn] = MappingProxyType(
 
 
 class RewardResolutionError(ValueError):
-    """`reward.fn` names no usable reward function; the message says what to change."""
+    """`reward.fn` names no usable reward function; the message says what to change. Raised as
+    such (not as `RewardLoadError`), it fails the same way every time: the name, the module or
+    the function is not there or does not fit."""
+
+
+class RewardLoadError(RewardResolutionError):
+    """The reward could not be loaded, which may not happen again: its module raised on import,
+    the import was still running at `startup_timeout_s`, or a worker died while starting; the
+    message says what to change."""
 
 
 def registered_rewards() -> list[str]:
@@ -66,8 +76,9 @@ def registered_rewards() -> list[str]:
 
 def check_reward_name(name_or_path: str) -> None:
     """Fail fast on what can be told without running user code: an unknown registered name, or
-    an import path that is not `package.module:function`. Whether the module imports and has
-    that function is found out by the reward workers (`RewardScorer` raises it on start).
+    an import path that is not `package.module:function` (a dotted name without the colon
+    included). Whether the module imports and has that function is found out by the reward
+    workers (`RewardScorer` raises it on start).
 
     Raises:
         RewardResolutionError: the message says what to change.
@@ -79,12 +90,12 @@ def check_reward_name(name_or_path: str) -> None:
 
 
 def _split_import_path(name_or_path: str) -> tuple[str, str]:
-    module_name, _, attribute = name_or_path.partition(":")
-    if not module_name or not attribute:
+    parts = split_import_path(name_or_path, dotted_attribute=False)
+    if parts is None:
         raise RewardResolutionError(
             f"reward import path {name_or_path!r} must look like 'package.module:function'"
         )
-    return module_name, attribute
+    return parts
 
 
 def resolve_reward(name_or_path: str) -> RewardFn:
@@ -101,7 +112,7 @@ def resolve_reward(name_or_path: str) -> RewardFn:
     if ":" not in name_or_path:
         return _registered(name_or_path)
     _split_import_path(name_or_path)
-    target = import_object(name_or_path, "reward", RewardResolutionError)
+    target = import_object(name_or_path, "reward", RewardResolutionError, RewardLoadError)
     if not callable(target):
         raise RewardResolutionError(
             f"reward {name_or_path!r} is not callable (it is the {type(target).__name__} "
@@ -120,17 +131,22 @@ def _registered(name: str) -> RewardFn:
         load_math_verify()  # at resolution (a worker's startup), not in its first call's time
         return REWARD_FUNCTIONS[name]
     names = registered_rewards()
+    module, _, function = name.rpartition(".")
+    if split_import_path(f"{module}:{function}", dotted_attribute=False):
+        raise RewardResolutionError(
+            f"{name!r} is not a registered reward, and an import path separates the module from "
+            f"the function with a colon: write it as '{module}:{function}'"
+        )
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise RewardResolutionError(
+            f"{name!r} is neither a reward name (e.g. 'math') nor an import path "
+            "'package.module:function'"
+        )
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    dotted = (
-        f" An import path separates the function with a colon: '{name.rpartition('.')[0]}:"
-        f"{name.rpartition('.')[2]}'."
-        if "." in name
-        else ""
-    )
     raise RewardResolutionError(
         f"unknown reward {name!r}; {hint}registered rewards: {', '.join(names)}, or a user "
-        f"function as 'package.module:function'.{dotted}"
+        "function as 'package.module:function'"
     )
 
 

@@ -18,9 +18,10 @@ only checks the name (`check_reward_name`).
 How loading is kept in bounds. The workers count as started once every one has loaded the
 reward, within `startup_timeout_s`. On entry a failure raises: `RewardResolutionError` for a
 module or function that is not there (in the same words as `resolve_reward`), `RewardLoadError`
-for an import still running at the limit (its workers are killed) or a worker that died
-starting. A replacement pool that fails to start (the import hangs now) does not raise: the
-calls waiting for it score 0.0 as errors, counted, and the next batch tries again.
+for a module that raised on import, an import still running at the limit (its workers are
+killed) or a worker that died starting. A replacement pool that fails to start (the import
+hangs now) does not raise: the calls waiting for it score 0.0 as errors, counted, and the next
+batch tries again.
 
 `score()` may be called from several threads; their calls share the workers, queued in the
 order submitted. Scores are raw, in [0, 1]; `streamrl.algorithms.shaping.scale_rule_reward`
@@ -37,7 +38,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamrl.rewards.pool import Failure, IsolatedPool, Outcome
-from streamrl.rewards.registry import RewardResolutionError, check_reward_name, resolve_reward
+from streamrl.rewards.registry import (
+    RewardLoadError,
+    RewardResolutionError,
+    check_reward_name,
+    resolve_reward,
+)
 from streamrl.rewards.worker import STARTUP_TIMEOUT_S, RewardValueError, call_reward
 
 if TYPE_CHECKING:
@@ -53,11 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class RewardLoadError(RewardResolutionError):
-    """The reward workers could not load the reward: its import was still running at
-    `startup_timeout_s`, or a worker died while starting; the message says what to change."""
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ pool's loader — `resolve_reward` for the reward scorer, `streamrl.envs.worker.
 for environments: the only place a user's module is ever imported:
 
 * it dies with its parent, even a SIGKILLed one;
-* its environment loses every credential and storage setting (`storage.credentials`): spawned
-  workers start with a copy of the generator's environment, so they are removed here, in the
-  child, before anything reads them; processes the worker starts inherit the cleaned copy;
+* its environment keeps only what `WORKER_ENVIRONMENT` allows, so a secret under a name no
+  rule knows (`MY_DB_DSN`, `WEIRD`) is gone too: spawned workers start with a copy of the
+  generator's environment, so the rest is removed here, in the child, before anything reads
+  it; processes the worker starts inherit the cleaned copy;
 * its address space is capped at `memory_mb` (RLIMIT_AS, soft and hard: user code cannot
   raise it back), so an allocation beyond it gets a MemoryError, a counted failure;
 * the kernel's OOM killer takes it before anything else (oom_score_adj 1000, Linux).
@@ -28,10 +29,10 @@ from __future__ import annotations
 import numbers
 import os
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from storage.credentials import remove_credentials
+from storage.credentials import carries_credentials, is_credential_name, is_storage_setting
 from streamrl.processes import die_with_parent
 
 if TYPE_CHECKING:
@@ -39,17 +40,49 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STARTUP_TIMEOUT_S",
+    "WORKER_ENVIRONMENT",
+    "WORKER_ENVIRONMENT_PREFIXES",
     "RewardValueError",
     "box_in",
     "call_reward",
     "check_score",
     "init_worker",
+    "keep_worker_environment",
     "loaded",
     "wait_until_all_started",
 ]
 
 STARTUP_TIMEOUT_S = 120.0  # a starting worker imports sympy and the user's module
 _OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
+
+WORKER_ENVIRONMENT = frozenset(
+    {
+        # the system: finding programs and libraries, the home and temporary directories,
+        # who runs it, text encoding and time zone
+        *("PATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "LANG", "TZ"),
+        # the interpreter: where its modules are, hashing and output as the generator has them
+        *("PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"),
+        *("PYTHONIOENCODING", "PYTHONUTF8", "VIRTUAL_ENV"),
+        # threads: a worker is one of many processes on the generator's cores (how many each
+        # library starts, and OpenMP's idle waiting: `streamrl.placement.records`)
+        *("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE"),
+        *("OPENBLAS_L2_SIZE", "TOKENIZERS_PARALLELISM"),
+        *("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"),
+        # the GPUs the generator was given: without it a worker that uses CUDA sees them all
+        "CUDA_VISIBLE_DEVICES",
+        # caches and offline switches of the libraries a reward reads data with (paths and
+        # flags, never tokens: HF_TOKEN stays behind)
+        *("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"),
+        *("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "NLTK_DATA"),
+    }
+)
+"""What a reward or environment worker's environment keeps; everything else the generator
+had is removed (`keep_worker_environment`), so a secret under a name no rule knows is not
+seen by user code either. Groups: the system, the interpreter, thread counts, the GPUs, and
+library caches and offline switches. None of them holds a secret."""
+WORKER_ENVIRONMENT_PREFIXES = ("LC_", "STREAMRL_")
+"""Families of names a worker keeps too: the locale's categories (`LC_ALL`, `LC_CTYPE`) and
+streamrl's own settings (`STREAMRL_CACHE`, `STREAMRL_LOG_LEVEL`; none is a secret)."""
 
 
 class RewardValueError(ValueError):
@@ -82,10 +115,11 @@ _load_error: Exception | None = None
 
 
 def box_in(parent_pid: int, memory_mb: int) -> None:
-    """Box this process in (module docstring): dead with its parent, no credentials, the OOM
-    killer's first choice, at most `memory_mb` of address space."""
+    """Box this process in (module docstring): dead with its parent, only the environment
+    `WORKER_ENVIRONMENT` allows, the OOM killer's first choice, at most `memory_mb` of address
+    space."""
     die_with_parent(parent_pid)
-    remove_credentials(os.environ)
+    keep_worker_environment(os.environ)
     _prefer_for_oom_killer()
     limit_address_space(memory_mb)
 
@@ -103,6 +137,23 @@ def init_worker(
         _loaded = load(spec)
     except Exception as error:  # raised in the pool by wait_until_all_started
         _load_error = error
+
+
+def keep_worker_environment(environ: MutableMapping[str, str]) -> list[str]:
+    """Delete from `environ` (e.g. `os.environ`, which also unsets them for child processes)
+    every variable outside `WORKER_ENVIRONMENT` and `WORKER_ENVIRONMENT_PREFIXES`, and any that
+    still looks like a credential or storage setting (`storage.credentials`) by its name or
+    value; returns the names removed, sorted."""
+    removed = sorted(name for name, value in environ.items() if not _kept(name, value))
+    for name in removed:
+        del environ[name]
+    return removed
+
+
+def _kept(name: str, value: str) -> bool:
+    allowed = name in WORKER_ENVIRONMENT or name.startswith(WORKER_ENVIRONMENT_PREFIXES)
+    secret = is_credential_name(name) or is_storage_setting(name) or carries_credentials(value)
+    return allowed and not secret
 
 
 def _prefer_for_oom_killer() -> None:

@@ -6,9 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from streamrl.component_output import RESTART_NOTICE
+from streamrl.supervision import NOT_RESTARTED
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -61,3 +65,27 @@ def test_streamrl_run_trains_to_its_budget_then_resumes_to_a_larger_one(tmp_path
         for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2, 3, 4]  # continued from the checkpoint at step 2
+
+
+def test_a_misspelt_reward_module_stops_the_run_within_seconds_naming_the_fix(tmp_path):
+    """A module not found at all is refused before anything starts. One in a package that is
+    there (only importing the package could tell) fails the generator before vLLM starts, with
+    exit code 4: the run stops at once with the generator's error line, without restarting it
+    --max-restarts times to print the same error."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    refused = _run(f"storage.run_uri={run_dir}", "generator.reward.fn=tsets.reward_fns:scripted")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "generator.reward.fn: no module named 'tsets'" in refused.stderr
+    assert "check the spelling" in refused.stderr
+    assert not run_dir.exists()  # nothing started
+
+    misspelt = "tests.reward_fnz:scripted"
+    stopped = _run(f"storage.run_uri={run_dir}", f"generator.reward.fn={misspelt}", *TINY)
+    assert stopped.returncode == 1, stopped.stderr[-3000:] + stopped.stdout[-3000:]
+    assert f"gen0 cannot run (exit code 4: reward '{misspelt}': no module named" in stopped.stderr
+    assert "check the spelling" in stopped.stderr
+    assert NOT_RESTARTED in stopped.stderr
+    assert RESTART_NOTICE not in stopped.stdout
+    assert (run_dir / "logs" / "gen0.log").read_text().count("no module named") == 1  # one start
+    assert time.monotonic() - started < 60  # three restarts took ~35 s on their own

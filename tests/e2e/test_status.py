@@ -24,6 +24,7 @@ from storage.records import Cursor
 from storage.stream import StreamWriter, quarantined, read_log
 from storage.weights import WeightStore
 from streamrl.config_loading import load_config
+from streamrl.launch import hold_generator_index
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
 from streamrl.status import FINISHED, NOT_STARTED, RUNNING, STOPPING, read_status
@@ -382,3 +383,22 @@ def test_an_unknown_run_is_a_clear_error(tmp_path):
     assert "no streamrl run" in shown.stderr
     assert "Traceback" not in shown.stderr
     assert not missing.exists()  # status never creates a run folder
+
+
+def test_a_resumed_generator_counts_as_a_resume_and_a_crashed_one_as_a_restart(tmp_path):
+    """Its index lease's epochs tell them apart: a start after a released lease (a clean stop:
+    SIGTERM, Ctrl-C) is a resume; one after a lease left held (killed) is a restart."""
+    run_dir = tmp_path / "lives"
+    _create(run_dir, _config(run_dir, 5))
+    run = open_location(str(run_dir))
+    _write_stream(run, 2)
+    hold_generator_index(run, 0).release()  # started and stopped cleanly
+    with hold_generator_index(run, 0, ttl_s=2.0):  # resumed: taken at once
+        pass
+    killed = hold_generator_index(run, 0, ttl_s=1.0)  # resumed again, then killed:
+    killed.lease._stop.set()  # its lease is never released
+    hold_generator_index(run, 0, take_over=True).release()  # restarted by a supervisor
+    generator = read_status(run).stream.generators[0]
+    assert (generator.restarts, generator.resumes) == (1, 2)
+    assert "gen0: 2 groups in 1 commits" in format_status(read_status(run))
+    assert ", 1 restart, 2 resumes" in format_status(read_status(run))

@@ -293,8 +293,8 @@ def test_bad_input_fails_before_vllm_starts(config: RunConfig, tmp_path):
     data = config.data.model_copy(update={"prompt_field": "question_text"})
     with pytest.raises(DatasetError, match=r"Set data\.prompt_field="):
         _build(config.model_copy(update={"data": data}), run)
-    bad_reward = load_config(["dapo", "tiny-cpu"], overrides=["generator.reward.fn=mathh"])
-    with pytest.raises(RewardResolutionError, match="math"):
+    bad_reward = load_config(["dapo", "tiny-cpu"], overrides=["generator.reward.fn=tests:nope"])
+    with pytest.raises(RewardResolutionError, match="has no attribute 'nope'"):
         _build(bad_reward, run)
     missing = tmp_path / "no-model"
     bad_model = load_config(["dapo", "tiny-cpu"], overrides=[f"model.path={missing}"])

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from storage.fs import Location, open_location
+from storage.lease import read_lease
 from storage.manifest import create_run
 from storage.progress import read_progress
 from storage.stream import StreamReader, read_log
@@ -70,9 +71,11 @@ def test_a_restarted_generator_continues_after_the_committed_prompts(tmp_path):
     try:
         _wait_for_commits(run, committed_first + 2, second)
     finally:
-        second.send_signal(signal.SIGTERM)
+        second.send_signal(signal.SIGINT)  # Ctrl-C: stops as SIGTERM does
         second.wait(timeout=120)
     assert second.returncode == 0, (tmp_path / "second.log").read_text()[-3000:]
+    # It released its index: the next start takes it at once (a resume, not a restart).
+    assert read_lease(run.child("generators", "gen0")).released
     assert second_seed != first_seed
     assert read_progress(run, "gen0").starts == 2
 

@@ -21,7 +21,7 @@ from flows.pools import PoolError, PoolSupervisor, job_variables
 from storage.control import request_stop, set_requested_generators, stop_requested
 from streamrl.config_loading import load_config
 from streamrl.runs import prepare_run
-from streamrl.supervision import FENCE_AFTER_S
+from streamrl.supervision import FENCE_AFTER_S, NOT_RESTARTED
 from streamrl.supervisor import ComponentFailedError
 
 pytestmark = pytest.mark.timeout(300)
@@ -145,6 +145,21 @@ def test_children_start_on_their_pools_and_a_lost_generator_is_replaced_until_it
         state = client.read_flow_run(child.flow_run_id).state
         assert state.is_final() or state.type == StateType.CANCELLING, (child.name, state)
     assert client.read_flow_run(_named(fleet, "learner").flow_run_id).state.is_cancelled()
+
+
+def test_a_generator_that_would_fail_the_same_way_again_is_not_replaced(client, tmp_path):
+    """Its own supervisor (flows.generator) says so in the flow run's state message: the
+    reward it was configured with cannot be resolved (USER_CODE_EXIT_CODE)."""
+    fleet, _ = _fleet(client, tmp_path)
+    fleet.start()
+    error = "reward 'x.y:z': no module named 'x'; check the spelling"
+    failed = f"ComponentFailedError: gen0 cannot run (exit code 4: {error}); {NOT_RESTARTED}"
+    _set(client, _named(fleet, "gen0"), Failed(message=failed))
+    with pytest.raises(ComponentFailedError, match=r"gen0 cannot run: gen0 \(failed: .*no module"):
+        fleet.poll()
+    assert [c.name for c in fleet.children].count("gen0") == 1  # not replaced
+    assert fleet.restarts() == {}
+    assert stop_requested(fleet.run)
 
 
 def test_losses_spread_beyond_the_window_keep_the_fleet_going(client, tmp_path):

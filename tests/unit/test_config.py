@@ -273,12 +273,50 @@ def test_truncated_sampling_is_refused_because_the_learner_scores_the_full_softm
         (["algorithm.name=grpo", "algorithm.kl.placement=reward"], "only defined for reinforce_pp"),
         (["storage.storage_options={secret: x}"], "AWS_SECRET_ACCESS_KEY"),
         (["generator.reward.fn=not a name"], "neither a reward name"),
+        (["generator.reward.fn=mathh"], "unknown reward 'mathh'; did you mean 'math'?"),
+        (["generator.env.fn=calculater"], "did you mean 'calculator'?"),
+        (["generator.env.fn=my_pkg.envs.DictionaryEnv"], "write it as 'my_pkg.envs:DictionaryEnv'"),
+        (["generator.reward.fn=my_pkg.rewards.score"], "write it as 'my_pkg.rewards:score'"),
+        (["generator.reward.fn=my_pkg.rewards:a.b"], "must look like 'package.module:function'"),
+        (["learner.warmup_steps=30", "learner.total_steps=20"], "warmup_steps (30) exceeds"),
     ],
 )
 def test_incompatible_combinations(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides=overrides)
     assert expected in problems(excinfo)
+
+
+@pytest.mark.parametrize(
+    ("warmup", "total", "batch", "mini"),
+    [(20, 20, 16, 16), (21, 20, 16, 16), (40, 20, 16, 8), (41, 20, 16, 8), (1, 1, 2, 2)],
+)
+def test_a_warmup_is_refused_at_load_exactly_when_the_learners_schedule_would_refuse_it(
+    warmup: int, total: int, batch: int, mini: int
+) -> None:
+    """The learner's schedule runs over total_steps × batch/mini optimiser updates
+    (`streamrl.learner.loading`); a warm-up it refuses must never get past loading."""
+    import torch
+
+    from streamrl.learner.optim import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        build_scheduler(optimizer, warmup, total * batch // mini)
+        refused = None
+    except ValueError as error:
+        refused = error
+    overrides = [f"learner.warmup_steps={warmup}", f"learner.total_steps={total}",
+                 f"learner.batch_groups={batch}", f"learner.mini_batch_groups={mini}"]  # fmt: skip
+    if refused is None:
+        assert load_config(overrides=overrides).learner.warmup_steps == warmup
+        return
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=overrides)
+    text = problems(excinfo)
+    assert f"warmup_steps ({warmup}) exceeds" in text
+    assert f"total_steps ({total})" in text
+    assert f"set learner.warmup_steps ≤ {total * batch // mini} or raise" in text
 
 
 def test_valid_single_response_algorithms() -> None:
@@ -317,9 +355,13 @@ def test_bad_files_and_presets(tmp_path: Path) -> None:
 # --- command line ----------------------------------------------------------------------------
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "streamrl", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
     )
 
 
@@ -342,6 +384,35 @@ def test_cli_validate_reports_problems_with_exit_2() -> None:
     ok = run_cli("config", "validate", "--preset", "qwen2.5-32b-dapo")
     assert ok.returncode == 0
     assert ok.stdout.startswith("ok: algorithm dapo")
+
+
+def test_cli_validate_refuses_an_import_path_without_its_colon_and_a_misspelt_module(
+    tmp_path: Path,
+) -> None:
+    """Without importing the user's code: the path's shape, and that its top-level module is
+    found where `streamrl run`'s processes look (Python's path and the working directory)."""
+    colonless = run_cli("config", "validate", "generator.env.fn=my_pkg.envs.DictionaryEnv")
+    assert colonless.returncode == 2
+    assert "generator.env.fn" in colonless.stderr
+    assert "write it as 'my_pkg.envs:DictionaryEnv'" in colonless.stderr
+
+    misspelt = run_cli("config", "validate", "generator.reward.fn=tsets.reward_fns:scripted")
+    assert misspelt.returncode == 2
+    assert "generator.reward.fn: no module named 'tsets'" in misspelt.stderr
+    assert "check the spelling and that its package is installed" in misspelt.stderr
+    assert "Traceback" not in misspelt.stderr
+
+    root = Path(__file__).resolve().parents[2]
+    found = run_cli("config", "validate", "generator.reward.fn=tests.reward_fns:scripted", cwd=root)
+    assert found.returncode == 0, found.stderr
+    elsewhere = run_cli("config", "validate", "generator.reward.fn=tests.reward_fns:scripted",
+                        cwd=tmp_path)  # fmt: skip
+    assert elsewhere.returncode == 2
+    # On work pools the workers' image imports it: this machine may lack it.
+    pools = run_cli("config", "validate", "placement.mode=pools",
+                    "generator.reward.fn=tsets.reward_fns:scripted")  # fmt: skip
+    assert pools.returncode == 0
+    assert "note: on this machine, generator.reward.fn: no module named 'tsets'" in pools.stderr
 
 
 def test_cli_documents_every_field() -> None:

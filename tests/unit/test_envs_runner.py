@@ -5,6 +5,7 @@ environments in tests/env_fns.py."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from streamrl.envs import (
     TOOL_FORMATS,
     EnvConfig,
     EnvContext,
+    EnvLoadError,
     EnvResolutionError,
     EnvRunner,
     Episode,
@@ -76,12 +78,10 @@ def test_names_fail_fast_with_the_fix() -> None:
         check_env_name(name)
     with pytest.raises(EnvResolutionError, match="did you mean 'calculator'"):
         check_env_name("calculater")
-    with pytest.raises(
-        EnvResolutionError, match=r"separates the class with a colon: 'pkg\.envs:MyEnv'"
-    ):
+    with pytest.raises(EnvResolutionError, match=r"with a colon: write it as 'pkg\.envs:MyEnv'"):
         check_env_name("pkg.envs.MyEnv")
-    with pytest.raises(EnvResolutionError, match="did you mean 'calculator'"):
-        EnvRunner(EnvConfig(fn="calculater"))  # before any worker starts
+    with pytest.raises(ValidationError, match="did you mean 'calculator'"):
+        EnvConfig(fn="calculater")  # the configuration refuses it, before any worker starts
 
 
 @pytest.mark.parametrize(
@@ -102,6 +102,21 @@ def test_an_environment_the_workers_cannot_load_fails_on_entry(
         runner,
     ):
         pass
+
+
+def test_only_what_may_load_next_time_is_a_load_error(tmp_path, monkeypatch) -> None:
+    """A generator is restarted on an `EnvLoadError` (a module that raised on import, the
+    environment's or the reward's), not on the rest (`streamrl generator`'s exit code 4)."""
+    (tmp_path / "flaky_module.py").write_text("raise OSError('share not mounted')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers inherit sys.path
+    for fn, reward in (("flaky_module:Env", "math"), ("guess", "flaky_module:reward")):
+        runner = EnvRunner(EnvConfig(fn=fn, workers=1), reward=RewardConfig(fn=reward))
+        with pytest.raises(EnvLoadError, match="OSError: share not mounted"), runner:
+            pass
+    runner = EnvRunner(EnvConfig(fn="no_such_pkg.envs:Env", workers=1))
+    with pytest.raises(EnvResolutionError) as error, runner:
+        pass
+    assert not isinstance(error.value, EnvLoadError)
 
 
 # -- the single-turn environment -------------------------------------------------------------
@@ -210,23 +225,31 @@ def test_a_tool_that_raises_is_an_observation_not_a_failure() -> None:
 
 
 def test_workers_hold_no_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "WANDB_API_KEY", "AWS_ENDPOINT_URL"):
+    """Secrets under names no rule knows too (MY_DB_DSN, WEIRD): a worker's environment is an
+    allowlist; PATH and HOME are on it."""
+    for name in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.setenv(name, "planted")
+    monkeypatch.setenv("MY_DB_DSN", "postgres://rewards:planted@db.internal/rewards")
+    monkeypatch.setenv("WEIRD", "planted")
     monkeypatch.setenv("STREAMRL_HARMLESS", "kept")
+    monkeypatch.setenv("HOME", "/home/kept")
     task = Task([{"role": "user", "content": "go"}], "ok")
     with EnvRunner(EnvConfig(fn=SCRIPTED, workers=1, tool_format="tagged")) as runner:
         episode = runner.reset(task).result().episode
         names = [
             "AWS_SECRET_ACCESS_KEY",
             "HF_TOKEN",
-            "WANDB_API_KEY",
             "AWS_ENDPOINT_URL",
+            "MY_DB_DSN",
+            "WEIRD",
             "STREAMRL_HARMLESS",
+            "HOME",
+            "PATH",
         ]
         text = "".join(f'<tool>getenv(name="{n}")</tool>' for n in names)
         (observation,) = runner.step(episode, text).result().messages
     values = [block.split("\n")[1] for block in observation["content"].split("<tool_result")[1:]]
-    assert values == ["absent", "absent", "absent", "absent", "kept"]
+    assert values == [*["absent"] * 5, "kept", "/home/kept", os.environ["PATH"]]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import pytest
 
 from streamrl.rewards import (
     REWARD_FUNCTIONS,
+    RewardLoadError,
     RewardResolutionError,
     RewardScorer,
     RewardValueError,
@@ -27,6 +28,7 @@ from streamrl.rewards import (
     registered_rewards,
     resolve_reward,
 )
+from streamrl.user_code import modules_not_found
 from tests import reward_fns
 
 SCRIPTED = "tests.reward_fns:scripted"
@@ -214,6 +216,20 @@ def test_module_whose_import_fails(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
         resolve_reward("raises_on_import:r")
 
 
+def test_what_fails_the_same_way_every_time_is_no_load_error(tmp_path, monkeypatch) -> None:
+    """A generator is not restarted on a resolution error (the name, module or function is not
+    there); one whose module raised on import may import next time (`RewardLoadError`)."""
+    (tmp_path / "needs_dep.py").write_text("import not_installed_dep\n")
+    (tmp_path / "raises_on_import.py").write_text("raise OSError('share not mounted')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for fn in ("no_such_pkg.rewards:score", "needs_dep:r", "tests.reward_fns:scriptd", "mathh"):
+        with pytest.raises(RewardResolutionError) as error:
+            resolve_reward(fn)
+        assert not isinstance(error.value, RewardLoadError), fn
+    with pytest.raises(RewardLoadError, match="OSError: share not mounted"):
+        resolve_reward("raises_on_import:r")
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [(True, 1.0), (False, 0.0), (1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5), (np.bool_(1), 1.0)],
@@ -241,6 +257,21 @@ def test_check_reward_name_imports_no_user_code(tmp_path, monkeypatch) -> None:
         check_reward_name("maht")
     with pytest.raises(RewardResolutionError, match=r"must look like 'package\.module:function'"):
         check_reward_name("loud_module:")
+
+
+def test_modules_are_looked_for_without_importing_them(tmp_path, monkeypatch) -> None:
+    (tmp_path / "loud_module.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    paths = {"generator.reward.fn": "loud_module:reward", "generator.env.fn": "lodu_module.x:E"}
+    (problem,) = modules_not_found(paths)
+    assert problem.startswith("generator.env.fn: no module named 'lodu_module'")
+    assert "loud_module" not in sys.modules
+    workdir = tmp_path / "workdir"  # `python -m` puts the working directory first on the path
+    workdir.mkdir()
+    (workdir / "in_the_workdir.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.chdir(workdir)
+    assert modules_not_found({"generator.reward.fn": "in_the_workdir:reward"}) == []
+    assert "in_the_workdir" not in sys.modules
 
 
 # --------------------------------------------------------------------------------------------

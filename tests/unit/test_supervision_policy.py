@@ -9,6 +9,7 @@ import pytest
 from streamrl.supervision import (
     FENCE_AFTER_S,
     FINISH_GRACE_S,
+    NOT_RESTARTED,
     Abort,
     Action,
     Cancel,
@@ -194,6 +195,29 @@ def test_a_generator_that_completed_or_was_asked_to_stop_is_not_restarted():
     assert stop == StopGenerator(gen2, "scaled in to 0 generators")
     assert backend.end(gen2) == []
     assert backend.policy.restarts() == {"gen0": 0, "gen1": 0, "gen2": 0}
+
+
+def test_a_generator_that_would_fail_the_same_way_again_stops_the_run_at_once():
+    """Its reward or environment cannot be resolved (a module not found): restarting it
+    `generator_retries` times would print the same error each time."""
+    backend = FakeBackend(SupervisionPolicy(generators=[0, 1], generator_retries=3))
+    gen0, _ = sorted(backend.running, key=lambda u: u.index)
+    (abort,) = backend.end(gen0, at=1.0, deterministic=True)
+    assert isinstance(abort, Abort)
+    assert abort.reason == f"gen0 cannot run (gen0 ended); {NOT_RESTARTED}"  # its cause
+    assert abort.failure.unit == gen0
+    assert abort.failure.deterministic
+    assert len(backend.starts()) == 2  # the first starts only
+    assert backend.policy.restarts() == {"gen0": 0, "gen1": 0}
+    assert backend.feed(Tick(1e6)) == []  # the run is stopping: nothing follows
+
+
+def test_a_generator_ending_so_after_the_learner_completed_changes_nothing():
+    backend = FakeBackend(SupervisionPolicy(learner_nodes=1, generators=[0]))
+    (learner,) = backend.learner()
+    (gen0,) = (u for u in backend.running if u.kind == "generator")
+    backend.end(learner, completed=True)
+    assert backend.end(gen0, deterministic=True) == []
 
 
 def test_scaling_out_adds_new_indexes_and_scaling_in_stops_the_newest():

@@ -17,6 +17,7 @@ from storage.control import stop_requested
 from streamrl import supervisor as core
 from streamrl.component_output import noteworthy
 from streamrl.config_loading import load_config
+from streamrl.processes import dying_with_parent
 from streamrl.supervisor import ComponentFailedError, Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
@@ -115,6 +116,34 @@ def test_a_killed_supervisor_takes_its_processes_with_it(tmp_path):
     while _alive(pid):
         assert time.monotonic() < deadline, "the component outlived its supervisor"
         time.sleep(0.1)
+
+
+def test_components_start_with_no_python_between_fork_and_exec(monkeypatch, tmp_path):
+    """A preexec_fn runs Python in the forked child of a threaded supervisor, which can crash
+    on state another thread left mid-change (a SIGSEGV seen in CI); the exec wrapper does the
+    same work in a fresh interpreter."""
+    import streamrl.launch
+
+    started: list[dict] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(kwargs)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(streamrl.launch.subprocess, "Popen", popen)
+    lines: list[str] = []
+    code = streamrl.launch.run_process([sys.executable, "-c", "print('ran')"], lines.append)
+    assert (code, lines) == (0, ["ran"])
+    assert [kwargs.get("preexec_fn") for kwargs in started] == [None]
+    # The wrapper refuses to run a program whose parent is already gone.
+    marker = tmp_path / "ran"
+    orphan = subprocess.run(
+        dying_with_parent([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], parent_pid=1),
+        timeout=60,
+    )
+    assert orphan.returncode == 1
+    assert not marker.exists()
 
 
 def _alive(pid: int) -> bool:
