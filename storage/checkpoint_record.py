@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import xxhash
 from fsspec import AbstractFileSystem
 
-from storage.fs import StorageError
+from storage.fs import Location, StorageError
 from storage.weight_manifest import CHECKSUM, checksum
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "CommittedRecord",
     "FileCheck",
     "file_checksum",
+    "stored_sizes",
 ]
 
 COMMITTED = "COMMITTED"
@@ -56,6 +58,11 @@ class FileCheck:
             raise ValueError(f"size must be an integer ≥ 0, got {self.size!r}")
         if self.xxh3 is not None and not (isinstance(self.xxh3, str) and _HEX.fullmatch(self.xxh3)):
             raise ValueError(f"xxh3 {self.xxh3!r} is not 32 hex digits ({CHECKSUM})")
+
+    @classmethod
+    def of(cls, data: bytes) -> FileCheck:
+        """The check of a file whose whole content is `data`."""
+        return cls(len(data), checksum(data))
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class CommittedRecord:
         """Raise `StorageError` unless `data` is the learner state this record committed."""
         expected = self.files[LEARNER_STATE]
         if self.checksummed:
-            good = len(data) == expected.size and checksum(data) == expected.xxh3
+            good = FileCheck.of(data) == expected
         else:
             good = hashlib.sha256(data).hexdigest() == self.learner_state_sha256
         if not good:
@@ -156,3 +163,11 @@ def file_checksum(fs: AbstractFileSystem, path: str) -> str:
         while piece := f.read(_READ_BYTES):
             digest.update(piece)
     return digest.hexdigest()
+
+
+def stored_sizes(folder: Location) -> dict[str, int]:
+    """Every file directly in `folder` but COMMITTED, with its size (one listing)."""
+    entries = folder.fs.ls(folder.path, detail=True)
+    sizes = {posixpath.basename(e["name"]): int(e["size"]) for e in entries if e["type"] == "file"}
+    sizes.pop(COMMITTED, None)
+    return sizes

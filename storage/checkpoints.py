@@ -5,8 +5,9 @@ One checkpoint folder holds
     __<rank>_0.distcp       DCP shards, one file per rank: model, optimiser, value model, ...
     .metadata               DCP's index of the shards (written by DCP's coordinator, rank 0)
     learner_state.json      {"format", "world_size", "learner": LearnerState, "rng": [per rank]}
-    COMMITTED               written LAST by rank 0, after a barrier: every other file with its
-                            size and xxh3, and the writer's lease epoch (`CommittedRecord`)
+    COMMITTED               written LAST by rank 0: every other file with its size and xxh3,
+                            hashed as it was written (`storage.checkpoint_writer`: a save reads
+                            nothing back), and the writer's lease epoch (`CommittedRecord`)
 
 Invariants:
 - A checkpoint exists only once COMMITTED does; readers ignore folders without it (a learner
@@ -31,7 +32,7 @@ Distributed use: with torch.distributed initialised, `save`, `load`, `read_state
 `committed_steps`, `latest_committed`, `latest_verified` and `retain` are collectives — call
 them on every rank. Rank 0 alone decides (lists, deletes, commits) and broadcasts the outcome,
 so every rank returns the same answer or raises the same error; the ranks share the hashing of
-the files (`storage.checkpoint_ranks`). Without torch.distributed they work in one process.
+the files on resume (`storage.checkpoint_ranks`). Without torch.distributed: one process.
 FSDP2 (`fully_shard`) models save sharded: wrap model and optimiser in `ModelState`, which
 uses DCP's `get_state_dict` / `set_state_dict`.
 """
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import posixpath
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -61,7 +61,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from storage.checkpoint_ranks import (
     all_gather,
-    barrier,
     capture_rng_state,
     hash_share,
     on_rank0,
@@ -70,7 +69,14 @@ from storage.checkpoint_ranks import (
     single_process_is_intended,
     world_size,
 )
-from storage.checkpoint_record import COMMITTED, LEARNER_STATE, CommittedRecord, FileCheck
+from storage.checkpoint_record import (
+    COMMITTED,
+    LEARNER_STATE,
+    CommittedRecord,
+    FileCheck,
+    stored_sizes,
+)
+from storage.checkpoint_writer import HashingWriter, gather_written, stored_as_written
 from storage.fs import Location, StorageError, put_if_absent
 
 if TYPE_CHECKING:
@@ -178,15 +184,12 @@ class CheckpointStore:
         folder = self.location.child(step_dirname(state.step))
         per_rank = all_gather({"learner": asdict(state), "rng": capture_rng_state()})
         on_rank0(lambda: self._prepare(folder, state, [got["learner"] for got in per_rank]))
-        writer = FsspecWriter(folder.uri, sync_files=folder.is_local, **folder.storage_options())
+        writer = HashingWriter(folder.uri, sync_files=folder.is_local, **folder.storage_options())
         with single_process_is_intended():
             dcp.save(app_state, storage_writer=writer)
-        barrier()
+        written = gather_written(writer)  # every rank's files, hashed as they were written
         rng = [got["rng"] for got in per_rank]
-        sizes = on_rank0(lambda: self._write_learner_state(folder, state, rng))
-        hashes = hash_share(folder, sorted(sizes))
-        files = {name: FileCheck(size, hashes[name]) for name, size in sizes.items()}
-        on_rank0(lambda: self._commit(folder, CommittedRecord(state.step, len(rng), files)))
+        on_rank0(lambda: self._commit(folder, self._record(folder, state, rng, written)))
 
     def load(
         self, step: int, app_state: dict[str, Any], *, restore_rng: bool = True
@@ -322,18 +325,26 @@ class CheckpointStore:
             self._check_fence()
             fs.rm(folder.path, recursive=True)
 
-    def _write_learner_state(
-        self, folder: Location, state: LearnerState, rng: list[dict[str, Any]]
-    ) -> dict[str, int]:
-        """Write learner_state.json; return every file of the checkpoint with its size."""
+    def _record(
+        self,
+        folder: Location,
+        state: LearnerState,
+        rng: list[dict[str, Any]],
+        written: dict[str, FileCheck],
+    ) -> CommittedRecord:
+        """Write learner_state.json; the record of it and of the `written` DCP files, once a
+        listing shows exactly those files at those sizes."""
         body = {
             "format": _STATE_FORMAT,
             "world_size": len(rng),
             "learner": asdict(state),
             "rng": rng,
         }
-        folder.fs.pipe_file(folder.join(LEARNER_STATE), json.dumps(body, sort_keys=True).encode())
-        return _file_sizes(folder)
+        data = json.dumps(body, sort_keys=True).encode()
+        folder.fs.pipe_file(folder.join(LEARNER_STATE), data)
+        files = {**written, LEARNER_STATE: FileCheck.of(data)}
+        stored_as_written(folder, files)
+        return CommittedRecord(state.step, len(rng), files)
 
     def _commit(self, folder: Location, record: CommittedRecord) -> None:
         if self.fence is not None:
@@ -359,7 +370,7 @@ class CheckpointStore:
                 f"{committed or 'none'}. Resume from one of them (latest_verified())"
             ) from None
         record = CommittedRecord.from_json(data, folder.uri)
-        present = _file_sizes(folder)
+        present = stored_sizes(folder)
         for name, check in record.files.items():
             if present.get(name) != check.size:
                 raise StorageError(
@@ -389,11 +400,3 @@ class CheckpointStore:
     def _check_fence(self) -> None:
         if self.fence is not None:
             self.fence.check()
-
-
-def _file_sizes(folder: Location) -> dict[str, int]:
-    """Every file directly in `folder` but COMMITTED, with its size."""
-    entries = folder.fs.ls(folder.path, detail=True)
-    sizes = {posixpath.basename(e["name"]): int(e["size"]) for e in entries if e["type"] == "file"}
-    sizes.pop(COMMITTED, None)
-    return sizes

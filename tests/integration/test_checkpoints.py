@@ -1,7 +1,8 @@
 """DCP checkpoints: single-process round trips on both backends, commit/retention rules, the
-size and xxh3 of every file checked (a damaged checkpoint is passed over for the previous one;
-checkpoints committed before checksums still load), the writer's fence, and a two-rank FSDP2 job
-on SeaweedFS that resumes in a fresh job with bit-identical losses."""
+size and xxh3 of every file recorded as stored without reading anything back, and checked on
+resume (a damaged checkpoint is passed over for the previous one; checkpoints committed before
+checksums still load), the writer's fence, and a two-rank FSDP2 job on SeaweedFS that resumes
+in a fresh job with bit-identical losses."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
+from fsspec.implementations.local import LocalFileSystem
+from s3fs import S3FileSystem
 from torch import nn
 
 from storage.checkpoints import (
@@ -199,17 +203,45 @@ def test_a_flipped_byte_is_reported_and_the_previous_checkpoint_loads_exactly(
     assert CheckpointStore(run_location).latest_verified() == 2
 
 
-def test_every_file_is_recorded_with_its_size_and_xxh3(run_location: Location) -> None:
+def test_every_file_is_recorded_with_the_size_and_xxh3_of_its_stored_bytes(
+    run_location: Location,
+) -> None:
     store = CheckpointStore(run_location)
     _save(store, 1)
     folder = store.location.child(step_dirname(1))
     record = json.loads(folder.fs.cat_file(folder.join(COMMITTED)))
     stored = {p.rsplit("/", 1)[-1] for p in folder.fs.find(folder.path)} - {COMMITTED}
     assert set(record["files"]) == stored >= {".metadata", "__0_0.distcp", "learner_state.json"}
-    for entry in record["files"].values():
-        assert set(entry) == {"size", "xxh3"}
-        assert len(entry["xxh3"]) == 32
+    for name, entry in record["files"].items():
+        data = folder.fs.cat_file(folder.join(name))
+        assert entry == {"size": len(data), "xxh3": xxhash.xxh3_128_hexdigest(data)}, name
     assert "epoch" not in record  # no fence
+
+
+def test_a_save_reads_nothing_back_and_a_resume_reads_every_file(
+    run_location: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """COMMITTED is written from the bytes as DCP wrote them; verifying on resume reads them."""
+    reads: list[str] = []  # every object or file read, through fsspec, locally or from S3
+    local_open, call_s3 = LocalFileSystem._open, S3FileSystem._call_s3
+
+    def spy_open(fs: LocalFileSystem, path: str, mode: str = "rb", **kwargs) -> object:
+        if "r" in mode:
+            reads.append(path)
+        return local_open(fs, path, mode, **kwargs)
+
+    async def spy_call_s3(fs: S3FileSystem, method: str, *args, **kwargs) -> object:
+        if method == "get_object":
+            reads.append(kwargs["Key"])
+        return await call_s3(fs, method, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "_open", spy_open)
+    monkeypatch.setattr(S3FileSystem, "_call_s3", spy_call_s3)
+    _save(CheckpointStore(run_location), 1)
+    assert reads == []
+    assert CheckpointStore(run_location).latest_verified() == 1
+    read_names = {path.rsplit("/", 1)[-1] for path in reads}
+    assert read_names >= {"__0_0.distcp", ".metadata", "learner_state.json", COMMITTED}
 
 
 def test_a_checkpoint_committed_before_checksums_still_loads_checking_sizes(
