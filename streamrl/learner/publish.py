@@ -136,6 +136,7 @@ class WeightPublisher:
         model_config: dict[str, Any] | None = None,
         shares: Callable[[nn.Module, bool], Shares] = local_shares,
     ) -> None:
+        _settle_training_threads()
         self.store, self.topology, self.config = store, topology, config
         self.shares = shares  # what of the model a version holds (LoRA: the adapter)
         self.dtype, self.model_config = dtype, model_config or {}
@@ -370,6 +371,19 @@ class WeightPublisher:
 def _backoff_s(attempt: int) -> float:
     """Seconds before upload attempt `attempt + 1`: 2, 4, 8, ... up to 30."""
     return min(2.0**attempt, 30.0)
+
+
+def _settle_training_threads() -> None:
+    """Fix the process's threading state now, on the training thread, before any step.
+
+    `_leave_cores_to_training` calls `torch.set_num_threads`, which besides the upload thread's
+    own count turns MKL's dynamic thread count off for the whole process. MKL calls made inside
+    OpenMP regions (the CPU flash-attention backward) give different bits with it on and off,
+    so left to the upload thread the switch would land at whatever moment that thread first got
+    the CPU (later on a loaded machine), and a replay would be bit-identical only on an idle
+    one. Setting the training thread's own count here makes the switch before anything is
+    trained; nothing the upload threads do later changes it."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def _leave_cores_to_training() -> None:
