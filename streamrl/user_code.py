@@ -17,15 +17,21 @@ import importlib.machinery
 import importlib.util
 import os
 import re
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from streamrl.config_base import ConfigError
 
 if TYPE_CHECKING:
     from streamrl.config import RunConfig
 
-__all__ = ["check_user_code", "import_object", "modules_not_found", "split_import_path"]
+__all__ = [
+    "check_user_code",
+    "import_object",
+    "modules_not_found",
+    "refuse_unknown_name",
+    "split_import_path",
+]
 
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 
@@ -59,6 +65,43 @@ def modules_not_found(paths: Mapping[str, str]) -> list[str]:
         if not found:
             problems.append(f"{field}: no module named '{top}' (got {path!r}); {_INSTALLED}")
     return problems
+
+
+def refuse_unknown_name(
+    name: str,
+    *,
+    what: str,
+    example: str,
+    registered: Sequence[str],
+    user_form: str,
+    error: type[Exception],
+) -> NoReturn:
+    """Raise `error` for `name`, neither a registered `what` nor an import path, saying what
+    it looks like: an import path without its colon ('pkg.module.Thing' → 'pkg.module:Thing'),
+    something else, or a misspelt name (the closest registered one). `example`: a registered
+    name to show; `user_form`: how a user's object is named ("a user function as
+    'package.module:function'")."""
+    module, _, attribute = name.rpartition(".")
+    if split_import_path(f"{module}:{attribute}", dotted_attribute=False):
+        raise error(
+            f"{name!r} is not a registered {what}, and an import path separates the module "
+            f"from the object with a colon: write it as '{module}:{attribute}'"
+        )
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise error(
+            f"{name!r} is neither the name of {_a(what)} (e.g. {example!r}) nor an import path "
+            f"({user_form})"
+        )
+    close = difflib.get_close_matches(name, registered, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise error(
+        f"unknown {what} {name!r}; {hint}registered {what}s: {', '.join(registered)}, or "
+        f"{user_form}"
+    )
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
 def check_user_code(config: RunConfig) -> None:

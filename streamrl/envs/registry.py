@@ -11,13 +11,11 @@ nothing of the user's.
 
 from __future__ import annotations
 
-import difflib
-import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from streamrl.envs.base import Environment
-from streamrl.user_code import import_object, split_import_path
+from streamrl.user_code import import_object, refuse_unknown_name, split_import_path
 
 __all__ = [
     "ENVIRONMENTS",
@@ -96,21 +94,11 @@ def _import_path(name_or_path: str) -> str:
         return name_or_path
     if name_or_path in ENVIRONMENTS:
         return ENVIRONMENTS[name_or_path]
-    module, _, attribute = name_or_path.rpartition(".")
-    if split_import_path(f"{module}:{attribute}"):
-        raise EnvResolutionError(
-            f"{name_or_path!r} is not a registered environment, and an import path separates "
-            f"the module from the class with a colon: write it as '{module}:{attribute}'"
-        )
-    if not re.fullmatch(r"[A-Za-z_]\w*", name_or_path):
-        raise EnvResolutionError(
-            f"{name_or_path!r} is neither an environment name (e.g. 'calculator') nor an import "
-            "path 'package.module:ClassName'"
-        )
-    names = registered_envs()
-    close = difflib.get_close_matches(name_or_path, names, n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    raise EnvResolutionError(
-        f"unknown environment {name_or_path!r}; {hint}registered environments: "
-        f"{', '.join(names)}, or a user's Environment subclass as 'package.module:ClassName'"
+    refuse_unknown_name(
+        name_or_path,
+        what="environment",
+        example="calculator",
+        registered=registered_envs(),
+        user_form="a user's Environment subclass as 'package.module:ClassName'",
+        error=EnvResolutionError,
     )

@@ -13,16 +13,14 @@ generators and evaluators call `check_reward_name`, which imports nothing of the
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
-import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
 from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
-from streamrl.user_code import import_object, split_import_path
+from streamrl.user_code import import_object, refuse_unknown_name, split_import_path
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -130,23 +128,13 @@ def _registered(name: str) -> RewardFn:
     if name in REWARD_FUNCTIONS:
         load_math_verify()  # at resolution (a worker's startup), not in its first call's time
         return REWARD_FUNCTIONS[name]
-    names = registered_rewards()
-    module, _, function = name.rpartition(".")
-    if split_import_path(f"{module}:{function}", dotted_attribute=False):
-        raise RewardResolutionError(
-            f"{name!r} is not a registered reward, and an import path separates the module from "
-            f"the function with a colon: write it as '{module}:{function}'"
-        )
-    if not re.fullmatch(r"[A-Za-z_]\w*", name):
-        raise RewardResolutionError(
-            f"{name!r} is neither a reward name (e.g. 'math') nor an import path "
-            "'package.module:function'"
-        )
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    raise RewardResolutionError(
-        f"unknown reward {name!r}; {hint}registered rewards: {', '.join(names)}, or a user "
-        "function as 'package.module:function'"
+    refuse_unknown_name(
+        name,
+        what="reward",
+        example="math",
+        registered=registered_rewards(),
+        user_form="a user function as 'package.module:function'",
+        error=RewardResolutionError,
     )
 
 

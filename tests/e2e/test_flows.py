@@ -175,11 +175,13 @@ def test_a_generator_that_always_fails_fails_the_flow_run_with_its_reason(prefec
     from flows.run import streamrl_run
 
     run_dir = tmp_path / "run"
-    kwargs = _flow_kwargs(run_dir, 4, "generator.reward.fn=no_such_module:score")
+    # The module is there, the function is not: the same every time, so not retried.
+    kwargs = _flow_kwargs(run_dir, 4, "generator.reward.fn=tests.reward_fns:no_such_function")
     kwargs["generator_retries"] = 1
 
     state = streamrl_run(**kwargs, return_state=True)
     assert state.is_failed()
     logs = _logs(state.state_details.flow_run_id)
-    assert "gen0 failed for good" in str(state.message) + logs
-    assert "no_such_module" in logs
+    assert "gen0 cannot run" in str(state.message) + logs
+    assert "not restarted" in str(state.message) + logs
+    assert "no_such_function" in logs

@@ -272,7 +272,7 @@ def test_truncated_sampling_is_refused_because_the_learner_scores_the_full_softm
         (["algorithm.overlong.cache_len=5000"], "cache_len (5000) must be ≤ generator.max_tokens"),
         (["algorithm.name=grpo", "algorithm.kl.placement=reward"], "only defined for reinforce_pp"),
         (["storage.storage_options={secret: x}"], "AWS_SECRET_ACCESS_KEY"),
-        (["generator.reward.fn=not a name"], "neither a reward name"),
+        (["generator.reward.fn=not a name"], "neither the name of a reward"),
         (["generator.reward.fn=mathh"], "unknown reward 'mathh'; did you mean 'math'?"),
         (["generator.env.fn=calculater"], "did you mean 'calculator'?"),
         (["generator.env.fn=my_pkg.envs.DictionaryEnv"], "write it as 'my_pkg.envs:DictionaryEnv'"),

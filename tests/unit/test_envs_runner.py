@@ -61,7 +61,7 @@ def test_config_bounds_and_cross_field_rules() -> None:
         EnvConfig(call_timeout_s=20, episode_timeout_s=10)
     with pytest.raises(ValidationError, match=r"turn_max_tokens .* must be ≤ max_episode_tokens"):
         EnvConfig(turn_max_tokens=2048, max_episode_tokens=1024)
-    with pytest.raises(ValidationError, match="neither an environment name"):
+    with pytest.raises(ValidationError, match="neither the name of an environment"):
         EnvConfig(fn="my env")
     for field, value in {
         "max_turns": 0,
