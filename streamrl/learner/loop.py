@@ -264,10 +264,10 @@ class Learner:
     def _train_batch(self, *, train_policy: bool = True) -> tuple[StreamBatch, dict[str, float]]:
         """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
-        collected = self.stream.next_batch()
-        if collected is None:  # the wait was abandoned: nothing of this step happened
+        taken = self.stream.next_batch()
+        if taken is None:  # the wait was abandoned: nothing of this step happened
             raise StopRequested(f"stopped after step {self.state.step}, waiting for data")
-        batch, stream_metrics = collected
+        batch, stream_metrics = taken
         past = self.state.past_rewards(batch)
         self.state.trained_on(batch)
         collected = time.perf_counter()
