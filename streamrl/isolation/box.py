@@ -286,9 +286,10 @@ def _bwrap_command(as_root: bool, limits: BoxLimits, env: Mapping[str, str]) -> 
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--die-with-parent", "--new-session", *identity,
         "--clearenv", *environment,
+        # Scratch first: an interpreter or virtualenv under /tmp is bound on top of it.
+        "--perms", "1777", "--size", str(limits.scratch_mb * 1024**2), "--tmpfs", SCRATCH,
         *_system_view(),
         "--proc", "/proc", "--dev", "/dev",
-        "--perms", "1777", "--size", str(limits.scratch_mb * 1024**2), "--tmpfs", SCRATCH,
         "--chdir", SCRATCH, "--hostname", "box",
     ]  # fmt: skip
 
@@ -388,7 +389,7 @@ def _probe() -> BoxUnavailableError | None:
     if result.returncode == 0 and uid.isdigit() and int(uid) != 0:
         return None
     said = (result.stderr or result.stdout).decode(errors="replace").strip()[-600:]
-    fix = _INSTALL_FIX if os.geteuid() == 0 else _USERNS_FIX
+    fix = _USERNS_FIX if os.geteuid() != 0 else "fix what bwrap reports, then restart the generator"
     return BoxUnavailableError(
         f"the box for model-written code cannot be made here: bwrap said {said!r} (exit "
         f"{result.returncode}); {fix}"

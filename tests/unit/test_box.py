@@ -394,3 +394,27 @@ def test_without_bwrap_the_box_refuses_with_the_fix(tmp_path: Path) -> None:
     passed = subprocess.run(doctor, capture_output=True, text=True, timeout=120)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert "ok    box for model-written code: bubblewrap" in passed.stdout
+
+
+def test_an_interpreter_under_tmp_is_not_hidden_by_the_scratch(tmp_path: Path) -> None:
+    """A virtualenv under /tmp (a CI checkout) is bound on top of the box's /tmp scratch."""
+    import site
+    import venv
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv.create(tmp_path / "venv", with_pip=False)
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "from streamrl.isolation.box import BoxLimits, run_in_box\n"
+        "r = run_in_box(['python', '/box/m.py'], limits=BoxLimits(wall_s=30), "
+        "files={'m.py': b'import sys; print(sys.prefix)'})\n"
+        "print(r.returncode, r.stdout.decode().strip(), r.stderr.decode()[-300:])\n"
+    )
+    ran = subprocess.run(
+        [str(tmp_path / "venv/bin/python"), "-c", code],
+        env={**os.environ, "PYTHONPATH": f"{root}:{':'.join(site.getsitepackages())}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.stdout.split()[:2] == ["0", str(tmp_path / "venv")], ran.stdout + ran.stderr
