@@ -38,9 +38,9 @@ import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from benchmarks.storage_bench import markdown_table
-from storage.checkpoint_ranks import hash_share
-from storage.checkpoint_record import COMMITTED, CommittedRecord
-from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
+from storage.checkpoints.dcp import CheckpointStore, LearnerState, ModelState, step_dirname
+from storage.checkpoints.ranks import hash_share
+from storage.checkpoints.record import COMMITTED, CommittedRecord
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
 from streamrl.learner.model import load_policy, shard_model

@@ -74,14 +74,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks.storage_bench import markdown_table
-from storage.control import request_stop, stop_requested
+from storage.control.requests import request_stop, stop_requested
 from storage.fs import Location, open_location
-from storage.learner_progress import read_learner_progress
-from storage.records import Cursor
 from storage.seaweedfs import SeaweedFS
-from storage.stream import StreamReader, StreamTimeoutError, StreamWriter, read_log
-from streamrl.config import RunConfig
-from streamrl.config_loading import load_config
+from storage.stream.learner_progress import read_learner_progress
+from storage.stream.records import Cursor
+from storage.stream.writer import StreamReader, StreamTimeoutError, StreamWriter, read_log
+from streamrl.config.loading import load_config
+from streamrl.config.run import RunConfig
 from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.loop import PAUSED_SLEEP_S
 from streamrl.learner.batching import BatchCollector, FilterCounts

@@ -21,9 +21,9 @@ import time
 import torch
 
 from storage.fs import open_location
-from storage.stream import StreamReader, StreamWriter
-from storage.weight_publish import WeightWriter
-from streamrl.config_loading import load_config
+from storage.stream.writer import StreamReader, StreamWriter
+from storage.weights.publish import WeightWriter
+from streamrl.config.loading import load_config
 from streamrl.data import PromptSource
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource

@@ -79,14 +79,14 @@ from benchmarks.learner_measures import (
     memory_meter,
     synchronize,
 )
+from storage.control.manifest import create_run, open_run
 from storage.fs import Location, open_location
-from storage.manifest import create_run, open_run
-from storage.records import ScoredGroup
-from storage.stream import StreamReader, StreamWriter
-from storage.weight_publish import WeightWriter
-from storage.weights import WeightStore
-from streamrl.config import RunConfig
-from streamrl.config_loading import load_config, validate_config
+from storage.stream.records import ScoredGroup
+from storage.stream.writer import StreamReader, StreamWriter
+from storage.weights.publish import WeightWriter
+from storage.weights.versions import WeightStore
+from streamrl.config.loading import load_config, validate_config
+from streamrl.config.run import RunConfig
 from streamrl.learner.forward import use_hidden_states_head
 from streamrl.learner.loop import Learner
 from streamrl.learner.mini_batches import MiniBatch, TrainBatch, make_mini_batches

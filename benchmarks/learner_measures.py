@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from storage.records import ScoredGroup
+from storage.stream.records import ScoredGroup
 
 MB = 1e6
 

@@ -14,7 +14,7 @@ engine's sampling) and `data.shuffle_seed` (prompt order).
 
 A cell is a normal `streamrl run --generators 1` (placement plan, supervisor, flow control) of
 `--steps` learner steps, every version kept (`weights.keep_versions`), no wandb. After it, one
-evaluator process (`streamrl.evaluation.Evaluator`, the code `streamrl eval` and the run's
+evaluator process (`streamrl.evaluation.evaluator.Evaluator`, the code `streamrl eval` and the run's
 evaluator use) loads the versions of `--eval-steps` one after the other and measures each on
 `builtin:arithmetic-test` — facts no generator samples (`streamrl.data.builtin`) — with the
 first `--eval-prompts` prompts: greedy accuracy, sampled pass@1 (mean accuracy of `--k` samples
@@ -133,9 +133,9 @@ def evaluate_versions(
 def evaluator_main(args: argparse.Namespace) -> None:
     """`--evaluate RUN_DIR`: the evaluator process."""
     from storage.fs import open_location
+    from streamrl.config.stored import load_run_config
     from streamrl.data.config import DataConfig
     from streamrl.evaluation.evaluator import Evaluator
-    from streamrl.runs import load_run_config
 
     run = open_location(args.evaluate)
     config = load_run_config(run)

@@ -72,15 +72,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from storage.control.manifest import create_run
 from storage.fs import open_location
-from storage.manifest import create_run
-from storage.stream_log import read_log
-from streamrl.config_loading import load_config
+from storage.stream.log import read_log
+from streamrl.config.base import format_cores
+from streamrl.config.loading import load_config
 from streamrl.learner.reporting import read_metrics
 from streamrl.placement import (
     PLACED_VARIABLES,
     ProcessPlacement,
-    format_cores,
     machine_cpus,
     read_placement,
 )

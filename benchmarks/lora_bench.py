@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from benchmarks.learner_bench import MODELS, synthetic_groups
+from storage.control.manifest import create_run
 from storage.fs import open_location
-from storage.manifest import create_run
-from storage.stream import StreamWriter
-from storage.weight_publish import WeightWriter
-from streamrl.config import RunConfig
-from streamrl.config_loading import load_config
+from storage.stream.writer import StreamWriter
+from storage.weights.publish import WeightWriter
+from streamrl.config.loading import load_config
+from streamrl.config.run import RunConfig
 from streamrl.models import resolve_model_path
 from streamrl.models.lora import LoraConfig, merged_weights, zero_adapter
 

@@ -24,9 +24,9 @@ import torch
 
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
-from storage.segments import encode_segment
-from storage.stream import StreamReader, StreamWriter
-from storage.weight_publish import WeightWriter
+from storage.stream.segments import encode_segment
+from storage.stream.writer import StreamReader, StreamWriter
+from storage.weights.publish import WeightWriter
 from tests.stream_data import random_group
 
 MB = 1e6

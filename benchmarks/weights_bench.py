@@ -57,12 +57,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from benchmarks.storage_bench import markdown_table
 from storage.fs import Location, open_location
 from storage.seaweedfs import SeaweedFS
-from storage.weight_follower import WeightFollower
-from storage.weight_manifest import checksum
-from storage.weight_pieces import encode_share
-from storage.weight_publish import WeightWriter
-from storage.weight_shares import TensorShare, check_finite, new_publish_id
-from storage.weights import WeightStore
+from storage.weights.follower import WeightFollower
+from storage.weights.manifest import checksum
+from storage.weights.pieces import encode_share
+from storage.weights.publish import WeightWriter
+from storage.weights.shares import TensorShare, check_finite, new_publish_id
+from storage.weights.versions import WeightStore
 from streamrl.learner.config import WeightsConfig
 from streamrl.learner.model import load_policy, shard_model
 from streamrl.learner.optim import build_optimizer
@@ -450,7 +450,7 @@ def _changed(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
 def _load_main(model: str, locations: list, fraction: float, repeats: int, results) -> None:
     from transformers import AutoModelForCausalLM
 
-    from streamrl.config_loading import load_config
+    from streamrl.config.loading import load_config
     from streamrl.generator.engine import Engine
     from streamrl.generator.weight_worker import WeightSource
     from streamrl.models import resolve_model_path

@@ -5,13 +5,14 @@ curves, the wandb link — and the run's health events.
 storage and updates what changed: the progress artifact (learner steps / total); when a new
 step arrived, the markdown table (Prefect keeps every version of a keyed artifact; the table
 also shows the generators' failed reward calls, tallied from the stream's commit records) and,
-at most every `CURVES_EVERY_S`, the curves (`streamrl.curves`: one chart grid, as an image in a
+at most every `CURVES_EVERY_S`, the curves (`streamrl.runs.curves`: one chart grid, as an image in a
 markdown artifact). Keys come from the run's name (`streamrl-<name>-metrics`, `-curves`,
 `-progress`, `-wandb`), so they read well and stay the same when the run moves to S3.
 
-Each health condition a new learner record reports (`streamrl.health`) becomes a Prefect event
-`streamrl.health.<condition>` (resource `streamrl.run.<name>`, related to the flow run; payload:
-the step, the value, the threshold and the message), for automations to notify, pause or cancel.
+Each health condition a new learner record reports (`streamrl.learner.health`) becomes a Prefect
+event `streamrl.health.<condition>` (resource `streamrl.run.<name>`, related to the flow run;
+payload: the step, the value, the threshold and the message), for automations to notify, pause or
+cancel.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from prefect.client.orchestration import get_client
 from prefect.events import emit_event
 
 from storage.fs import Location
-from streamrl.config import RunConfig
-from streamrl.curves import Curves, RunCurves, render_png
+from streamrl.config.run import RunConfig
 from streamrl.evaluation.records import read_eval_records
 from streamrl.learner.reporting import read_wandb_link
-from streamrl.status import StreamStatus, read_stream
+from streamrl.runs.curves import Curves, RunCurves, render_png
+from streamrl.runs.status import StreamStatus, read_stream
 
 __all__ = ["RunArtifacts", "artifact_key", "curves_markdown", "metrics_table", "run_name"]
 

@@ -1,6 +1,6 @@
-"""The Prefect task that runs one component of a run — learner, generator or evaluator — under
-the supervision core (`streamrl.supervisor.Supervisor.keep_running`), and `run_alone`, the body
-of the flows that run one component on a work pool (`flows.generator`, `flows.learner`,
+"""The Prefect task that runs one component of a run — learner, generator or evaluator — under the
+supervision core (`streamrl.supervision.supervisor.Supervisor.keep_running`), and `run_alone`, the
+body of the flows that run one component on a work pool (`flows.generator`, `flows.learner`,
 `flows.evaluator`).
 
 A task run is the component's whole life: the core restarts it after a crash while its
@@ -18,10 +18,10 @@ import logging
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from streamrl.component_output import noteworthy
-from streamrl.config import RunConfig
-from streamrl.runs import open_existing_run
-from streamrl.supervisor import Component, Supervisor
+from streamrl.config.run import RunConfig
+from streamrl.config.stored import open_existing_run
+from streamrl.supervision.output import noteworthy
+from streamrl.supervision.supervisor import Component, Supervisor
 
 __all__ = ["component_task", "open_run_config", "run_alone"]
 

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT ignored, as a shell starts a command in the background.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import flows.run  # noqa: F401  (Prefect configures its logging on import: before the split)
-    from streamrl.config_base import ConfigError
-    from streamrl.config_loading import parse_overrides
+    from streamrl.config.base import ConfigError
+    from streamrl.config.loading import parse_overrides
 
     try:  # before they become a flow run's parameters: a credential never gets that far
         parse_overrides(args.overrides)
@@ -111,7 +111,7 @@ def _flow_in_a_session_of_its_own(argv: list[str]) -> int:
 def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
     from flows.run import streamrl_run
     from storage.fs import open_location
-    from streamrl.launch import format_summary, run_summary
+    from streamrl.runs.summary import format_summary, run_summary
 
     run_uri = args.run_uri
     try:

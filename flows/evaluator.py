@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.components import open_run_config, run_alone
-from streamrl.supervisor import Supervisor
+from streamrl.supervision.supervisor import Supervisor
 
 __all__ = ["evaluate_run"]
 

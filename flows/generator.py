@@ -18,9 +18,9 @@ import socket
 from prefect import flow
 
 from flows.components import open_run_config, run_alone
-from streamrl.launch import claim_generator_index
-from streamrl.runs import open_run_location
-from streamrl.supervisor import Supervisor
+from streamrl.config.stored import open_run_location
+from streamrl.generator.index import claim_generator_index
+from streamrl.supervision.supervisor import Supervisor
 
 __all__ = ["join_run"]
 

@@ -2,13 +2,13 @@
 `learner.nproc_per_node` ranks), started on `placement.learner_pool` by a run placed on work
 pools (`flows.pools`), one flow run per node.
 
-With `learner.nnodes` > 1 the nodes of one attempt (the same `attempt` id) meet through the
-run's storage (`streamrl.rendezvous`): node 0 publishes its address, the others wait for it
-(up to `learner.rendezvous_timeout_s`) and join torchrun's rendezvous there. Every attempt
-resumes from the run's last committed checkpoint; a node that dies fails its attempt, and the
-parent starts the next one (`take_over`: once the earlier attempt's nodes have ended or are
-fenced, so the learner takes the run's lease over at once). Restarting is the parent's job: this
-flow run fails with its node.
+With `learner.nnodes` > 1 the nodes of one attempt (the same `attempt` id) meet through the run's
+storage (`streamrl.supervision.rendezvous`): node 0 publishes its address, the others wait for it
+(up to `learner.rendezvous_timeout_s`) and join torchrun's rendezvous there. Every attempt resumes
+from the run's last committed checkpoint; a node that dies fails its attempt, and the parent starts
+the next one (`take_over`: once the earlier attempt's nodes have ended or are fenced, so the learner
+takes the run's lease over at once). Restarting is the parent's job: this flow run fails with its
+node.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.components import open_run_config, run_alone
-from streamrl.rendezvous import await_node0, publish_node0
-from streamrl.runs import open_run_location
-from streamrl.supervisor import Supervisor
+from streamrl.config.stored import open_run_location
+from streamrl.supervision.rendezvous import await_node0, publish_node0
+from streamrl.supervision.supervisor import Supervisor
 
 __all__ = ["learner_node"]
 

@@ -6,7 +6,7 @@ under it in the UI):
 
 - the learner: `learner.nnodes` runs of the `learner` flow's deployment on
   `placement.learner_pool`, one per node (`flows.learner`; the nodes meet through the run's
-  storage, `streamrl.rendezvous`);
+  storage, `streamrl.supervision.rendezvous`);
 - each generator: a run of the `generator` flow's deployment on `placement.generator_pool`;
 - the evaluator (when `eval.every_versions` > 0): a run of the `evaluator` flow's deployment on
   `placement.eval_pool` (default: the generator pool),
@@ -16,16 +16,15 @@ each with the job variables its pool's template declares: `gpu_count` from the c
 (`placement.image`, `placement.env`).
 
 `PoolSupervisor.poll()` reads the children's states and `<run>/control/fleet.json` (`streamrl
-scale`), hands what changed to the restart policy (`streamrl.supervision`: the same rules as for
-processes on one machine) and carries out its answer: a lost generator replaced by a new run of
-its index (`generator_retries` within `placement.retry_window_s`; none when its own supervisor
-says a restart would fail the same way: the run stops); a failed learner attempt's
-other nodes cancelled and, once they have ended or are fenced, every node started again as the
-next attempt (resuming from the last committed checkpoint, taking the run's lease over;
-`learner_retries` times); the evaluator restarted once; the generators flushing once every
-learner node completed (what still runs after `FINISH_GRACE_S` is cancelled); more generators
-started on new indexes, or the newest asked to stop through their own stop marker (they flush
-their open segment first, then their runs complete).
+scale`), hands what changed to the restart policy (`streamrl.supervision.policy`: the same rules as
+for processes on one machine) and carries out its answer: a lost generator replaced by a new run of
+its index (`generator_retries` within `placement.retry_window_s`; none when its own supervisor says
+a restart would fail the same way: the run stops); a failed learner attempt's other nodes cancelled
+and, once they have ended or are fenced, every node started again as the next attempt (resuming from
+the last committed checkpoint, taking the run's lease over; `learner_retries` times); the evaluator
+restarted once; the generators flushing once every learner node completed (what still runs after
+`FINISH_GRACE_S` is cancelled); more generators started on new indexes, or the newest asked to stop
+through their own stop marker (they flush their open segment first, then their runs complete).
 
 Failing for good, or an interrupted parent (cancelled, Ctrl-C), writes the stop marker and
 cancels every child still running (Prefect's server also cancels the children of a cancelled
@@ -57,19 +56,19 @@ from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled, Cancelling
 
-from storage.control import (
+from storage.control.lease import DISPLACED
+from storage.control.requests import (
     clear_stop,
     request_stop,
     requested_generators,
     set_requested_generators,
     stop_requested,
 )
-from storage.lease import DISPLACED
-from streamrl.config import RunConfig
-from streamrl.launch import claim_generator_index, reserve_generator_indexes
+from streamrl.config.run import RunConfig
+from streamrl.config.stored import open_run_location
+from streamrl.generator.index import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
-from streamrl.runs import open_run_location
-from streamrl.supervision import (
+from streamrl.supervision.policy import (
     NOT_RESTARTED,
     Abort,
     Action,
@@ -87,7 +86,7 @@ from streamrl.supervision import (
     Tick,
     Unit,
 )
-from streamrl.supervisor import ComponentFailedError
+from streamrl.supervision.supervisor import ComponentFailedError
 
 __all__ = ["PoolError", "PoolSupervisor", "job_variables"]
 

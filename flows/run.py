@@ -13,14 +13,14 @@ Where the processes run is `placement.mode`. `pools` (`-p 'overrides=["placement
 each is its own flow run on a work pool, a child of this one (`flows.pools`; scale with
 `streamrl scale RUN_URI --generators N` or the `scale` flow). `local` (the default), below.
 
-Supervision is `streamrl.supervisor.Supervisor`, the core `streamrl run` uses too: each component
-is a task run (`flows.components.component_task`) for its whole life, restarts included (the
-learner resumes from its checkpoint). When the learner reaches its step budget it writes the
-run's stop marker; the generators flush and exit, and the flow run completes. When a component
-fails for good, the core stops the others and the flow fails with that component's reason:
-never Completed over a failure. An interrupted flow (Ctrl-C, cancellation) stops every process
-of the run before it ends. Artifacts: progress (steps / total), a table of the latest metrics
-refreshed as steps arrive, and the wandb link.
+Supervision is `streamrl.supervision.supervisor.Supervisor`, the core `streamrl run` uses too: each
+component is a task run (`flows.components.component_task`) for its whole life, restarts included
+(the learner resumes from its checkpoint). When the learner reaches its step budget it writes the
+run's stop marker; the generators flush and exit, and the flow run completes. When a component fails
+for good, the core stops the others and the flow fails with that component's reason: never Completed
+over a failure. An interrupted flow (Ctrl-C, cancellation) stops every process of the run before it
+ends. Artifacts: progress (steps / total), a table of the latest metrics refreshed as steps arrive,
+and the wandb link.
 """
 
 # No `from __future__ import annotations` here: the flow's parameter annotations must be objects,
@@ -35,12 +35,12 @@ from prefect.futures import PrefectFuture
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
-from streamrl.config import RunConfig, StorageConfig
-from streamrl.config_loading import Override, load_config
+from streamrl.config.loading import Override, load_config
+from streamrl.config.run import RunConfig, StorageConfig
+from streamrl.config.stored import open_run_location, prepare_run
+from streamrl.isolation.user_code import check_user_code
 from streamrl.placement import PlacementPlan, PoolsPlacement, plan_placement
-from streamrl.runs import open_run_location, prepare_run
-from streamrl.supervisor import ComponentFailedError, Supervisor
-from streamrl.user_code import check_user_code
+from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
 
 __all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
@@ -185,7 +185,7 @@ def streamrl_run(
     (`placement.mode=local`) or each its own flow run on a work pool (`pools`).
     `allow_trusted_changes`: a resume may change what decides where code runs or what it
     trusts (the reward function, the model, the storage endpoint, placement.env; see
-    `streamrl.runs.prepare_run`)."""
+    `streamrl.config.stored.prepare_run`)."""
     extra = list(overrides or [])
     if run_uri:
         extra.append(f"storage.run_uri={run_uri}")
@@ -200,7 +200,7 @@ def streamrl_run(
             config, generators=count, retries=generator_retries, learner_retries=learner_retries
         )
     placement = plan_placement(config, generators=count)  # refused before anything starts
-    check_user_code(config)  # its processes import the user's code here
+    check_user_code(config.user_code)  # its processes import the user's code here
     config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
     return supervise(
         config,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from streamrl.runs import scale_generators
+from streamrl.runs.scale import scale_generators
 
 __all__ = ["scale_run"]
 

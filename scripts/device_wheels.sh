@@ -5,7 +5,7 @@
 # That machine has Python 3.12 with PyTorch (CUDA), transformers, safetensors, numpy, fsspec,
 # pyarrow, pyyaml, xxhash, tqdm, regex, matplotlib, pytest and pytest-timeout, but no network.
 # `streamrl.learner`, `storage/` and `benchmarks/learner_bench.py` import nothing else at
-# import time beyond the packages below (tests/unit/test_learner_imports.py keeps vLLM, Prefect
+# import time beyond the packages below (tests/unit/learner/test_imports.py keeps vLLM, Prefect
 # and wandb out of that set). Versions are those this project's virtualenv runs, as py3.12
 # manylinux x86-64 wheels. The folder travels with the working tree (64 MiB at most in all),
 # so the total is checked against LIMIT_MB.
@@ -19,13 +19,13 @@ LIMIT_MB=60
 PYTHON="${PYTHON:-.venv/bin/python}"
 
 WHEELS=(
-    # storage/segments.py: the replay stream is Zarr v3 ...
+    # storage/stream/segments.py: the replay stream is Zarr v3 ...
     "zarr==3.1.6"
     # ... which needs its codecs (Blosc, Zstd), its config and its CRC32C checksum codec
     "numcodecs==0.16.6"
     "donfig==0.8.1.post1"
     "google-crc32c==1.9.0"
-    # streamrl/config.py: every component's configuration is a pydantic model ...
+    # streamrl/config/run.py: every component's configuration is a pydantic model ...
     "pydantic==2.14.3"
     # ... with its compiled core (pinned exactly by pydantic) and its typing helpers
     "pydantic-core==2.50.4"

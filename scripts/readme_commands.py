@@ -1,26 +1,28 @@
-"""Check that every command in README.md works as typed after `make setup`.
+"""Check that every command in README.md and docs/*.md works as typed after `make setup`.
 
-Every line of README's ```bash blocks (`\\` continuations joined, trailing `# comments`
-dropped) is checked in a fresh shell -- an empty environment, no profile, only
-`source .venv/bin/activate` -- from the repository root, as a user would type it:
+Every line of the ```bash blocks of README.md and of every docs/*.md page (`\\` continuations
+joined, trailing `# comments` dropped) is checked in a fresh shell -- an empty environment, no
+profile, only `source .venv/bin/activate` -- from the repository root, as a user would type it:
 
 - its program resolves on PATH (`command -v`);
-- `streamrl ...`: the arguments parse with streamrl's own parser (`streamrl.cli.build_parser`);
+- `streamrl ...`: the arguments parse with streamrl's own parser (`build_parser` of `streamrl.cli`);
 - `prefect deployment run FLOW/NAME -p key=value ...`: FLOW/NAME is a deployment of
   deploy/prefect.yaml, every `-p` names a parameter of its flow function (read from the
   entrypoint's source) and every parameter without a default is given;
 - `make TARGET`: the Makefile has the target;
-- `python scripts/x.py`, `python -m module`: the script or module exists.
+- `python SCRIPT`, `python -m MODULE`: the script or module exists.
 
 A command with a placeholder (`<id>`, `<time>`) is checked with the placeholder as a plain word
 and never run. With `--run`, the commands of RUN_AS_TYPED also run as typed, each in its own
-fresh shell, in README order, in a scratch directory (files they write, such as `run.yaml`,
-stay out of the checkout); of the other commands of HELP_ONLY's programs only `--help` runs
-(they need a server, a run or minutes of training), and the rest (`make`, `python`) never run.
-One line per command; exit status 1 if any is wrong.
+fresh shell, in document order (README.md, then docs/*.md by name), in one scratch directory
+(files they write, such as `run.yaml`, stay out of the checkout); of the other commands of
+HELP_ONLY's programs only `--help` runs (they need a server, a run or minutes of training), and
+the rest (`make`, `python`) never run.
+One line per command, located as FILE:LINE; exit status 1 if any is wrong.
 
     python scripts/readme_commands.py          # quick check (seconds)
     python scripts/readme_commands.py --run    # and run the quick, server-free ones (a minute)
+    python scripts/readme_commands.py --doc docs/pools.md   # only the files named
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 ACTIVATE = ROOT / ".venv" / "bin" / "activate"
 PLACEHOLDER = re.compile(r"<([A-Za-z][\w.-]*)>")
 # Run as typed under --run: quick, no server, no run directory needed.
@@ -48,7 +51,7 @@ Deployments = dict[str, tuple[set[str], set[str]]]  # flow/name -> (parameters, 
 
 PARSE_STREAMRL = """
 import contextlib, io, json, sys
-from streamrl.cli import build_parser
+from streamrl.cli.main import build_parser
 problems = []
 for argv in json.load(sys.stdin):
     err = io.StringIO()
@@ -76,10 +79,11 @@ sys.exit(0 if found else 1)
 class Command:
     """One command line of a ```bash block, continuations joined, comment dropped."""
 
-    line: int  # README line it starts on
+    line: int  # line of its document it starts on
     text: str  # as typed
     argv: list[str]  # words before any redirection or pipe, leading VAR=value dropped
     placeholder: bool  # holds <...>: checked with the placeholder as a word, never run
+    document: str = "README.md"  # where it is written, as reported: README.md, docs/running.md
 
 
 def _drop_comment(text: str) -> str:
@@ -105,10 +109,10 @@ def _argv(text: str) -> list[str]:
     return words
 
 
-def extract(readme: str) -> list[Command]:
-    """Every command of README's ```bash blocks, in order."""
+def extract(markdown: str, document: str = "README.md") -> list[Command]:
+    """Every command of the ```bash blocks of `markdown` (the text of `document`), in order."""
     commands, in_block, pending, start = [], False, "", 0
-    for number, line in enumerate(readme.splitlines(), 1):
+    for number, line in enumerate(markdown.splitlines(), 1):
         if line.strip().startswith("```"):
             in_block = not in_block and line.strip() == "```bash"
             continue
@@ -120,8 +124,25 @@ def extract(readme: str) -> list[Command]:
             continue
         text, pending = _drop_comment(pending), ""
         if text:
-            commands.append(Command(start, text, _argv(text), bool(PLACEHOLDER.search(text))))
+            placeholder = bool(PLACEHOLDER.search(text))
+            commands.append(Command(start, text, _argv(text), placeholder, document))
     return commands
+
+
+def documents() -> list[Path]:
+    """The pages whose commands are checked: README.md, then every docs/*.md by name."""
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _name(path: Path) -> str:
+    """`path` as reported: relative to the repository root when it lies inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
+
+
+def extract_all(paths: list[Path]) -> list[Command]:
+    """Every command of every file of `paths`, in that order."""
+    return [c for path in paths for c in extract(path.read_text(), _name(path))]
 
 
 def fresh_shell(
@@ -220,7 +241,7 @@ def check(commands: list[Command]) -> list[str | None]:
         if fresh_shell(f"command -v {shlex.quote(program)}").returncode != 0:
             problems[i] = (
                 f"`{program}`: command not found after `source .venv/bin/activate`; "
-                "install it with .venv (pyproject.toml) or say in README where it comes from"
+                "install it with .venv (pyproject.toml) or say in the page where it comes from"
             )
         problems[i] = problems[i] or _check_args(command.argv, known, targets)
     return problems
@@ -264,20 +285,28 @@ def run(commands: list[Command], problems: list[str | None]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="store_true", help="also run the quick, server-free ones")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file to read")
+    parser.add_argument(
+        "--doc", "--readme", dest="docs", type=Path, action="append", metavar="FILE",
+        help="a Markdown file to read (repeatable; default: README.md and docs/*.md)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    commands = extract(args.readme.read_text())
+    paths = args.docs or documents()
+    if missing := [str(p) for p in paths if not p.is_file()]:
+        print(f"no such file: {', '.join(missing)}")
+        return 1
+    commands = extract_all(paths)
     if not commands:
-        print(f"{args.readme}: no commands in ```bash blocks")
+        print(f"{', '.join(map(_name, paths))}: no commands in ```bash blocks")
         return 1
     problems = check(commands)
     notes = run(commands, problems) if args.run else ["checked"] * len(commands)
+    width = max(len(f"{c.document}:{c.line}") for c in commands)
     for command, problem, note in zip(commands, problems, notes, strict=True):
-        where = f"{args.readme.name}:{command.line}"
+        where = f"{command.document}:{command.line}"
         if problem is None:
-            print(f"ok     {where:<14} {command.text}  [{note}]")
+            print(f"ok     {where:<{width}} {command.text}  [{note}]")
         else:
-            print(f"WRONG  {where:<14} {command.text}\n       -> {problem}")
+            print(f"WRONG  {where:<{width}} {command.text}\n       -> {problem}")
     wrong = sum(p is not None for p in problems)
     print(f"{len(commands)} commands, {wrong} wrong" + ("" if args.run else "; --run runs them"))
     return 1 if wrong else 0

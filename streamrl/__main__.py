@@ -1,3 +1,3 @@
-from streamrl.cli import main
+from streamrl.cli.main import main
 
 raise SystemExit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from storage.records import ScoredGroup
+from storage.stream.records import ScoredGroup
 from tests.stream_data import random_group
 
 

@@ -7,7 +7,7 @@ import os
 import resource
 import time
 
-from storage.credentials import is_credential_name, is_storage_setting
+from storage.control.credentials import is_credential_name, is_storage_setting
 
 NOT_CALLABLE = 42
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.records import ScoredGroup
+from storage.stream.records import ScoredGroup
 
 
 def random_group(

@@ -6,6 +6,8 @@ statistics. Each module states its formulas in its docstring and names its paper
 The algorithms' configurations (`config`: one class per algorithm, by family in `outcome`,
 `reinforce_pp` and `vapo`, on the interface of `base`) carry what differs per algorithm in a
 learner step — advantages, models, loss terms, denominators — built from these functions.
+
+Imports: `streamrl.config.base` and `streamrl.config.merge` only.
 """
 
 from streamrl.algorithms.advantages import (

@@ -4,7 +4,7 @@ Outcome-reward estimators return one advantage per response, `[N]`; the learner 
 to every token with `broadcast_to_tokens`. Token-level estimators (REINFORCE++, GAE) return
 `[N, T]`. Groups follow the `group_index` layout of `streamrl.algorithms.masked`. Token masks
 mark the tokens the policy sampled: a multi-turn response's environment tokens are 0 there
-and get no advantage, no reward and no place in a response length (ALGORITHMS.md
+and get no advantage, no reward and no place in a response length (docs/algorithms.md
 "Multi-turn rollouts").
 
 Papers: GRPO (Shao et al., DeepSeekMath, 2402.03300), Dr. GRPO (Liu et al., 2503.20783),

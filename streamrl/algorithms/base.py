@@ -30,7 +30,6 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from streamrl._dicts import deep_merge
 from streamrl.algorithms.advantages import broadcast_to_tokens
 from streamrl.algorithms.correction_config import (
     CorrectionConfig,
@@ -46,7 +45,8 @@ from streamrl.algorithms.losses import (
 )
 from streamrl.algorithms.shaping import RewardScale
 from streamrl.algorithms.variants import sequence_length_weights
-from streamrl.config_base import Section
+from streamrl.config.base import Section
+from streamrl.config.merge import deep_merge
 
 __all__ = [
     "AlgorithmBase",

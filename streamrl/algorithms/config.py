@@ -26,7 +26,7 @@ from streamrl.algorithms.outcome import (
 )
 from streamrl.algorithms.reinforce_pp import ReinforcePPConfig
 from streamrl.algorithms.vapo import PPOConfig, VAPOConfig
-from streamrl.config_base import tagged_classes
+from streamrl.config.base import tagged_classes
 
 __all__ = [
     "ALGORITHM_CLASSES",

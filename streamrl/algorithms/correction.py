@@ -1,6 +1,6 @@
 """Off-policy correction: the weights and rejections that correct for the gap between the
 behaviour policy (the generator's log-probs) and the proximal one (the learner's), and the
-metrics that show how large that gap is; ALGORITHMS.md "Off-policy correction: the full menu".
+metrics that show how large that gap is; docs/algorithms.md "Off-policy correction: the full menu".
 
 With δ_t = logp_prox,t − logp_behav,t over loss tokens (m = 1), clamped to ±`SAFETY_BOUND`
 before any exp:

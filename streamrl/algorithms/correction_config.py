@@ -1,5 +1,5 @@
 """The `algorithm.correction` block: which off-policy correction a learner applies
-(`streamrl.algorithms.correction` holds the math; ALGORITHMS.md "Off-policy correction: the
+(`streamrl.algorithms.correction` holds the math; docs/algorithms.md "Off-policy correction: the
 full menu").
 
 Three methods, a discriminated union on `method` (`rollout` when left out):
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from streamrl.algorithms.correction import Correction, correct
 from streamrl.algorithms.masked import zero_outside
-from streamrl.config_base import Section, tag_or, tagged_classes
+from streamrl.config.base import Section, tag_or, tagged_classes
 
 __all__ = [
     "CORRECTION_CLASSES",

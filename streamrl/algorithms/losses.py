@@ -29,7 +29,7 @@ contribute 0 to the numerator but still count in the denominator (they are rejec
 of the batch, known only after the forward pass, while the denominator must be fixed before
 it).
 
-Every mask here is the loss mask: the tokens the policy sampled (ALGORITHMS.md "Multi-turn
+Every mask here is the loss mask: the tokens the policy sampled (docs/algorithms.md "Multi-turn
 rollouts": environment tokens are 0 in it), less filtered ones. Whatever values the other
 tensors hold where it is 0, they change neither a loss, its gradient, a denominator nor a metric.
 """

@@ -40,7 +40,7 @@ from streamrl.algorithms.variants import (
     temporal_advantages,
     weighted_baseline_advantages,
 )
-from streamrl.config_base import Section, tag_or, tagged_classes
+from streamrl.config.base import Section, tag_or, tagged_classes
 
 __all__ = [
     "DAPOConfig",

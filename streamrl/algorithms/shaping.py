@@ -24,7 +24,7 @@ answers than on correct ones, with R_base the rule reward and r_th a reward thre
     λ(r) = λ_base·exp(−γ·max(0, r − r_th))               (eq 33)
 
 |o| counts the tokens the policy sampled: a multi-turn response's environment tokens (tool
-results, user turns) are not its length (ALGORITHMS.md "Multi-turn rollouts").
+results, user turns) are not its length (docs/algorithms.md "Multi-turn rollouts").
 
 The generator applies these when it scores a group; the learner only sees shaped rewards.
 """

@@ -31,7 +31,7 @@ from streamrl.algorithms.losses import (
     distributional_value_loss,
     value_loss,
 )
-from streamrl.config_base import Section, tag_or, tagged_classes
+from streamrl.config.base import Section, tag_or, tagged_classes
 
 __all__ = [
     "VALUE_HEAD_CLASSES",

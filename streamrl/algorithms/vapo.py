@@ -32,7 +32,7 @@ from streamrl.algorithms.advantages import decoupled_gae_advantages, length_adap
 from streamrl.algorithms.base import ClippedAlgorithmBase, Responses
 from streamrl.algorithms.losses import Metrics
 from streamrl.algorithms.value_heads import ScalarHead, ValueHead
-from streamrl.config_base import Section
+from streamrl.config.base import Section
 
 __all__ = ["PPOConfig", "VAPOConfig", "ValueAlgorithmBase", "ValuePriorConfig"]
 

@@ -1,5 +1,5 @@
 """The framework guide's outcome-advantage variants (equation numbers are the guide's;
-ALGORITHMS.md "Framework-guide variants"), each `[N]` → `[N]` float32 over groups in the
+docs/algorithms.md "Framework-guide variants"), each `[N]` → `[N]` float32 over groups in the
 `group_index` layout of `streamrl.algorithms.masked` (any group sizes, G = 1 included):
 
 * weighted baseline (eqs 39, 52): A_i = R_i − Σ_j q_j R_j / Σ_j q_j over the group, q uniform

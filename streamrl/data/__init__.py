@@ -3,6 +3,8 @@
 `PromptSource(config.data, tokenizer_path)` loads, renders and tokenises a dataset;
 `source.iterate(shard, num_shards, start)` walks one generator's share of it forever
 (see `streamrl.data.datasets` for the order and resume semantics).
+
+Imports: `streamrl.config.base`, `streamrl.models` (tokenizers).
 """
 
 from streamrl.data.builtin import BUILTIN_DATASETS, builtin_rows

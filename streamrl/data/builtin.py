@@ -8,7 +8,7 @@ reads unchanged:
      "reward_model": {"ground_truth": "12", "style": "rule"},
      "data_source": "builtin:arithmetic", "extra_info": {"index": 0, ...}}
 
-`arithmetic` is calibrated for the CPU demo (DESIGN.md: accuracy must start between ~0.2 and
+`arithmetic` is calibrated for the CPU demo (docs/design.md: accuracy must start between ~0.2 and
 ~0.8 or the learner starves): single-digit (2–9) addition and multiplication. Half the problems
 are short word problems that end by restating the sum ("... That is, what is 3 × 4?"), half are
 direct questions ("What is 3 * 4?"). Measured with SmolLM2-135M-Instruct as prepared here
@@ -26,7 +26,7 @@ generator ever samples a held-out fact, in any wording; `arithmetic-test` is 256
 those facts, worded the same way. A gain on it is a gain on facts never trained on.
 
 `math` is a small hand-written set of problems with answers (integers, fractions, simple
-expressions) checked in tests/unit/test_data.py against independent sympy computations.
+expressions) checked in tests/unit/data/test_data.py against independent sympy computations.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def arithmetic_test_rows(size: int = ARITHMETIC_TEST_SIZE) -> list[dict[str, Any
     return rows
 
 
-# (question, answer in LaTeX). Answers are verified independently in tests/unit/test_data.py.
+# (question, answer in LaTeX). Answers are verified independently in tests/unit/data/test_data.py.
 MATH_PROBLEMS: tuple[tuple[str, str], ...] = (
     ("What is $\\frac{1}{2} + \\frac{1}{3}$?", "\\frac{5}{6}"),
     ("Compute $7 \\times 8 - 6$.", "50"),

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from streamrl.config_base import MAX_SEED, MAX_SEQUENCE_TOKENS, Section
+from streamrl.config.base import MAX_SEED, MAX_SEQUENCE_TOKENS, Section
 
 __all__ = [
     "DataConfig",

@@ -14,7 +14,7 @@ from typing import Any
 
 import fsspec
 
-from streamrl.config_base import ConfigError
+from streamrl.config.base import ConfigError
 from streamrl.data.builtin import BUILTIN_DATASETS, builtin_rows
 
 __all__ = [

@@ -8,12 +8,14 @@ the reward function; `calculator`, `python`, `guess`) or a user's class by impor
 
 Tools are Python functions with a JSON schema (`tools`), called in the Hermes or a tagged
 format (`formats`) from a `ToolEnvironment` (`tool_env`). `EnvRunner` (`runner`) runs every
-call in worker processes boxed in like the reward scorer's (`streamrl.rewards.pool`).
+call in worker processes boxed in like the reward scorer's (`streamrl.isolation.pool`).
 
 Modules: `config` (EnvConfig), `base`, `limits` (what the policy's text and an environment's
 answers may grow to), `tools`, `formats`, `tool_env`, `registry`, `worker`, `runner`, and the
 bundled environments `calculator`, `python_env` (its code runs in
 `streamrl.isolation.box`), `guess`.
+
+Imports: `streamrl.config.base`, `streamrl.isolation`, `streamrl.rewards`.
 """
 
 from streamrl.envs.base import EnvContext, Environment, Message, Reset, SingleTurnEnv, Step, Task

@@ -58,8 +58,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from streamrl.envs.formats import Message, ToolFormat
+
 if TYPE_CHECKING:
-    from streamrl.envs.formats import ToolFormat
     from streamrl.rewards.registry import RewardFn
 
 __all__ = [
@@ -76,10 +77,6 @@ __all__ = [
 MAX_OBSERVATION_MESSAGES = 64
 """Most messages one step may answer with; each is rendered and tokenised by the generator, and
 a turn is answered in one or a few (a tool environment: one per call it ran)."""
-
-Message = dict[str, Any]
-"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str}; a tool's
-answer adds {"name": <the tool>}."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from streamrl.config_base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
+from streamrl.config.base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
 from streamrl.envs.registry import check_env_name
 
 __all__ = ["EnvConfig"]

@@ -39,7 +39,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol
 
-from streamrl.envs.base import Message
 from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth
 from streamrl.envs.tools import Tool, ToolCall, ToolResult
 
@@ -47,10 +46,15 @@ __all__ = [
     "MAX_CALL_CHARS",
     "TOOL_FORMATS",
     "HermesFormat",
+    "Message",
     "TaggedFormat",
     "ToolFormat",
     "resolve_tool_format",
 ]
+
+Message = dict[str, Any]
+"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str}; a tool's
+answer adds {"name": <the tool>}."""
 
 MAX_CALL_CHARS = 16_384
 """Longest tool call read, in characters (one call block's text, stripped): room for a long

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from streamrl.envs.base import Environment
-from streamrl.user_code import import_object, refuse_unknown_name, split_import_path
+from streamrl.isolation.user_code import import_object, refuse_unknown_name, split_import_path
 
 __all__ = [
     "ENVIRONMENTS",

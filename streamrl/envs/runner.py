@@ -31,7 +31,7 @@ a failed reward call; the generator decides, as with rewards, whether to train o
 group). The runner ends an episode after `max_turns`
 model turns (`max_turns`); the generator ends one that runs out of `max_episode_tokens`
 (`Episode.finish("max_tokens")`). Isolation — spawned workers without credentials, a memory
-limit, killed on a deadline — is the reward scorer's (`streamrl.rewards.pool.IsolatedPool`);
+limit, killed on a deadline — is the reward scorer's (`streamrl.isolation.pool.IsolatedPool`);
 when a worker dies, every call in flight in that pool at the moment fails with it.
 """
 
@@ -60,8 +60,8 @@ from streamrl.envs.worker import (
     checked_step,
     load_environment,
 )
+from streamrl.isolation.pool import Failure, IsolatedPool, Outcome
 from streamrl.rewards.config import RewardConfig
-from streamrl.rewards.pool import Failure, IsolatedPool, Outcome
 from streamrl.rewards.registry import check_reward_name
 from streamrl.rewards.scoring import RewardScorer, Score
 from streamrl.rewards.worker import RewardValueError

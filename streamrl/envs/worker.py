@@ -1,7 +1,7 @@
 """What runs inside an environment worker process: loading the environment, and the reset,
 step and score calls with the checks every answer passes before it leaves the worker.
 
-The worker is boxed in by `streamrl.rewards.worker` (no credentials, a memory limit, dead with
+The worker is boxed in by `streamrl.isolation.worker` (no credentials, a memory limit, dead with
 its parent) before `load_environment` imports anything of the user's. Each call checks the
 environment's answer here, in the worker, so only well-formed values come back: messages
 with a string role and content (a step's: at most `MAX_OBSERVATION_MESSAGES`, their contents
@@ -33,8 +33,9 @@ from streamrl.envs.base import (
 from streamrl.envs.formats import TOOL_FORMATS
 from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth, truncate_all
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, resolve_env
+from streamrl.isolation.worker import loaded
 from streamrl.rewards.registry import RewardLoadError, RewardResolutionError, resolve_reward
-from streamrl.rewards.worker import check_score, loaded
+from streamrl.rewards.worker import check_score
 
 __all__ = [
     "MAX_STATE_JSON_CHARS",

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from streamrl.config_base import MAX_STEPS, Section
+from streamrl.config.base import MAX_STEPS, CoreSetting, Section
 from streamrl.data.config import DataConfig
-from streamrl.placement.cores import CoreSetting
 
 __all__ = ["EvalConfig"]
 

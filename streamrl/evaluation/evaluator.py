@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from storage.control import stop_requested
+from storage.control.requests import stop_requested
 from storage.fs import Location
-from storage.weights import WeightStore, WeightVersionNotFoundError
-from streamrl.config import RunConfig
-from streamrl.config_base import ConfigError
+from storage.weights.versions import WeightStore, WeightVersionNotFoundError
+from streamrl.config.base import ConfigError
+from streamrl.config.run import RunConfig
 from streamrl.data.config import DataConfig
 from streamrl.evaluation.records import append_eval_record, read_eval_records
 from streamrl.generator.config import GeneratorConfig
@@ -215,7 +215,7 @@ def evaluate(
     `validation_dataset`. With `record`, the result is appended to the run's evaluation log.
     Returns the metrics (module docstring) and `version`.
     """
-    from streamrl.runs import load_run_config
+    from streamrl.config.stored import load_run_config
 
     config = load_run_config(run)
     store = WeightStore(run)
@@ -325,7 +325,8 @@ def run_evaluator(
     """`streamrl eval --run RUN_URI --follow`: the evaluator of an existing run, in a process of
     its own, until the run stops (see `EvaluationLoop`). SIGTERM (when called from the main
     thread) sets the stop event, so the process exits 0."""
-    from streamrl.runs import open_existing_run, stop_on_sigterm
+    from streamrl.config.stored import open_existing_run
+    from streamrl.isolation.lifetime import stop_on_sigterm
 
     config, run = open_existing_run(run_uri, storage_options)
     stop = stop_on_sigterm(stop)

@@ -9,4 +9,8 @@
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
 - `group_size`: how many responses each prompt gets (fixed, or adaptive: eq 27).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.
+
+Imports: `storage`, `streamrl.config`, the packages beneath it (`algorithms`, `data`, `models`,
+`envs`, `rewards`, `isolation`) and the learner's section (`streamrl.learner.config`); nothing of
+supervision, runs or the command line.
 """

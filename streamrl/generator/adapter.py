@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from storage.weight_follower import Advance, WeightFollower
+from storage.weights.follower import Advance, WeightFollower
 from streamrl.generator.weight_worker import WeightSource, advance_follower
 from streamrl.models.lora import LoraConfig, adapter_files, vllm_max_lora_rank, zero_adapter
 

@@ -9,10 +9,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from streamrl.config_base import MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
+from streamrl.config.base import MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_WAIT_S, CoreSetting, Section
 from streamrl.envs.config import EnvConfig
 from streamrl.generator.group_size import AdaptiveGroupSize, FixedGroupSize, GroupSizeRule
-from streamrl.placement.cores import CoreSetting
 from streamrl.rewards.config import RewardConfig
 
 __all__ = [

@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from storage.weight_follower import Advance
-from storage.weights import WeightIntegrityError, WeightVersionNotFoundError
+from storage.weights.follower import Advance
+from storage.weights.versions import WeightIntegrityError, WeightVersionNotFoundError
 from streamrl.generator.adapter import AdapterSlot
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.weight_worker import WeightReloadExtension, WeightSource

@@ -1,9 +1,9 @@
 """Flow control: a generator admits a new prompt only while the learner can still train on it.
 
-AReaL's admission rule (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
-Learning System for Language Reasoning"), for a fleet that shares nothing but storage: the
-learner writes its progress after every step (`storage.learner_progress`), the commit log says
-what the fleet has committed, and each generator decides alone.
+AReaL's admission rule (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
+System for Language Reasoning"), for a fleet that shares nothing but storage: the learner writes its
+progress after every step (`storage.stream.learner_progress`), the commit log says what the fleet
+has committed, and each generator decides alone.
 
 The rule. A group sampled now with weights version v_g can be trained on until the learner's
 version exceeds v_g + S (S = `learner.max_staleness`), i.e. while the learner is at one of the
@@ -49,9 +49,9 @@ import logging
 import time
 
 from storage.fs import Location
-from storage.learner_progress import LearnerProgress, read_learner_progress
-from storage.records import Cursor
-from storage.stream_log import fetch_records, first_free
+from storage.stream.learner_progress import LearnerProgress, read_learner_progress
+from storage.stream.log import fetch_records, first_free
+from storage.stream.records import Cursor
 from streamrl.learner.config import LearnerConfig
 
 __all__ = [

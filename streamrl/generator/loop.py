@@ -32,24 +32,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from storage.control import stop_requested
+from storage.control.requests import stop_requested
 from storage.fs import Location
-from storage.stream import StreamWriter
-from storage.weight_follower import Advance
-from storage.weights import WeightStore
-from streamrl.config import RunConfig
+from storage.stream.writer import StreamWriter
+from storage.weights.follower import Advance
+from storage.weights.versions import WeightStore
+from streamrl.config.run import RunConfig
 from streamrl.data import PromptIterator
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.progress import PromptLedger
-from streamrl.generator.records import GroupRecords
+from streamrl.generator.records import GeneratorStats, GroupRecords
 from streamrl.generator.rollouts import EpisodeDriver, Rollout
 from streamrl.rewards import Scores
 
-__all__ = ["BrokenRewardError", "GeneratorLoop", "GeneratorStats"]
+__all__ = ["BrokenRewardError", "GeneratorLoop"]
 
 log = logging.getLogger(__name__)
 
@@ -61,34 +60,6 @@ ENV_WAIT_S = 0.01  # every episode in flight waits for its environment: poll aga
 class BrokenRewardError(RuntimeError):
     """The reward function (or the environment) failed on every response of many groups in a
     row."""
-
-
-@dataclass
-class GeneratorStats:
-    """Counters since the loop started (the throughput log line reports their rates).
-
-    `groups`, `responses`, ... count what was written to the stream; `reward_errors` and
-    `reward_timeouts` count failed reward calls, `dropped_groups` the groups they kept out of
-    the stream (`generator.reward.on_error=drop_group`). `corrupt_weight_versions` counts
-    published versions that failed verification (skipped for good), `weight_update_failures`
-    versions that vanished (removed by retention) while being read. `paused_s` is how long flow
-    control refused new prompts (`streamrl.generator.flow_control`)."""
-
-    groups: int = 0
-    responses: int = 0
-    tokens: int = 0
-    correct: int = 0
-    reward_sum: float = 0.0
-    truncated: int = 0
-    segments: int = 0
-    weight_updates: int = 0
-    weight_update_s: float = 0.0
-    weight_update_failures: int = 0
-    corrupt_weight_versions: int = 0
-    reward_errors: int = 0
-    reward_timeouts: int = 0
-    dropped_groups: int = 0
-    paused_s: float = 0.0
 
 
 class GeneratorLoop:
@@ -109,7 +80,7 @@ class GeneratorLoop:
     ) -> None:
         """`runner`: the environment's (`generator.env`), open. `before_commit` runs before
         every commit and raises when this generator may no longer write (its index was taken
-        over: `streamrl.launch.GeneratorIndex.check`)."""
+        over: `streamrl.generator.index.GeneratorIndex.check`)."""
         self.config = config
         self.run_location = run
         self.engine = engine

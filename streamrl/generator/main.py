@@ -1,7 +1,7 @@
 """One generator process: built from the run's configuration, run until the run stops.
 
 `run_generator` is what `streamrl generator --run RUN_URI --index I` and the Prefect flows
-call: it opens an existing run, holds index I (`streamrl.launch.hold_generator_index`: no
+call: it opens an existing run, holds index I (`streamrl.generator.index.hold_generator_index`: no
 other live generator may run it), builds one generator from the run's configuration and runs
 it until the run's stop marker appears or SIGTERM arrives.
 """
@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from storage.fs import Location
-from storage.stream import StreamWriter
-from streamrl.config import RunConfig
-from streamrl.generator.loop import GeneratorLoop, GeneratorStats
+from storage.stream.writer import StreamWriter
+from streamrl.config.run import RunConfig
+from streamrl.generator.loop import GeneratorLoop
+from streamrl.generator.records import GeneratorStats
 
 __all__ = ["build_generator", "run_generator"]
 
@@ -45,7 +46,7 @@ def build_generator(
     version (corrupt ones are skipped and counted), exactly `policy_version` when given (its
     manifest is checked before vLLM starts), or none with `policy_version=0` (the model's own).
     """
-    from streamrl.launch import hold_generator_index
+    from streamrl.generator.index import hold_generator_index
 
     if index < 0:
         raise ValueError(f"generator index must be ≥ 0, got {index}")
@@ -68,8 +69,8 @@ def _build(
     *,
     before_commit: Callable[[], object],
 ) -> Iterator[GeneratorLoop]:
-    from storage.weight_follower import Advance
-    from storage.weights import WeightStore
+    from storage.weights.follower import Advance
+    from storage.weights.versions import WeightStore
     from streamrl.data import PromptPosition, PromptSource
     from streamrl.envs.runner import EnvRunner
     from streamrl.generator.engine import Engine, WeightSource, generator_seed
@@ -148,7 +149,8 @@ def run_generator(
     segment and this returns normally, so the process exits 0. `take_over`: see
     `build_generator`.
     """
-    from streamrl.runs import open_existing_run, stop_on_sigterm
+    from streamrl.config.stored import open_existing_run
+    from streamrl.isolation.lifetime import stop_on_sigterm
 
     config, run = open_existing_run(run_uri, storage_options)
     stop = stop_on_sigterm(stop)

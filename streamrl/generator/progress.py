@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from storage.control.progress import GeneratorProgress, read_progress, write_progress
 from storage.fs import Location
-from storage.progress import GeneratorProgress, read_progress, write_progress
 from streamrl.data import DatasetError, PromptIterator, PromptPosition, PromptSource
 
 __all__ = ["PromptLedger", "resume_prompts"]

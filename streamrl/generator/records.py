@@ -10,25 +10,50 @@ decides on correctness. Every record written is counted in the generator's `Gene
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from storage.records import ScoredGroup
+from storage.stream.records import ScoredGroup
 from streamrl.algorithms.shaping import (
     adaptive_length_penalty,
     overlong_penalty,
     scale_rule_reward,
 )
-from streamrl.config import RunConfig
+from streamrl.config.run import RunConfig
 from streamrl.envs.runner import Scored
 from streamrl.generator.rollouts import Rollout
 
-if TYPE_CHECKING:
-    from streamrl.generator.loop import GeneratorStats
+__all__ = ["GeneratorStats", "GroupRecords"]
 
-__all__ = ["GroupRecords"]
+
+@dataclass
+class GeneratorStats:
+    """Counters since the loop started (the throughput log line reports their rates).
+
+    `groups`, `responses`, ... count what was written to the stream; `reward_errors` and
+    `reward_timeouts` count failed reward calls, `dropped_groups` the groups they kept out of
+    the stream (`generator.reward.on_error=drop_group`). `corrupt_weight_versions` counts
+    published versions that failed verification (skipped for good), `weight_update_failures`
+    versions that vanished (removed by retention) while being read. `paused_s` is how long flow
+    control refused new prompts (`streamrl.generator.flow_control`)."""
+
+    groups: int = 0
+    responses: int = 0
+    tokens: int = 0
+    correct: int = 0
+    reward_sum: float = 0.0
+    truncated: int = 0
+    segments: int = 0
+    weight_updates: int = 0
+    weight_update_s: float = 0.0
+    weight_update_failures: int = 0
+    corrupt_weight_versions: int = 0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    dropped_groups: int = 0
+    paused_s: float = 0.0
 
 
 class GroupRecords:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from streamrl.config import RunConfig
+from streamrl.config.run import RunConfig
 from streamrl.data import Prompt
 from streamrl.envs.base import Task
 from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored

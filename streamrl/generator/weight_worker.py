@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from storage.fs import Location, open_location
-from storage.weight_follower import Advance, WeightFollower
-from storage.weights import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
+from storage.weights.follower import Advance, WeightFollower
+from storage.weights.versions import WeightIntegrityError, WeightStore, WeightVersionNotFoundError
 from streamrl.learner.config import WeightsConfig
 
 __all__ = ["WeightReloadExtension", "WeightSource", "advance_follower"]

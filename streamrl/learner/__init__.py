@@ -15,6 +15,10 @@ checkpoints through `storage/`.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
 
 `run_learner` is what `streamrl learner --run RUN_URI` runs on every rank of a torchrun job.
+
+Imports: `storage`, `streamrl.config`, `streamrl.placement` and the packages beneath them
+(`algorithms`, `models`, `isolation`); nothing of the generator, supervision, runs or the command
+line.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ def run_learner(
     """Train an existing run to its step budget (resuming from its latest checkpoint); the
     number of steps done. Call it on every rank: torchrun's environment sets the topology.
     `take_over`: take the run's lease even from a learner that still holds it (a supervisor
-    that saw the previous learner end; `storage.lease`). With `learner.checkpoint_on_stop`,
+    that saw the previous learner end; `storage.control.lease`). With `learner.checkpoint_on_stop`,
     SIGTERM or Ctrl-C (from the main thread) stops it with a checkpoint: `StopRequested`."""
     import os
 
+    from streamrl.config.stored import open_existing_run
+    from streamrl.isolation.lifetime import stop_on_sigterm
     from streamrl.learner.loop import Learner
     from streamrl.learner.topology import Topology
     from streamrl.placement import bind_rank
-    from streamrl.runs import open_existing_run, stop_on_sigterm
 
     # A learner of several ranks placed on cores: each rank on its own (threads = its share).
     bind_rank(int(os.environ.get("LOCAL_RANK", "0")))

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from storage.records import Cursor, RolloutSums, ScoredGroup
-from storage.stream_reader import SkippedSegment
+from storage.stream.reader import SkippedSegment
+from storage.stream.records import Cursor, RolloutSums, ScoredGroup
 
 __all__ = [
     "BatchCollector",
@@ -73,7 +73,7 @@ class StreamBatch:
 
     def metrics(self) -> dict[str, float]:
         """`stream/staleness_mean`, `_max`, `stream/dropped_stale`, `stream/dropped_zero_var`
-        (ALGORITHMS.md), `stream/accepted`, `stream/consumed`, `stream/skipped_segments`;
+        (docs/algorithms.md), `stream/accepted`, `stream/consumed`, `stream/skipped_segments`;
         `stream/*_total` cumulative; `stream/waste_frac` (consumed but not trained on) and
         `stream/stale_frac` (dropped as stale) over every group consumed so far; `rollout/*`
         over every consumed group and

@@ -1,6 +1,6 @@
 """The learner's checkpoints: what one holds, restoring from one, and what a new one lets go.
 
-A checkpoint (`storage.checkpoints`) holds the models that learn with their optimisers (the
+A checkpoint (`storage.checkpoints.dcp`) holds the models that learn with their optimisers (the
 policy; a critic), the models that follow them (an EMA reference policy, as a frozen one is
 rebuilt from the model path; the frozen pre-trained critic of weighted value integration), each
 rank's RNG states, and the learner state record (`LearnerState`): the `TrainingState` (step,
@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
-from storage.checkpoints import CheckpointStore, LearnerState, ModelState, step_dirname
-from storage.fencing import Fence
+from storage.checkpoints.dcp import CheckpointStore, LearnerState, ModelState, step_dirname
+from storage.control.fencing import Fence
 from storage.fs import Location, StorageError
-from storage.records import Cursor
-from storage.stream_retention import oldest_resume_cursor, release_consumed
-from streamrl.config import RunConfig
+from storage.stream.records import Cursor
+from storage.stream.retention import oldest_resume_cursor, release_consumed
+from streamrl.config.run import RunConfig
 from streamrl.learner.batching import FilterCounts, StreamBatch
 from streamrl.learner.lora import CHECKPOINT_OPTIONS
 from streamrl.learner.reward_history import PastRewards, RewardHistory

@@ -9,7 +9,7 @@ background while the next step trains: `streamrl.learner.publish`), a checkpoint
 policy version, stream cursor, filter totals, RNG; `streamrl.learner.checkpointing`), one JSON
 line of metrics per step in `<run>/metrics/learner.jsonl`, and the run's stop marker when
 `total_steps` is reached. Rank 0 checks each step's metrics for the health conditions
-(`streamrl.health`): one that becomes true is logged as a warning and recorded in the step's
+(`streamrl.learner.health`): one that becomes true is logged as a warning and recorded in the step's
 metrics as `health`.
 Waits for: B accepted groups; `stream_timeout_s` without a new group is an error naming the
 cursor, on every rank. Unblocked by generators committing groups to the stream.
@@ -27,7 +27,7 @@ pre-training left it (V_pre, checkpointed), blended into the policy's GAE with a
 that decays over the run and with the critic's reliability (an EMA of its explained variance,
 learner state).
 
-One learner per run: rank 0 holds the run's lease (`storage.lease`) from before it loads a
+One learner per run: rank 0 holds the run's lease (`storage.control.lease`) from before it loads a
 checkpoint until it ends; every checkpoint, weight commit, LATEST move, retention deletion and
 progress or metrics record is written only after checking it still holds it (a collective
 check before each step's writes), and a learner that lost it (`LeaseLostError`) stops without
@@ -50,14 +50,14 @@ from typing import Any
 
 import torch
 
-from storage.control import request_stop
+from storage.control.lease import RunLease
+from storage.control.requests import request_stop
 from storage.fs import Location, StorageError
-from storage.lease import RunLease
-from storage.weight_publish import WeightWriter
-from streamrl.config import RunConfig
-from streamrl.health import HealthMonitor
+from storage.weights.publish import WeightWriter
+from streamrl.config.run import RunConfig
 from streamrl.learner.batching import StreamBatch
 from streamrl.learner.checkpointing import IncompatibleCheckpointError, LearnerCheckpoints
+from streamrl.learner.health import HealthMonitor
 from streamrl.learner.loading import build_step_models
 from streamrl.learner.lora import adapter_manifest, publish_shares
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
@@ -94,8 +94,8 @@ class Learner:
         stop: threading.Event | None = None,
     ) -> None:
         """Take the run's lease (rank 0; `take_over`: even from a live holder, see
-        `storage.lease`), build the models and resume from the latest checkpoint. `stop`: set
-        (by SIGTERM) to stop with a checkpoint (`run`)."""
+        `storage.control.lease`), build the models and resume from the latest checkpoint. `stop`:
+        set (by SIGTERM) to stop with a checkpoint (`run`)."""
         self.config, self.run_location, self.topology = config, run, topology
         self.stop = stop or threading.Event()
         self.stop_deadline: float | None = None  # monotonic: when `stop` was set + the grace

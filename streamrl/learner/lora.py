@@ -41,7 +41,7 @@ from streamrl.models.lora import (
 )
 
 if TYPE_CHECKING:
-    from streamrl.learner.loading import MetaModel
+    from streamrl.learner.meta import MetaModel
 
 __all__ = [
     "CHECKPOINT_OPTIONS",

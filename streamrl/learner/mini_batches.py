@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from storage.records import ScoredGroup
+from storage.stream.records import ScoredGroup
 from streamrl.algorithms.base import Responses
 from streamrl.learner.packing import PAD_ID, forward_rows
 from streamrl.learner.reward_history import PastRewards
@@ -233,7 +233,7 @@ class MicroBatch:
 class MiniBatch:
     """The groups (a range of batch groups) of one optimiser update, their TrainBatch rows
     `sample_index: [n] int64`, and their micro-batches. The global loss denominators
-    (ALGORITHMS.md "Aggregation") count the whole mini-batch, all micro-batches and so all
+    (docs/algorithms.md "Aggregation") count the whole mini-batch, all micro-batches and so all
     ranks: `num_loss_tokens` (token-mean), `num_responses` (seq-mean-token-sum-norm),
     `num_scored_responses`, those with ≥ 1 loss token (seq-mean-token-mean), and
     `num_positive_tokens`, loss tokens of correct responses (VAPO's positive-example loss);

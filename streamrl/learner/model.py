@@ -63,7 +63,7 @@ def load_policy(
     CPU with `dtype` parameters: keep float32 master weights and let `shard_model` choose the
     compute dtype. The KV cache is off (`config.use_cache = False`): the learner never decodes.
     The whole model is loaded: sharded, each rank would first need the CPU memory for all of
-    it (`streamrl.learner.loading.meta_policy` avoids that)."""
+    it (`streamrl.learner.meta.meta_policy` avoids that)."""
     path = resolve_model_path(model_path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code

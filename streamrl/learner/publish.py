@@ -49,11 +49,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from storage.control.lease import LeaseLostError
 from storage.fs import StorageError
-from storage.lease import LeaseLostError
-from storage.weight_manifest import SharePart
-from storage.weight_publish import PublishAbandonedError, WeightWriter
-from storage.weight_shares import (
+from storage.weights.manifest import SharePart
+from storage.weights.publish import PublishAbandonedError, WeightWriter
+from storage.weights.shares import (
     NonFiniteWeightsError,
     TensorShare,
     new_publish_id,

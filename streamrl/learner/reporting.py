@@ -30,7 +30,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from storage.credentials import without_credentials
+from storage.control.credentials import without_credentials
 from storage.fs import Location, put_if_absent
 from streamrl.learner.config import LoggingConfig
 from streamrl.models import cache_root
@@ -179,7 +179,7 @@ class MetricsReporter:
         enabled: bool = True,
     ) -> None:
         """`config`: the run's configuration, shown in wandb (without credential-named keys,
-        whatever the caller passed; see storage.manifest). `start_step`: the step a resumed
+        whatever the caller passed; see storage.control.manifest). `start_step`: the step a resumed
         learner starts from. `enabled`: False on every rank but the main one."""
         self.run, self.cfg, self.enabled = run, cfg, enabled
         self.total_steps = total_steps
@@ -261,7 +261,7 @@ class MetricsReporter:
     # -- per step ---------------------------------------------------------------------------
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Report one record: a learner step (`step`, `policy_version`, ALGORITHMS.md metrics)
+        """Report one record: a learner step (`step`, `policy_version`, docs/algorithms.md metrics)
         or a value pre-training step (`value_pretrain_step` added, `step` 0)."""
         if not self.enabled:
             return

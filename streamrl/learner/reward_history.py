@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from storage.records import ScoredGroup
+from storage.stream.records import ScoredGroup
 
 __all__ = ["PastRewards", "RewardHistory"]
 

@@ -2,7 +2,7 @@
 
 Consumes a `TrainBatch` and its `MiniBatch`es (`streamrl.learner.mini_batches`); produces updated
 parameters (policy, and critic for an algorithm with a value model) and the step's metrics
-(names as in ALGORITHMS.md).
+(names as in docs/algorithms.md).
 
 A step has two passes over this rank's micro-batches:
 

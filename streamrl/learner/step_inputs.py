@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from streamrl.learner.optim import clip_grad_norm
 
 if TYPE_CHECKING:
-    from streamrl.config import RunConfig
+    from streamrl.config.run import RunConfig
 
 __all__ = ["StepModels", "StepSettings", "Trainable", "ValuePrior", "local_shards"]
 

@@ -7,13 +7,13 @@ Produces: each step's `StreamBatch` (B accepted groups, chosen by a `BatchCollec
 and handed to every rank, so ranks can never train on different data or disagree about an
 error) with the stream's metrics (`stream/quarantined*`, `stream/read_retries_total`,
 `generators/paused_s_total`); the learner's progress record `<run>/control/learner.json`
-(`storage.learner_progress`) after each step and, while it waits for groups mid-step, a
+(`storage.stream.learner_progress`) after each step and, while it waits for groups mid-step, a
 `waiting` one at the reader's cursor.
 Waits for: B accepted groups; `stream_timeout_s` without a new group is a `StreamTimeoutError`
 naming the cursor, the step and the fix, raised on every rank. `while_waiting` is called on
 each idle wait: raising there (a weight version that failed for good, a lost lease) ends it.
 
-Every record it writes is checked against the run's lease first (`storage.lease`).
+Every record it writes is checked against the run's lease first (`storage.control.lease`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from storage.control.lease import RunLease
+from storage.control.progress import read_all_progress
 from storage.fs import Location
-from storage.learner_progress import LearnerProgress, write_learner_progress
-from storage.lease import RunLease
-from storage.progress import read_all_progress
-from storage.records import Cursor
-from storage.stream import StreamReader, StreamTimeoutError, quarantined
-from streamrl.config import RunConfig
+from storage.stream.learner_progress import LearnerProgress, write_learner_progress
+from storage.stream.records import Cursor
+from storage.stream.writer import StreamReader, StreamTimeoutError, quarantined
+from streamrl.config.run import RunConfig
 from streamrl.learner.batching import BatchCollector, FilterCounts, StreamBatch
 from streamrl.learner.checkpointing import TrainingState
 from streamrl.learner.topology import Topology
@@ -80,7 +80,7 @@ class StreamSource:
             batch_tokens=cfg.batch_tokens,
         )
         # Evaluated by the reader's prefetch thread ahead of the collector's own check: exact
-        # because the learner's version never decreases (see storage.stream_reader).
+        # because the learner's version never decreases (see storage.stream.reader).
         self.reader = StreamReader(
             run,
             state.cursor,

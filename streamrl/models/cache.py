@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.config_base import ConfigError
+from streamrl.config.base import ConfigError
 
 __all__ = [
     "BUNDLED_MODELS",

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from streamrl.config_base import MAX_SEQUENCE_TOKENS, Section
+from streamrl.config.base import MAX_SEQUENCE_TOKENS, Section
 from streamrl.models.lora import LoraConfig
 
 __all__ = [

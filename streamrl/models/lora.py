@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 from safetensors.torch import save_file
 from torch import Tensor
 
-from streamrl.config_base import Section
+from streamrl.config.base import Section
 
 __all__ = [
     "ADAPTER_NAME",

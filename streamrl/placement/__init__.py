@@ -5,7 +5,9 @@
   evaluator, decided once before anything starts (`plan_placement`, `place_alone`).
 - `records`: the plan as a record (`PlacementPlan`, `<run>/control/placement.json`) and each
   process's affinity and environment (`ProcessPlacement.env()`, `bind_rank`).
-- `cores`: core lists ('0-3,8') and what this process may use.
+- `cores`: the CPU cores and GPUs this process may use.
+
+Imports: `storage.fs`, `streamrl.config`.
 """
 
 from streamrl.placement.config import (
@@ -14,13 +16,7 @@ from streamrl.placement.config import (
     PlacementError,
     PoolsPlacement,
 )
-from streamrl.placement.cores import (
-    CoreSetting,
-    format_cores,
-    machine_cpus,
-    parse_cores,
-    visible_gpus,
-)
+from streamrl.placement.cores import machine_cpus, visible_gpus
 from streamrl.placement.planner import place_alone, plan_placement
 from streamrl.placement.records import (
     PLACED_VARIABLES,
@@ -39,7 +35,6 @@ __all__ = [
     "PLACEMENT_FILE",
     "RANK_CORES_VARIABLE",
     "Component",
-    "CoreSetting",
     "LocalPlacement",
     "PlacementConfig",
     "PlacementError",
@@ -47,9 +42,7 @@ __all__ = [
     "PoolsPlacement",
     "ProcessPlacement",
     "bind_rank",
-    "format_cores",
     "machine_cpus",
-    "parse_cores",
     "place_alone",
     "plan_placement",
     "read_placement",

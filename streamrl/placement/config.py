@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from streamrl.config_base import MAX_WAIT_S, Section, tagged_classes
+from streamrl.config.base import MAX_WAIT_S, Section, tagged_classes
 
 __all__ = [
     "PLACEMENT_CLASSES",

@@ -25,12 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from streamrl.config.base import format_cores
 from streamrl.placement.config import PlacementError
-from streamrl.placement.cores import format_cores, machine_cpus, visible_gpus
+from streamrl.placement.cores import machine_cpus, visible_gpus
 from streamrl.placement.records import Component, PlacementPlan, ProcessPlacement
 
 if TYPE_CHECKING:
-    from streamrl.config import RunConfig
+    from streamrl.config.run import RunConfig
 
 __all__ = ["PlacementError", "place_alone", "plan_placement"]
 

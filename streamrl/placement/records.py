@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from streamrl.placement.cores import format_cores, parse_cores
+from streamrl.config.base import format_cores, parse_cores
 
 if TYPE_CHECKING:
     from storage.fs import Location

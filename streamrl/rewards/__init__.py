@@ -14,6 +14,8 @@ their environment, scoring a failing, hanging or misbehaving call 0.0, marking i
 the batch's `Scores` and counting it (`generator.reward.on_error` decides whether the
 generator drops such a group or trains on it). Scores are raw;
 `streamrl.algorithms.shaping.scale_rule_reward` turns them into the rule reward (±1 or 1/0).
+
+Imports: `streamrl.config.base`, `streamrl.isolation`.
 """
 
 from streamrl.rewards.math import format_reward, math_format_reward, math_reward

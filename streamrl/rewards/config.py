@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from streamrl.config_base import MAX_WAIT_S, Section
+from streamrl.config.base import MAX_WAIT_S, Section
 from streamrl.rewards.registry import check_reward_name
 
 __all__ = [

@@ -7,7 +7,7 @@ level in a module on the Python path; there is deliberately no runtime `register
 entries a spawned worker would never see.
 
 Importing a user's module runs user code, which may hang, hog memory or read credentials, so
-only reward workers call `resolve_reward` (under their limits, `streamrl.rewards.worker`);
+only reward workers call `resolve_reward` (under their limits, `streamrl.isolation.worker`);
 generators and evaluators call `check_reward_name`, which imports nothing of the user's.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
+from streamrl.isolation.user_code import import_object, refuse_unknown_name, split_import_path
 from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
-from streamrl.user_code import import_object, refuse_unknown_name, split_import_path
 
 __all__ = [
     "REWARD_FUNCTIONS",

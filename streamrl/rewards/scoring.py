@@ -1,6 +1,6 @@
 """Scoring responses in isolated worker processes, each call under a time limit.
 
-`RewardScorer` runs the reward function in an `IsolatedPool` (`streamrl.rewards.pool`) of
+`RewardScorer` runs the reward function in an `IsolatedPool` (`streamrl.isolation.pool`) of
 `workers` spawned processes. A reward function is user code over model output: it may raise,
 return garbage, loop forever or crash its interpreter. None of that raises in the caller: such
 a call scores 0.0, is marked failed in the batch's `Scores` (so the caller can drop the group
@@ -12,7 +12,7 @@ after it starts in a worker; a call past it, and every call in flight when a wor
 and the workers are replaced; calls still within their limit run again (rewards are pure
 functions). Each worker is boxed in — no credentials in its environment, an address-space limit
 of `memory_mb`, the OOM killer's first choice, dead with its parent — and only then imports the
-reward (`streamrl.rewards.worker`): a user's module is imported nowhere else, so the caller
+reward (`streamrl.isolation.worker`): a user's module is imported nowhere else, so the caller
 only checks the name (`check_reward_name`).
 
 How loading is kept in bounds. The workers count as started once every one has loaded the
@@ -37,14 +37,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from streamrl.rewards.pool import Failure, IsolatedPool, Outcome
+from streamrl.isolation.pool import Failure, IsolatedPool, Outcome
+from streamrl.isolation.worker import STARTUP_TIMEOUT_S
 from streamrl.rewards.registry import (
     RewardLoadError,
     RewardResolutionError,
     check_reward_name,
     resolve_reward,
 )
-from streamrl.rewards.worker import STARTUP_TIMEOUT_S, RewardValueError, call_reward
+from streamrl.rewards.worker import RewardValueError, call_reward
 
 if TYPE_CHECKING:
     from streamrl.rewards.config import RewardConfig

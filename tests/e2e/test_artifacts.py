@@ -21,10 +21,10 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFil
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.artifacts import RunArtifacts
+from storage.control.manifest import create_run
 from storage.fs import open_location
-from storage.manifest import create_run
-from storage.stream import StreamWriter
-from streamrl.config_loading import load_config
+from storage.stream.writer import StreamWriter
+from streamrl.config.loading import load_config
 from tests.stream_data import random_group
 
 pytestmark = pytest.mark.timeout(600)

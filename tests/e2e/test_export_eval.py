@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage.control import request_stop
+from storage.control.manifest import create_run
+from storage.control.requests import request_stop
 from storage.fs import Location, StorageError, open_location
-from storage.manifest import create_run
-from storage.weight_publish import WeightWriter
-from storage.weights import WeightStore, WeightVersionNotFoundError
-from streamrl.cli_eval import add_commands
-from streamrl.config import RunConfig
-from streamrl.config_loading import load_config
+from storage.weights.publish import WeightWriter
+from storage.weights.versions import WeightStore, WeightVersionNotFoundError
+from streamrl.cli.evaluate import add_commands
+from streamrl.config.loading import load_config
+from streamrl.config.run import RunConfig
 from streamrl.data import PromptSource
 from streamrl.evaluation.evaluator import (
     EvaluationLoop,
@@ -39,9 +39,9 @@ from streamrl.evaluation.evaluator import (
     validation_dataset,
 )
 from streamrl.evaluation.records import read_eval_records
-from streamrl.export import OutputExistsError, export_version
 from streamrl.generator.engine import Engine
 from streamrl.models import resolve_model_path
+from streamrl.runs.export import OutputExistsError, export_version
 
 MAX_TOKENS = 16
 # (seed, scale) of each version's perturbation. v2 (the latest, exported): greedy outputs of

@@ -21,10 +21,10 @@ from prefect.deployments import run_deployment
 from prefect.runner import Runner
 from prefect.testing.utilities import prefect_test_harness
 
-from storage.checkpoints import CheckpointStore
+from storage.checkpoints.dcp import CheckpointStore
 from storage.fs import open_location
-from storage.weights import WeightStore
-from streamrl.launch import run_summary
+from storage.weights.versions import WeightStore
+from streamrl.runs.summary import run_summary
 
 pytestmark = pytest.mark.timeout(900)
 

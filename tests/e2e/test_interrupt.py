@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from storage.checkpoints import CheckpointStore
-from storage.control import stop_requested
+from storage.checkpoints.dcp import CheckpointStore
+from storage.control.requests import stop_requested
 from storage.fs import open_location
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -30,7 +30,7 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary
 from prefect.states import Cancelling
 
 from storage.fs import open_location
-from storage.weights import WeightStore
+from storage.weights.versions import WeightStore
 
 ROOT = Path(__file__).resolve().parents[2]
 

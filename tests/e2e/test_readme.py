@@ -1,5 +1,6 @@
-"""README's commands work as typed after `make setup`, checked in a fresh shell like a user's
-(scripts/readme_commands.py), and the checker itself catches a broken command."""
+"""The commands of README.md and docs/*.md work as typed after `make setup`, checked in a fresh
+shell like a user's (scripts/readme_commands.py), and the checker itself catches a broken
+command and says in which file and on which line it is."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def test_readme_commands_check_out_in_a_fresh_shell() -> None:
     done = _as_a_user()
     assert done.returncode == 0, done.stdout + done.stderr
     assert " 0 wrong" in done.stdout
+    located = set(re.findall(r"^ok +(\S+):\d+ ", done.stdout, re.MULTILINE))
+    checker = _checker()
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    with_commands = {c.document for page in pages for c in checker.extract_all([page])}
+    assert "docs/configuration.md" in with_commands
+    assert located == with_commands  # README and every docs page with commands are read
 
 
 @pytest.mark.slow  # ~45 s on 2 cores: every `streamrl config`/`models` command, and --help runs
@@ -58,25 +65,56 @@ def test_readme_commands_run_in_a_fresh_shell() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "streamrl config presets  [ran as typed]" in done.stdout
     validate = "streamrl config validate --config run.yaml learner.total_steps=500"
-    assert f"{validate}  [ran as typed]" in done.stdout  # on the run.yaml README writes first
-    assert not (ROOT / "run.yaml").exists()  # README's run.yaml is written in a scratch folder
+    assert f"{validate}  [ran as typed]" in done.stdout  # on the run.yaml written just before
+    assert not (ROOT / "run.yaml").exists()  # the docs' run.yaml is written in a scratch folder
 
 
 def test_extractor_finds_the_commands_users_rely_on() -> None:
-    commands = _checker().extract((ROOT / "README.md").read_text())
-    by_text = {c.text: c for c in commands}
-    for expected in (
-        "source .venv/bin/activate",
-        "prefect deployment run streamrl/dapo --watch",
-        "streamrl status ./runs/mine",
-        "streamrl run --preset dapo --preset smollm2-cpu storage.run_uri=./runs/mine",
+    checker = _checker()
+    commands = checker.extract_all(checker.documents())
+    where: dict[str, set[str]] = {}
+    demo_run = "--preset dapo --preset smollm2-cpu storage.run_uri=./runs/mine"
+    for command in commands:
+        where.setdefault(command.text, set()).add(command.document)
+    for expected, document in (
+        ("make demo", "README.md"),  # the front door: the quickstart stays in README
+        ("make test", "README.md"),
+        ("make setup", "README.md"),
+        ("source .venv/bin/activate", "README.md"),
+        ("streamrl status ./runs/mine", "README.md"),
+        (f"streamrl run {demo_run}", "README.md"),
+        ("prefect deployment run streamrl/dapo --watch", "docs/running.md"),
+        ("streamrl status ./runs/mine --plot curves.png", "docs/running.md"),
+        ("streamrl generator --run ./runs/mine --index 3", "docs/pools.md"),
+        ("make up S3=1", "docs/storage.md"),
+        ("streamrl config presets", "docs/configuration.md"),
+        ("streamrl models prepare", "docs/generators.md"),
+        ("make demo ENV=calculator", "docs/agents.md"),
+        ("make demo LORA=1", "docs/lora.md"),
+        ("streamrl export ./runs/mine --version 12 --out ./exported", "docs/evaluation.md"),
     ):
-        assert expected in by_text, f"{expected!r} not among {list(by_text)}"
+        assert document in where.get(expected, set()), f"{expected!r} not in {document}: {where}"
     resumed = next(c for c in commands if c.argv[:3] == ["streamrl", "run", "--resume"])
     assert resumed.argv[-1] == "learner.total_steps=40"  # its `\` continuation joined
     assert "#" not in resumed.text
+    assert resumed.document == "docs/resuming.md"
     scale = next(c for c in commands if c.argv[:2] == ["streamrl", "scale"])
     assert scale.placeholder  # ./runs/dapo-<time>: checked, never run
+
+
+def test_each_command_is_located_by_its_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "pools.md"
+    page.parent.mkdir()
+    readme.write_text("Intro.\n\n```bash\nmake test\n```\n")
+    page.write_text("# Pools\n\n```bash\nstreamrl status ./runs/mine\nmake nowhere\n```\n")
+
+    assert _checker().main(["--doc", str(readme), "--doc", str(page)]) == 1
+    verdicts = _verdicts(capsys.readouterr().out)
+    assert verdicts["make test"].startswith(f"ok     {readme}:4 ")
+    assert verdicts["streamrl status ./runs/mine"].startswith(f"ok     {page}:4 ")
+    assert verdicts["make nowhere"].startswith(f"WRONG  {page}:5 ")
 
 
 def test_extractor_reads_shell_words_as_bash_does() -> None:

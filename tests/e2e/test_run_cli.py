@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.component_output import RESTART_NOTICE
-from streamrl.supervision import NOT_RESTARTED
+from streamrl.supervision.output import RESTART_NOTICE
+from streamrl.supervision.policy import NOT_RESTARTED
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [

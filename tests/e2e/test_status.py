@@ -16,19 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage.checkpoints import CheckpointStore
-from storage.control import request_stop
+from storage.checkpoints.dcp import CheckpointStore
+from storage.control.manifest import create_run
+from storage.control.requests import request_stop
 from storage.fs import Location, StorageError, open_location
-from storage.manifest import create_run
-from storage.records import Cursor
-from storage.stream import StreamWriter, quarantined, read_log
-from storage.weights import WeightStore
-from streamrl.config_loading import load_config
-from streamrl.launch import hold_generator_index
+from storage.stream.records import Cursor
+from storage.stream.writer import StreamWriter, quarantined, read_log
+from storage.weights.versions import WeightStore
+from streamrl.config.loading import load_config
+from streamrl.generator.index import hold_generator_index
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
-from streamrl.status import FINISHED, NOT_STARTED, RUNNING, STOPPING, read_status
-from streamrl.status_format import format_status, to_json
+from streamrl.runs.status import FINISHED, NOT_STARTED, RUNNING, STOPPING, read_status
+from streamrl.runs.status_format import format_status, to_json
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from storage.control.manifest import create_run
 from storage.fs import Location, open_location
-from storage.manifest import create_run
-from storage.records import ScoredGroup
 from storage.seaweedfs import SeaweedFS
-from storage.stream import StreamReader, read_log
-from storage.weights import WeightStore
-from streamrl.runs import load_run_config
+from storage.stream.records import ScoredGroup
+from storage.stream.writer import StreamReader, read_log
+from storage.weights.versions import WeightStore
+from streamrl.config.stored import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 14

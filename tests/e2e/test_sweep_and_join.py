@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage.control import request_stop
+from storage.control.manifest import create_run
+from storage.control.requests import request_stop
 from storage.fs import open_location
-from storage.manifest import create_run
-from storage.stream import StreamWriter, read_log
-from streamrl.config_loading import load_config
-from streamrl.launch import claim_generator_index, reserve_generator_indexes
+from storage.stream.writer import StreamWriter, read_log
+from streamrl.config.loading import load_config
+from streamrl.generator.index import claim_generator_index, reserve_generator_indexes
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,8 +37,8 @@ _FLOW = textwrap.dedent(
     from prefect.context import get_run_context
     from flows.artifacts import RunArtifacts
     from storage.fs import open_location
-    from storage.manifest import create_run
-    from streamrl.config_loading import load_config
+    from storage.control.manifest import create_run
+    from streamrl.config.loading import load_config
 
     @task
     def learner(run_uri: str) -> None:

@@ -26,16 +26,16 @@ from transformers import AutoConfig
 
 import streamrl.learner.objective as objective
 from storage.fs import open_location
-from storage.weights import WeightStore
-from streamrl.config import RunConfig
-from streamrl.config_loading import load_config
+from storage.weights.versions import WeightStore
+from streamrl.config.loading import load_config
+from streamrl.config.run import RunConfig
 from streamrl.learner.loading import build_step_models
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.model import decoder_layers, full_state_dict
 from streamrl.learner.step import StepSettings, train_on_batch
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
-from tests.integration import publish_worker
+from tests.integration.learner import publish_worker
 from tests.stream_data import random_group
 
 pytestmark = [

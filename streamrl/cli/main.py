@@ -1,0 +1,320 @@
+"""The `streamrl` command line: the process commands (`generator`, `learner`, `run`, `sweep`);
+`config` and `models` are in `streamrl.cli.config`, `eval` and `export` in
+`streamrl.cli.evaluate`, `status` and `scale` in `streamrl.cli.status`, `doctor` in
+`streamrl.cli.doctor`.
+
+Every command takes the same configuration arguments: `--preset NAME` (repeatable, applied in
+order), `--config FILE`, and trailing dotted overrides such as `learner.lr=1e-6`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from streamrl.cli import config as cli_config
+from streamrl.cli.config import add_config_args, config_from
+from streamrl.config.base import ConfigError
+
+EXAMPLES_GENERATOR = """\
+examples:
+  streamrl generator --run ./runs/demo --index 0
+  AWS_ENDPOINT_URL=http://127.0.0.1:8333 streamrl generator --run s3://bucket/runs/x --index 3
+Joins an existing run (its run.json holds the configuration) and generates until the run's
+stop marker appears or SIGTERM arrives; then flushes its open segment and exits 0. One
+generator per index: it refuses an index another live generator holds (after waiting up to
+30 s for that one's lease to lapse, in case it crashed; exit code 3), and stops, committing
+nothing more, if another takes its index over (--take-over; exit code 3). A reward or
+environment that cannot be resolved the same way every time (generator.reward.fn or
+generator.env.fn names a module, function or class that is not there) exits with code 4 before
+vLLM starts, its error line saying what to change: supervisors stop the run instead of
+restarting it. One that may load next time (its import raised or timed out) fails otherwise
+and is restarted.
+"""
+
+
+def _cmd_generator(args: argparse.Namespace) -> int:
+    from storage.control.lease import NOT_HOLDER_EXIT_CODE
+    from streamrl.envs import EnvLoadError, EnvResolutionError
+    from streamrl.generator.index import GeneratorIndexHeldError, GeneratorIndexLostError
+    from streamrl.generator.main import run_generator
+    from streamrl.rewards import RewardLoadError, RewardResolutionError
+    from streamrl.supervision.policy import USER_CODE_EXIT_CODE
+
+    try:
+        stats = run_generator(args.run, args.index, take_over=args.take_over)
+    except (GeneratorIndexHeldError, GeneratorIndexLostError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return NOT_HOLDER_EXIT_CODE
+    except (RewardResolutionError, EnvResolutionError) as exc:
+        if isinstance(exc, (RewardLoadError, EnvLoadError)):
+            raise  # may load next time: a restart is worth it
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_CODE_EXIT_CODE
+    print(f"generator {args.index}: {stats.groups} groups in {stats.segments} segments")
+    return 0
+
+
+EXAMPLES_LEARNER = """\
+examples:
+  streamrl learner --run ./runs/demo
+  torchrun --nproc_per_node 8 -m -- streamrl learner --run s3://bucket/runs/x
+Trains an existing run (its run.json holds the configuration) from its latest checkpoint to
+learner.total_steps, then writes the run's stop marker. One learner per run: a learner refuses
+a run another live learner holds (exit code 3) and stops, writing nothing more, when another
+learner takes the run over (--take-over; exit code 3).
+"""
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from storage.control.lease import NOT_HOLDER_EXIT_CODE, LeaseHeldError, LeaseLostError
+    from streamrl.learner import run_learner
+    from streamrl.learner.stream_source import StopRequested
+    from streamrl.learner.topology import exit_process
+
+    # SIGTERM (a supervisor stopping the run) unwinds: the lease is released. With
+    # learner.checkpoint_on_stop, run_learner takes SIGTERM over to stop with a checkpoint.
+    if args.program:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        print(f"learner: trained to step {run_learner(args.run, take_over=args.take_over)}")
+        code = 0
+    except (LeaseHeldError, LeaseLostError) as exc:  # another learner writes this run
+        print(f"error: {exc}", file=sys.stderr)  # says DISPLACED: torchrun loses the exit code
+        code = NOT_HOLDER_EXIT_CODE
+    except StopRequested as exc:  # SIGTERM / Ctrl-C, checkpointed
+        print(f"learner: {exc}", file=sys.stderr)
+        code = 128 + signal.SIGTERM
+    except SystemExit as exc:  # SIGTERM
+        code = exc.code if isinstance(exc.code, int) else 1
+    if args.program:  # this process ends here, without an interpreter teardown to race
+        exit_process(code)
+    return code
+
+
+EXAMPLES_RUN = """\
+examples:
+  streamrl run --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo
+  streamrl run --preset dapo --preset tiny-cpu --generators 2 learner.total_steps=20
+  streamrl run --resume --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo \\
+      learner.total_steps=40                 extend a finished run by 20 steps
+A whole run on this machine without a Prefect server: the learner, the generators and the
+evaluator as subprocesses. Nothing starts before the configuration is valid and the modules
+its import paths name are found. A crashed generator is restarted (--max-restarts); one whose
+reward or environment cannot be resolved (exit code 4) stops the run at once. The run ends when
+the learner reaches learner.total_steps. Each process's output goes to <run>/logs/ (local runs)
+or ./streamrl-logs/; the console shows learner steps, warnings and errors.
+"""
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import shlex
+
+    from streamrl.config.stored import prepare_run
+    from streamrl.isolation.user_code import check_user_code
+    from streamrl.placement import plan_placement
+    from streamrl.runs.summary import format_summary
+    from streamrl.runs.summary import run_summary as summarize
+    from streamrl.supervision.output import noteworthy
+    from streamrl.supervision.supervisor import (
+        ComponentFailedError,
+        RunInterruptedError,
+        Supervisor,
+    )
+
+    config = config_from(args)
+    count = args.generators or config.generator.count
+    placement = plan_placement(config, generators=count)  # refused before anything starts
+    check_user_code(config.user_code)  # a misspelt module too
+    config, run = prepare_run(
+        config, resume=args.resume, allow_trusted_changes=args.allow_trusted_changes
+    )
+
+    def on_line(component: str, line: str) -> None:
+        if (shown := noteworthy(line)) is not None:
+            print(f"[{component}] {shown}", flush=True)
+
+    supervisor = Supervisor.for_run(
+        config, generators=count, on_line=on_line, placement=placement,
+        max_restarts=args.max_restarts,
+    )  # fmt: skip
+    print(f"streamrl run: {run.uri} — learner + {count} generator(s); logs in "
+          f"{supervisor.logs.folder}", flush=True)  # fmt: skip
+    print(placement.describe(), flush=True)
+    try:
+        supervisor.run()
+    except ComponentFailedError as exc:
+        print(f"streamrl run failed: {exc}", file=sys.stderr)
+        return 1
+    except RunInterruptedError:
+        given = [a for a in args.argv if a != "--resume"]
+        at = given.index("run") + 1
+        command = shlex.join(["streamrl", *given[:at], "--resume", *given[at:]])
+        print(f"\nstreamrl run: stopped; every process of the run has ended, its last "
+              f"checkpoint is intact. Resume with:\n  {command}", file=sys.stderr)  # fmt: skip
+        return 130
+    print(format_summary(summarize(run)))
+    return 0
+
+
+EXAMPLES_SWEEP = """\
+examples:
+  streamrl sweep ./runs/mine                    segments older than storage.sweep_grace_s
+  streamrl sweep s3://bucket/runs/big --grace-s 600 --dry-run
+Deletes replay-stream segments that no commit record names (their writer died before
+committing) once they are older than the grace period; committed data is never touched.
+A grace shorter than the writers' commit deadline plus a margin is refused (the error names
+the minimum): a segment that young may still be committed.
+"""
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from storage.stream.writer import SweepGraceError, orphan_segments, sweep_orphans
+    from streamrl.config.stored import open_existing_run
+
+    config, run = open_existing_run(args.run)
+    grace = config.storage.sweep_grace_s if args.grace_s is None else args.grace_s
+    try:
+        names = (orphan_segments if args.dry_run else sweep_orphans)(run, grace)
+    except SweepGraceError as exc:
+        given = "--grace-s" if args.grace_s is not None else "storage.sweep_grace_s"
+        print(f"streamrl sweep: {exc} ({given})", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(f"{len(names)} orphaned segment(s) older than {grace:.0f}s would be removed")
+    else:
+        print(f"removed {len(names)} orphaned segment(s) older than {grace:.0f}s")
+    for name in names:
+        print(f"  {name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrl",
+        description="Asynchronous streaming RL from verifiable rewards.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  streamrl config presets\n  streamrl config show --preset dapo",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cli_config.add_commands(commands)  # config, models
+    raw = argparse.RawDescriptionHelpFormatter
+
+    generator = commands.add_parser(
+        "generator",
+        help="run one generator of an existing run",
+        description="Sample, score and stream groups for an existing run.",
+        epilog=EXAMPLES_GENERATOR,
+        formatter_class=raw,
+    )
+    generator.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
+    generator.add_argument(
+        "--index", type=int, default=0, help="this generator's index (its data shard)"
+    )
+    generator.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the index over at once from the generator holding it, without waiting for "
+        "its lease to lapse (that generator then commits nothing more); for a supervisor "
+        "restarting the index, or a generator known to be gone",
+    )
+    generator.set_defaults(func=_cmd_generator)
+
+    learner = commands.add_parser(
+        "learner",
+        help="train an existing run (one rank of a torchrun job)",
+        description="Consume the replay stream, train, publish weights and checkpoint.",
+        epilog=EXAMPLES_LEARNER,
+        formatter_class=raw,
+    )
+    learner.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
+    learner.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the run over from the learner that holds its lease, without waiting for "
+        "the lease to expire (that learner then writes nothing more); for a learner that is "
+        "known to be gone",
+    )
+    learner.set_defaults(func=_cmd_learner)
+
+    run = commands.add_parser(
+        "run",
+        help="a whole run on this machine, without a Prefect server",
+        description="Create (or resume) a run and supervise its learner and generators.",
+        epilog=EXAMPLES_RUN,
+        formatter_class=raw,
+    )
+    add_config_args(run)
+    run.add_argument("--resume", action="store_true", help="resume the run at storage.run_uri")
+    run.add_argument(
+        "--allow-trusted-changes",
+        action="store_true",
+        help="with --resume: let fields that decide what code runs or what is trusted change "
+        "(generator.reward.fn, model.path, model.trust_remote_code, storage.endpoint_url, "
+        "placement.env, ...: streamrl.config.stored.TRUSTED_FIELDS); refused without it",
+    )
+    run.add_argument(
+        "--generators", type=int, metavar="N", help="generators to start (default generator.count)"
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="restarts per generator"
+    )
+    run.set_defaults(func=_cmd_run)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="delete replay-stream segments of writers that died before committing",
+        description="Remove uncommitted (orphaned) stream segments older than a grace period.",
+        epilog=EXAMPLES_SWEEP,
+        formatter_class=raw,
+    )
+    sweep.add_argument("run", metavar="RUN_URI", help="the run's root URI")
+    sweep.add_argument(
+        "--grace-s", type=float, metavar="S", help="age threshold (default storage.sweep_grace_s)"
+    )
+    sweep.add_argument("--dry-run", action="store_true", help="list, do not delete")
+    sweep.set_defaults(func=_cmd_sweep)
+
+    from streamrl.cli import doctor, evaluate, status  # doctor, eval and export, status and scale
+
+    evaluate.add_commands(commands)
+    status.add_commands(commands)
+    doctor.add_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # `streamrl config show | head` exits quietly. Only as the program (argv from the command
+    # line): a process calling main() as a library keeps Python's SIGPIPE handling, or a write
+    # to any dead child's pipe would kill it.
+    if argv is None and hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for hints
+    args.program = argv is None  # this process is `streamrl ...`, not a library call
+    logging.basicConfig(
+        level=os.environ.get("STREAMRL_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from storage.fs import StorageError
+    from streamrl.placement import PlacementError
+    from streamrl.rewards import RewardResolutionError
+
+    try:
+        return args.func(args)
+    except (ConfigError, StorageError, RewardResolutionError, PlacementError) as exc:
+        print(f"streamrl: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

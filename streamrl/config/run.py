@@ -1,0 +1,332 @@
+"""The run's configuration: every component's section joined in `RunConfig`, with the rules
+that span components, and `storage`, where the run lives.
+
+Each section is defined, read and validated beside its component:
+
+    model       streamrl.models.config         ModelConfig, CriticConfig (model.critic)
+    data        streamrl.data.config           DataConfig (eval.dataset too)
+    generator   streamrl.generator.config      GeneratorConfig
+                streamrl.rewards.config        RewardConfig (generator.reward)
+    learner     streamrl.learner.config        LearnerConfig
+    weights     streamrl.learner.config        WeightsConfig
+    logging     streamrl.learner.config        LoggingConfig
+    eval        streamrl.evaluation.config     EvalConfig
+    algorithm   streamrl.algorithms.config     one class per algorithm (by `name`)
+    placement   streamrl.placement.config      one class per mode (`local` | `pools`)
+    health      streamrl.learner.health                HealthConfig
+    storage     here                           StorageConfig
+
+`streamrl.config.loading` builds a `RunConfig` from presets, files and dotted overrides and
+turns validation errors into `ConfigError`s that name the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, model_validator
+
+from storage.stream.sweep import min_sweep_grace_s
+from streamrl.algorithms.config import AlgorithmConfig, DAPOConfig
+from streamrl.config.base import MAX_WAIT_S, Section
+from streamrl.data.config import DataConfig
+from streamrl.evaluation.config import EvalConfig
+from streamrl.generator.config import GeneratorConfig
+from streamrl.learner.config import HealthConfig, LearnerConfig, LoggingConfig, WeightsConfig
+from streamrl.models.config import ModelConfig
+from streamrl.models.lora import LoraConfig
+from streamrl.placement.config import LocalPlacement, PlacementConfig
+
+__all__ = ["RunConfig", "StorageConfig"]
+
+MIN_SWEEP_GRACE_S = min_sweep_grace_s()
+
+
+class StorageConfig(Section):
+    """Where the run lives: a local directory or an s3:// prefix."""
+
+    run_uri: str = Field(
+        "./runs/default",
+        min_length=1,
+        description="Root of the run: ./runs/<name> or s3://bucket/prefix/<name>.",
+    )
+    endpoint_url: str | None = Field(
+        None,
+        description="S3 endpoint for S3-compatible stores (SeaweedFS, MinIO); default AWS or "
+        "AWS_ENDPOINT_URL.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra fsspec/s3fs options, such as client_kwargs: {region_name: ...}. Not "
+        "credentials (refused): those come from the environment, AWS_ACCESS_KEY_ID / "
+        "AWS_SECRET_ACCESS_KEY, or an AWS profile.",
+    )
+    compression: Literal["zstd", "blosc", "none"] = Field(
+        "blosc",
+        description="Codec for replay-stream segments: blosc (zstd with byte shuffle; smaller "
+        "and faster on token/log-prob arrays), zstd, or none.",
+    )
+    compression_level: int = Field(3, ge=0, le=22, description="Codec level.")
+    sweep_grace_s: float = Field(
+        3600.0,
+        ge=MIN_SWEEP_GRACE_S,
+        le=MAX_WAIT_S,
+        description="Uncommitted segments older than this are garbage. At least the writers' "
+        "commit deadline plus a margin (storage.stream.sweep), so a segment that can still be "
+        "committed is never removed.",
+    )
+    stream_retention: Literal["keep", "consumed"] = Field(
+        "keep",
+        description="keep: every stream segment stays (the run stays auditable). consumed: "
+        "after each checkpoint the learner deletes the segments wholly before the oldest "
+        "stored checkpoint's cursor, keeping their commit records (storage.stream_retention).",
+    )
+
+
+class RunConfig(Section):
+    """Everything one streamrl run needs; written once to `<run>/run.json`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt dataset.")
+    generator: GeneratorConfig = Field(
+        default_factory=GeneratorConfig, description="Sampling, scoring, stream writing."
+    )
+    learner: LearnerConfig = Field(
+        default_factory=LearnerConfig, description="Training, publishing, checkpoints."
+    )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation of published versions."
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=DAPOConfig, description="The RL algorithm (discriminated by name)."
+    )
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Run location and storage options."
+    )
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig, description="Publishing and loading policy versions."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
+    health: HealthConfig = Field(
+        default_factory=HealthConfig,
+        description="Training-health conditions checked each learner step, with thresholds.",
+    )
+    placement: PlacementConfig = Field(
+        default_factory=LocalPlacement,
+        description="Where the processes run: this machine or Prefect work pools.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm_name(cls, data: Any) -> Any:
+        """`algorithm: {clip_high: 0.3}` without a name refines the default algorithm (dapo)."""
+        if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
+            data = {**data, "algorithm": {"name": DAPOConfig().name, **data["algorithm"]}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_placement_mode(cls, data: Any) -> Any:
+        """`placement: {}` without a mode is a local placement."""
+        if isinstance(data, dict) and isinstance(data.get("placement"), dict):
+            data = {**data, "placement": {"mode": LocalPlacement().mode, **data["placement"]}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_dataset_inherits_data(cls, data: Any) -> Any:
+        """`eval: {dataset: {path: val.jsonl}}` keeps the run's prompt fields, chat template and
+        lengths: every field the eval dataset does not set comes from `data` (but val_path)."""
+        if not isinstance(data, dict) or not isinstance(data.get("eval"), dict):
+            return data
+        dataset = data["eval"].get("dataset")
+        if not isinstance(dataset, dict):
+            return data
+        base = data.get("data") or {}
+        if isinstance(base, BaseModel):
+            base = base.model_dump(exclude_unset=True)
+        inherited = (
+            {k: v for k, v in base.items() if k != "val_path"} if isinstance(base, dict) else {}
+        )
+        return {**data, "eval": {**data["eval"], "dataset": {**inherited, **dataset}}}
+
+    @model_validator(mode="after")
+    def _value_model_matches_algorithm(self) -> RunConfig:
+        name = self.algorithm.name
+        if self.algorithm.uses_value_model and self.model.critic is None:
+            raise ValueError(
+                f"algorithm '{name}' trains a value model but model.critic is not set; set "
+                "model.critic.init_from=policy (or a reward-model path)"
+            )
+        if not self.algorithm.uses_value_model and self.model.critic is not None:
+            raise ValueError(
+                f"model.critic is set but algorithm '{name}' uses no value model; remove "
+                "model.critic or use algorithm.name=vapo"
+            )
+        if self.algorithm.uses_value_model and self.model.critic.init_from != "policy":
+            refusal = self.algorithm.value_head.reward_model_refusal(self.model.critic.init_from)
+            if refusal is not None:
+                raise ValueError(refusal)
+        return self
+
+    @model_validator(mode="after")
+    def _lora_reference_is_the_base(self) -> RunConfig:
+        kl = self.algorithm.reference_kl
+        if self.model.lora is not None and kl is not None and kl.reference == "ema":
+            raise ValueError(
+                "model.lora is set with algorithm.kl.reference=ema: a LoRA run's reference "
+                "policy is the frozen base (the adapters switched off); set "
+                "algorithm.kl.reference=frozen or remove model.lora"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_fit_the_model_and_algorithm(self) -> RunConfig:
+        env = self.generator.env
+        if not env.multi_turn:
+            return self
+        if (env.max_episode_tokens or 0) > self.model.max_model_len:
+            raise ValueError(
+                f"generator.env.max_episode_tokens ({env.max_episode_tokens}) exceeds "
+                f"model.max_model_len ({self.model.max_model_len}); lower it or raise "
+                "model.max_model_len"
+            )
+        episode = env.max_episode_tokens or self.model.max_model_len
+        if self.learner.micro_batch_tokens < episode:
+            raise ValueError(
+                f"learner.micro_batch_tokens ({self.learner.micro_batch_tokens}) must hold the "
+                f"longest episode (generator.env.max_episode_tokens, else model.max_model_len: "
+                f"{episode}); set learner.micro_batch_tokens ≥ {episode}"
+            )
+        if not self.data.apply_chat_template:
+            raise ValueError(
+                f"generator.env.fn={env.fn} renders the environment's messages with the chat "
+                "template, so the prompt must be rendered with it too; set "
+                "data.apply_chat_template=true"
+            )
+        if self.algorithm.uses_value_model:
+            raise ValueError(
+                f"algorithm '{self.algorithm.name}' trains a value model, which multi-turn "
+                f"episodes (generator.env.fn={env.fn}) do not support yet; use grpo, dr_grpo, "
+                "dapo, rloo, reinforce_pp or gpg"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _several_nodes_need_pools(self) -> RunConfig:
+        if self.learner.nnodes > 1 and isinstance(self.placement, LocalPlacement):
+            raise ValueError(
+                f"learner.nnodes={self.learner.nnodes} needs placement.mode=pools (each node is "
+                "a flow run on placement.learner_pool); on one machine use "
+                "learner.nproc_per_node instead"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_are_large_enough(self) -> RunConfig:
+        alg = self.algorithm
+        if (alg.needs_groups or alg.dynamic_sampling) and self.generator.smallest_group_size < 2:
+            why = "its advantage compares responses within a group"
+            if not alg.needs_groups:
+                why = "dynamic sampling needs groups of several responses"
+            raise ValueError(
+                f"generator.group_size must be ≥ 2 for algorithm '{alg.name}' ({why}); "
+                f"got {self.generator.group_size} (or turn on generator.adaptive_group, whose "
+                "groups have at least min_size ≥ 2)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> RunConfig:
+        longest = self.data.max_prompt_len + self.generator.max_tokens
+        if longest > self.model.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_len ({self.data.max_prompt_len}) + generator.max_tokens "
+                f"({self.generator.max_tokens}) = {longest} exceeds model.max_model_len "
+                f"({self.model.max_model_len}); raise model.max_model_len or shorten one of them"
+            )
+        if self.learner.micro_batch_tokens < longest:
+            raise ValueError(
+                f"learner.micro_batch_tokens ({self.learner.micro_batch_tokens}) must hold the "
+                f"longest sequence (data.max_prompt_len + generator.max_tokens = {longest}); "
+                f"set learner.micro_batch_tokens ≥ {longest}"
+            )
+        if self.eval.dataset is not None:
+            longest_eval = self.eval.dataset.max_prompt_len + self.generator.max_tokens
+            if longest_eval > self.model.max_model_len:
+                raise ValueError(
+                    f"eval.dataset.max_prompt_len ({self.eval.dataset.max_prompt_len}) + "
+                    f"generator.max_tokens ({self.generator.max_tokens}) = {longest_eval} exceeds "
+                    f"model.max_model_len ({self.model.max_model_len}); lower "
+                    "eval.dataset.max_prompt_len or raise model.max_model_len"
+                )
+        cache = self.algorithm.overlong.cache_len
+        if cache is not None and cache > self.generator.max_tokens:
+            raise ValueError(
+                f"algorithm.overlong.cache_len ({cache}) must be ≤ generator.max_tokens "
+                f"({self.generator.max_tokens})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_length_shaping(self) -> RunConfig:
+        penalty = self.algorithm.length_penalty
+        if penalty is None:
+            return self
+        if self.algorithm.overlong.shaping:
+            raise ValueError(
+                "algorithm.length_penalty and algorithm.overlong.shaping both shape the reward by "
+                "length; the adaptive length penalty is an alternative to overlong shaping: set "
+                "one (algorithm.overlong.shaping=false, or algorithm.length_penalty=null)"
+            )
+        target, longest = penalty.target, self.generator.max_tokens
+        if target is not None and target > longest and not self.generator.env.multi_turn:
+            raise ValueError(
+                f"algorithm.length_penalty.target ({target}) must be ≤ generator.max_tokens "
+                f"({longest}), the longest a single-turn response can be; lower it (for a "
+                "milder penalty, lower algorithm.length_penalty.lambda_base)"
+            )
+        return self
+
+    @property
+    def overlong_cache_len(self) -> int:
+        """L_cache in tokens: as configured, else L_max / 5 (DAPO), at least 1."""
+        configured = self.algorithm.overlong.cache_len
+        return configured if configured is not None else max(1, self.generator.max_tokens // 5)
+
+    @property
+    def length_penalty_target(self) -> int:
+        """L_target of the adaptive length penalty in tokens: as configured, else
+        generator.max_tokens / 2, at least 1."""
+        penalty = self.algorithm.length_penalty
+        configured = penalty.target if penalty is not None else None
+        return configured if configured is not None else max(1, self.generator.max_tokens // 2)
+
+    @property
+    def served_adapter(self) -> LoraConfig | None:
+        """The LoRA adapter generators serve on the base model: `model.lora` when versions are
+        adapters (`weights.lora_publish=adapter`); None when they are whole models."""
+        if self.model.lora is not None and self.weights.lora_publish == "adapter":
+            return self.model.lora
+        return None
+
+    @property
+    def user_code(self) -> dict[str, str]:
+        """The fields that name a user's code by import path ('package.module:attribute'), by
+        dotted name: generator.reward.fn and generator.env.fn unless they are registered names.
+        Its modules are imported by the generators' worker processes only."""
+        fields = {
+            "generator.reward.fn": self.generator.reward.fn,
+            "generator.env.fn": self.generator.env.fn,
+        }
+        return {name: path for name, path in fields.items() if ":" in path}
+
+    @property
+    def run_name(self) -> str:
+        """Display name of the run."""
+        return self.logging.run_name or self.storage.run_uri.rstrip("/").rsplit("/", 1)[-1]
+
+    def to_yaml(self) -> str:
+        """The full, resolved configuration as YAML (loads back to an equal RunConfig)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,161 @@
+"""Starting a run's processes: their command lines, and running one under a placement. The
+supervision core that keeps them running is `streamrl.supervision.supervisor`.
+
+A run is a learner (one process, or a torchrun job of `learner.nproc_per_node` ranks; on work
+pools, one such job per node, `streamrl.supervision.rendezvous`), N generators and, when
+`eval.every_versions` > 0, an evaluator: each a `streamrl` subprocess of this Python
+interpreter, sharing nothing but the run's storage.
+
+Opening a run (`prepare_run`, `open_existing_run`, `load_run_config`) lives in
+`streamrl.config.stored` and a generator's index in `streamrl.generator.index`, which the
+components import; only supervisors import this module.
+
+- `learner_command`, `generator_command`, `evaluator_command`: their argv.
+- `run_process`: run one to its exit, each output line to a callback; SIGTERM when asked to
+  stop, SIGKILL after a grace period; SIGTERM too if the supervisor dies (however it dies); on
+  the cores and with the environment of its `ProcessPlacement` (`streamrl.placement`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+from streamrl.config.run import RunConfig
+from streamrl.isolation.lifetime import dying_with_parent
+from streamrl.placement import PLACED_VARIABLES, ProcessPlacement
+from streamrl.supervision.rendezvous import LearnerNode
+
+__all__ = [
+    "STOP_GRACE_S",
+    "evaluator_command",
+    "generator_command",
+    "learner_command",
+    "run_process",
+]
+
+
+STOP_GRACE_S = 30.0
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "streamrl"]
+
+
+def learner_command(
+    config: RunConfig, node: LearnerNode | None = None, *, take_over: bool = False
+) -> list[str]:
+    """The learner: `streamrl learner`, under torchrun when it has several ranks; with `node`, this
+    node's ranks of a learner of several nodes (`streamrl.supervision.rendezvous`). `take_over`: it
+    takes the run's learner lease over from an earlier holder (`--take-over`), fencing it — for a
+    restart, whose supervisor knows the previous attempt's processes ended or are fenced."""
+    learner = ["learner", "--run", config.storage.run_uri, *(["--take-over"] if take_over else [])]
+    nproc = config.learner.nproc_per_node
+    if nproc == 1 and node is None:
+        return [*_python(), *learner]
+    where = ["--standalone"] if node is None else node.torchrun_args()
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        f"--nproc_per_node={nproc}",
+        "-m",
+        # The end of torchrun's options: its parser would otherwise take the learner's `--run`
+        # for an ambiguous abbreviation of its own `--run-path`/`--run_path` (as in torch 2.13).
+        "--",
+        "streamrl",
+        *learner,
+    ]
+
+
+def generator_command(config: RunConfig, index: int, *, take_over: bool = False) -> list[str]:
+    """Generator `index`; `take_over` when restarting it after its previous process ended (it
+    takes the index at once instead of waiting for that process's lease to lapse)."""
+    argv = [*_python(), "generator", "--run", config.storage.run_uri, "--index", str(index)]
+    return [*argv, "--take-over"] if take_over else argv
+
+
+def evaluator_command(config: RunConfig) -> list[str]:
+    return [*_python(), "eval", "--run", config.storage.run_uri, "--follow"]
+
+
+def run_process(
+    argv: Sequence[str],
+    on_line: Callable[[str], None],
+    stop: threading.Event | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    placement: ProcessPlacement | None = None,
+    grace_s: float = STOP_GRACE_S,
+) -> int:
+    """Run `argv` to its exit and return its exit code; each line it prints (stdout and
+    stderr) goes to `on_line`. When `stop` is set: SIGTERM, then SIGKILL after `grace_s`.
+
+    With `placement` the process starts on its cores (CPU affinity, inherited by every thread
+    and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
+    both the supervisor's environment and the placement's. The process gets SIGTERM when the
+    calling thread's process dies; call it from a thread that waits for it (it does)."""
+    inherited, supervisor = dict(os.environ), os.getpid()
+    planned: dict[str, str] = {}
+    cpus = None
+    if placement is not None:  # the plan decides its variables: none leaks from ours
+        inherited = {k: v for k, v in inherited.items() if k not in PLACED_VARIABLES}
+        planned, cpus = placement.env(), placement.cpus
+    process = subprocess.Popen(
+        # No Python between fork and exec (the supervisor has threads): an exec wrapper sets
+        # the parent-death signal and the cores.
+        dying_with_parent(list(argv), supervisor, signal.SIGTERM, cpus or ()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**inherited, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
+        start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
+    )
+    stop = stop or threading.Event()
+    watcher = threading.Thread(
+        target=_stop_when_set, args=(process, stop, grace_s), daemon=True, name="stop-watcher"
+    )
+    reader = threading.Thread(
+        target=_forward_lines, args=(process, on_line), daemon=True, name="output-reader"
+    )
+    watcher.start()
+    reader.start()
+    code = process.wait()
+    # Its helpers (a reward worker pool, torchrun's ranks) may outlive it and hold the output
+    # pipe open: a component's process group ends with it.
+    _signal_group(process, signal.SIGKILL)
+    reader.join(timeout=10)
+    watcher.join()
+    return code
+
+
+def _forward_lines(process: subprocess.Popen[str], on_line: Callable[[str], None]) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        on_line(line.rstrip("\n"))
+
+
+def _stop_when_set(process: subprocess.Popen[str], stop: threading.Event, grace_s: float) -> None:
+    """Until the process exits: when `stop` is set, SIGTERM, then SIGKILL after `grace_s`."""
+    while not stop.wait(0.2):
+        if process.poll() is not None:
+            return
+    if process.poll() is not None:
+        return
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+
+
+def _signal_group(process: subprocess.Popen[str], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)  # torchrun's ranks and vLLM's helpers too

