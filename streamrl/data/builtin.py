@@ -1,5 +1,6 @@
 """Datasets bundled with streamrl, so a run needs no download: `builtin:arithmetic` and its
-held-out split `builtin:arithmetic-test`, `builtin:math`.
+held-out split `builtin:arithmetic-test`, `builtin:math`, and the code problems
+`builtin:code` / `builtin:code-test` (`streamrl.data.code_problems`).
 
 Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
 reads unchanged:
@@ -34,6 +35,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from typing import Any
+
+from streamrl.data.code_problems import code_rows, code_test_rows
 
 __all__ = ["BUILTIN_DATASETS", "HELD_OUT_FACTS", "builtin_rows", "fact_of"]
 
@@ -205,6 +208,8 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "arithmetic": arithmetic_rows,
     "arithmetic-test": arithmetic_test_rows,
     "math": math_rows,
+    "code": code_rows,
+    "code-test": code_test_rows,
 }
 
 

@@ -177,7 +177,7 @@ class EnvRunner:
         self.tool_format = resolve_tool_format(config.tool_format, chat_template)
         spec = EnvSpec(
             config.fn,
-            reward.fn,
+            reward.spec(),
             self.tool_format,
             config.observation_max_chars,
             config.call_timeout_s,
@@ -397,7 +397,7 @@ def _inline_context(spec: EnvSpec) -> EnvContext:
 
     return EnvContext(
         reward=in_the_reward_workers,
-        reward_fn=spec.reward_fn,
+        reward_fn=spec.reward.fn,
         tool_format=TOOL_FORMATS[spec.tool_format],
         observation_max_chars=spec.observation_max_chars,
         call_timeout_s=spec.call_timeout_s,

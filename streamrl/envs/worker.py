@@ -34,7 +34,12 @@ from streamrl.envs.formats import TOOL_FORMATS
 from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth, truncate_all
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, resolve_env
 from streamrl.isolation.worker import loaded
-from streamrl.rewards.registry import RewardLoadError, RewardResolutionError, resolve_reward
+from streamrl.rewards.registry import (
+    RewardLoadError,
+    RewardResolutionError,
+    RewardSpec,
+    resolve_reward,
+)
 from streamrl.rewards.worker import check_score
 
 __all__ = [
@@ -68,7 +73,7 @@ class EnvSpec:
     """What a worker builds its environment from (picklable; sent to each spawned worker)."""
 
     fn: str
-    reward_fn: str
+    reward: RewardSpec
     tool_format: Literal["hermes", "tagged"]
     observation_max_chars: int
     call_timeout_s: float
@@ -88,13 +93,13 @@ def load_environment(spec: EnvSpec) -> Environment:
     """The environment `spec` names, constructed with its context (the pool's loader)."""
     cls = resolve_env(spec.fn)
     try:
-        reward = resolve_reward(spec.reward_fn)
+        reward = resolve_reward(spec.reward)
     except RewardResolutionError as error:  # as transient as the reward's own error
         wrapped = EnvLoadError if isinstance(error, RewardLoadError) else EnvResolutionError
         raise wrapped(f"{error} (generator.reward.fn)") from error
     context = EnvContext(
         reward=reward,
-        reward_fn=spec.reward_fn,
+        reward_fn=spec.reward.fn,
         tool_format=TOOL_FORMATS[spec.tool_format],
         observation_max_chars=spec.observation_max_chars,
         call_timeout_s=spec.call_timeout_s,

@@ -8,6 +8,8 @@ score is ≥ 1, as in the generator's accuracy. Metrics:
 
     val/acc_greedy          correct greedy responses / prompts
     val/avg@{k}             correct sampled responses / (k × prompts)
+    val/pass@1              the same: the unbiased estimate of one sample's pass rate
+    val/pass@{k}            prompts with at least one correct sample among k / prompts
     val/num_prompts         prompts evaluated
     val/response_len_mean   tokens per sampled response, divided by k × prompts
 
@@ -168,10 +170,13 @@ class Evaluator:
         # accuracy upwards. The scorer logs and counts every failure.
         correct = np.asarray(scores.values, dtype=np.float64) >= 1.0
         n = len(self.prompts)
+        samples = correct[n:].reshape(n, self.k)
         return {
             "version": version,
             "val/acc_greedy": float(correct[:n].mean()),
-            f"val/avg@{self.k}": float(correct[n:].mean()),
+            f"val/avg@{self.k}": float(samples.mean()),
+            "val/pass@1": float(samples.mean()),
+            f"val/pass@{self.k}": float(samples.any(axis=1).mean()),
             "val/num_prompts": float(n),
             "val/response_len_mean": float(np.mean([len(r.token_ids) for r in responses[n:]])),
         }
@@ -303,9 +308,9 @@ class EvaluationLoop:
         self.done.add(version)
         k = self.evaluator.k
         log.info(
-            "eval v%d: acc_greedy %.3f avg@%d %.3f over %d prompts (%.1fs)",
+            "eval v%d: acc_greedy %.3f avg@%d %.3f pass@%d %.3f over %d prompts (%.1fs)",
             version, metrics["val/acc_greedy"], k, metrics[f"val/avg@{k}"],
-            metrics["val/num_prompts"], record["eval_s"],
+            k, metrics[f"val/pass@{k}"], metrics["val/num_prompts"], record["eval_s"],
         )  # fmt: skip
         return record
 

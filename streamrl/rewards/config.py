@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from streamrl.config.base import MAX_WAIT_S, Section
-from streamrl.rewards.registry import check_reward_name
+from streamrl.rewards.code.config import CodeRewardConfig
+from streamrl.rewards.registry import RewardSpec, check_reward_name
 
 __all__ = [
     "RewardConfig",
@@ -54,8 +55,17 @@ class RewardConfig(Section):
         "Both count the failures in the stream's commit records (shown by `streamrl status`).",
     )
 
+    code: CodeRewardConfig = Field(
+        default_factory=CodeRewardConfig,
+        description="The code reward's settings (fn: code): tests, layout, limits.",
+    )
+
     @field_validator("fn")
     @classmethod
     def _fn_is_name_or_import_path(cls, value: str) -> str:
         check_reward_name(value)  # imports nothing of the user's; a ValueError naming the fix
         return value
+
+    def spec(self) -> RewardSpec:
+        """What a reward worker loads (`streamrl.rewards.registry.resolve_reward`)."""
+        return RewardSpec(self.fn, self.code, self.timeout_s)

@@ -1,10 +1,11 @@
 """Reward functions by name: the registered ones, or a user's by import path.
 
 `generator.reward.fn` is either a registered name (`REWARD_FUNCTIONS`: math, format,
-math_format) or `package.module:function`. A user function must be importable in a fresh
-process — scorer workers are spawned and resolve the name there — so it has to live at module
-level in a module on the Python path; there is deliberately no runtime `register()`, whose
-entries a spawned worker would never see.
+math_format; `code`, which takes its settings from `generator.reward.code`) or
+`package.module:function`. A worker loads a `RewardSpec`: the name and those settings. A user
+function must be importable in a fresh process — scorer workers are spawned and resolve the
+name there — so it has to live at module level in a module on the Python path; there is
+deliberately no runtime `register()`, whose entries a spawned worker would never see.
 
 Importing a user's module runs user code, which may hang, hog memory or read credentials, so
 only reward workers call `resolve_reward` (under their limits, `streamrl.isolation.worker`);
@@ -16,10 +17,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import NoReturn, Protocol
 
+from streamrl.isolation.box import BoxUnavailableError, check_box
 from streamrl.isolation.user_code import import_object, refuse_unknown_name, split_import_path
+from streamrl.rewards.code.config import CodeRewardConfig
+from streamrl.rewards.code.reward import CodeReward
 from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
 
 __all__ = [
@@ -27,6 +32,7 @@ __all__ = [
     "RewardFn",
     "RewardLoadError",
     "RewardResolutionError",
+    "RewardSpec",
     "check_reward_name",
     "registered_rewards",
     "resolve_reward",
@@ -53,6 +59,21 @@ class RewardFn(Protocol):
 REWARD_FUNCTIONS: Mapping[str, RewardFn] = MappingProxyType(
     {"math": math_reward, "format": format_reward, "math_format": math_format_reward}
 )
+CONFIGURED_REWARDS = ("code",)
+"""Registered rewards built from their settings when a worker loads them."""
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """What a reward worker loads: `fn` (a registered name or an import path), the settings of
+    the `code` reward, and `timeout_s`, each call's limit. Shown as `fn` in messages."""
+
+    fn: str
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    timeout_s: float = 10.0
+
+    def __str__(self) -> str:
+        return self.fn
 
 
 class RewardResolutionError(ValueError):
@@ -69,7 +90,7 @@ class RewardLoadError(RewardResolutionError):
 
 def registered_rewards() -> list[str]:
     """The registered reward names, sorted."""
-    return sorted(REWARD_FUNCTIONS)
+    return sorted([*REWARD_FUNCTIONS, *CONFIGURED_REWARDS])
 
 
 def check_reward_name(name_or_path: str) -> None:
@@ -82,7 +103,8 @@ def check_reward_name(name_or_path: str) -> None:
         RewardResolutionError: the message says what to change.
     """
     if ":" not in name_or_path:
-        _registered(name_or_path)
+        if name_or_path not in registered_rewards():
+            _refuse_unknown(name_or_path)
         return
     _split_import_path(name_or_path)
 
@@ -96,8 +118,9 @@ def _split_import_path(name_or_path: str) -> tuple[str, str]:
     return parts
 
 
-def resolve_reward(name_or_path: str) -> RewardFn:
-    """The reward function `name_or_path` names: a registered name or `package.module:function`.
+def resolve_reward(spec: str | RewardSpec) -> RewardFn:
+    """The reward function `spec` names: a registered name or `package.module:function` (with
+    its settings, for the registered rewards that take some).
 
     An import path imports the user's module in this process: call it in a reward worker, not
     in a generator (`check_reward_name`).
@@ -107,8 +130,10 @@ def resolve_reward(name_or_path: str) -> RewardFn:
             closest one), a module that cannot be imported, a missing attribute, an object that
             is not callable, or a function whose parameters do not fit `RewardFn`.
     """
+    spec = spec if isinstance(spec, RewardSpec) else RewardSpec(spec)
+    name_or_path = spec.fn
     if ":" not in name_or_path:
-        return _registered(name_or_path)
+        return _registered(spec)
     _split_import_path(name_or_path)
     target = import_object(name_or_path, "reward", RewardResolutionError, RewardLoadError)
     if not callable(target):
@@ -124,10 +149,17 @@ def _short_repr(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _registered(name: str) -> RewardFn:
+def _registered(spec: RewardSpec) -> RewardFn:
+    name = spec.fn
+    if name == "code":
+        return _code_reward(spec)
     if name in REWARD_FUNCTIONS:
         load_math_verify()  # at resolution (a worker's startup), not in its first call's time
         return REWARD_FUNCTIONS[name]
+    _refuse_unknown(name)
+
+
+def _refuse_unknown(name: str) -> NoReturn:
     refuse_unknown_name(
         name,
         what="reward",
@@ -175,3 +207,12 @@ def _adapt_signature(fn: Callable[..., object], name_or_path: str) -> RewardFn:
             f"as fn(response, ground_truth, prompt=...): `{_SIGNATURE}`"
         )
     return functools.partial(_call_without_prompt, fn)  # type: ignore[return-value]
+
+
+def _code_reward(spec: RewardSpec) -> RewardFn:
+    """The `code` reward, once the box and the language's toolchain are there."""
+    try:
+        check_box()
+        return CodeReward(spec.code, spec.timeout_s)
+    except (BoxUnavailableError, ValueError) as error:
+        raise RewardResolutionError(f"reward 'code' cannot run programs here: {error}") from None

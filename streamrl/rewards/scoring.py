@@ -42,6 +42,7 @@ from streamrl.isolation.worker import STARTUP_TIMEOUT_S
 from streamrl.rewards.registry import (
     RewardLoadError,
     RewardResolutionError,
+    RewardSpec,
     check_reward_name,
     resolve_reward,
 )
@@ -126,7 +127,7 @@ class RewardScorer:
 
     def __init__(
         self,
-        fn: str,
+        fn: str | RewardSpec,
         *,
         workers: int = 2,
         timeout_s: float = 10.0,
@@ -141,16 +142,17 @@ class RewardScorer:
             raise ValueError(f"memory_mb must be ≥ 1, got {memory_mb}")
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
-        check_reward_name(fn)  # unknown names and malformed paths fail here, in the caller
-        self.fn = fn
+        spec = fn if isinstance(fn, RewardSpec) else RewardSpec(fn, timeout_s=timeout_s)
+        check_reward_name(spec.fn)  # unknown names and malformed paths fail here, in the caller
+        self.fn = spec.fn
         self.workers = workers
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.startup_timeout_s = startup_timeout_s
         self._pool = IsolatedPool(
             resolve_reward,
-            fn,
-            subject=f"reward {fn!r}",
+            spec,
+            subject=f"reward {spec.fn!r}",
             setting="generator.reward",
             workers=workers,
             memory_mb=memory_mb,
@@ -166,7 +168,7 @@ class RewardScorer:
     def from_config(cls, config: RewardConfig) -> RewardScorer:
         """A scorer for `generator.reward`."""
         return cls(
-            config.fn,
+            config.spec(),
             workers=config.workers,
             timeout_s=config.timeout_s,
             memory_mb=config.memory_mb,

@@ -277,11 +277,14 @@ def test_eval_reports_the_accuracy_transformers_gives(
     assert metrics["val/num_prompts"] == len(evaluator.prompts) == 8
     assert metrics["val/acc_greedy"] == expected
     assert 0 < metrics["val/response_len_mean"] <= MAX_TOKENS
-    if version == 1:  # its samples are its greedy responses
-        assert metrics["val/avg@2"] == expected
+    assert metrics["val/pass@1"] == metrics["val/avg@2"]
+    if version == 1:  # its samples are its greedy responses: both right, or both wrong
+        assert metrics["val/avg@2"] == metrics["val/pass@2"] == expected
         assert metrics["val/response_len_mean"] == sum(map(len, greedy)) / len(greedy)
-    else:  # a mean over k × prompts samples
+    else:  # a mean over k × prompts samples; pass@2: prompts with a right one
         assert metrics["val/avg@2"] * 2 * 8 == round(metrics["val/avg@2"] * 2 * 8)
+        assert metrics["val/avg@2"] <= metrics["val/pass@2"] <= 2 * metrics["val/avg@2"]
+        assert metrics["val/pass@2"] * 8 == round(metrics["val/pass@2"] * 8)
 
 
 @pytest.mark.slow  # a vLLM engine of its own (~25 s); benchmarks/learning_study.py uses the path

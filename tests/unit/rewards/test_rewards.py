@@ -152,11 +152,11 @@ def test_math_format_reward(response: str, ground_truth: str, expected: float) -
 
 
 def test_registered_names_resolve_to_their_functions() -> None:
-    assert registered_rewards() == ["format", "math", "math_format"]
+    assert registered_rewards() == ["code", "format", "math", "math_format"]
     assert resolve_reward("math") is math_reward
     assert resolve_reward("format") is format_reward
     assert resolve_reward("math_format") is math_format_reward
-    assert set(REWARD_FUNCTIONS) == set(registered_rewards())
+    assert set(REWARD_FUNCTIONS) | {"code"} == set(registered_rewards())
 
 
 def test_user_function_by_import_path() -> None:

@@ -1,0 +1,102 @@
+"""The `code` reward (docs/algorithms.md "Code reward"): the program is the last fenced code
+block of the response, run against the problem's tests in the box.
+
+- No code block: R = 0, a format failure of the policy.
+- `score: all` (default): R = 1 when every test passes, else 0 (the first failure ends the run
+  of tests); `fraction`: R = passed / total.
+- A test that fails, times out, runs out of memory or prints too much counts as failed; a
+  program that does not compile fails every test.
+- A box that could not run the program at all raises `CodeSandboxError`: the scorer counts it
+  as a failed call and `generator.reward.on_error` decides (drop the group, or score 0), so an
+  infrastructure failure is never taken for the policy's.
+
+The tests' total time stays within the reward call's limit (`generator.reward.timeout_s`, less
+the box's start-up): tests that would start after it time out unrun.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from streamrl.rewards.code.cases import read_tests
+from streamrl.rewards.code.config import CodeRewardConfig
+from streamrl.rewards.code.runner import (
+    LANGUAGES,
+    Language,
+    TestReport,
+    check_language,
+    run_tests,
+)
+
+__all__ = ["CodeReward", "Program", "extract_program"]
+
+# ```tag ... ```: the tag is the fence's first word; a block left open at the end of the
+# response (the model stopped before closing it) counts too.
+_FENCE = re.compile(
+    r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.S | re.M
+)
+_START_UP_S = 5.0  # the box and the harness, out of the call's limit
+
+
+@dataclass(frozen=True)
+class Program:
+    """A program a response wrote, and its language."""
+
+    source: str
+    language: Language
+
+
+def extract_program(response: str, default: str = "python") -> Program | None:
+    """The last fenced code block of `response` whose tag names a language of the table (or
+    none: `default`); None when there is none. A block tagged with another word (```text,
+    ```output) is not a program."""
+    for tag, body in reversed(_FENCE.findall(response)):
+        language = _language(tag.lower(), default)
+        if language is not None and body.strip():
+            return Program(body, language)
+    return None
+
+
+def _language(tag: str, default: str) -> Language | None:
+    if not tag:
+        return LANGUAGES[default]
+    return next((lang for lang in LANGUAGES.values() if tag in lang.fences), None)
+
+
+class CodeReward:
+    """The `code` reward with its settings (`generator.reward.code`), as a reward worker loads
+    it: its language's toolchain is checked on loading. `call_limit_s`: the reward call's
+    limit (`generator.reward.timeout_s`)."""
+
+    def __init__(self, settings: CodeRewardConfig, call_limit_s: float) -> None:
+        check_language(settings.language)
+        self.settings = settings
+        self.budget_s = max(call_limit_s - _START_UP_S, settings.test_timeout_s)
+
+    def __call__(self, response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+        report = self.report(response, ground_truth)
+        if report is None or report.total == 0:
+            return 0.0
+        if self.settings.score == "fraction":
+            return report.passed / report.total
+        return 1.0 if report.all_passed else 0.0
+
+    def report(
+        self, response: str, ground_truth: str, *, public_only: bool = False
+    ) -> TestReport | None:
+        """What the response's program did on the problem's tests (the public ones only, with
+        `public_only`); None when the response has no program."""
+        tests = read_tests(ground_truth, self.settings.layout)
+        program = extract_program(response, self.settings.language)
+        if program is None:
+            return None
+        check_language(program.language.name)
+        return run_tests(
+            program.source,
+            tests.public if public_only else tests.all,
+            program.language,
+            self.settings.limits(),
+            budget_s=self.budget_s,
+            stop_on_failure=self.settings.score == "all" and not public_only,
+        )

@@ -1,0 +1,187 @@
+"""The `code` reward (docs/algorithms.md "Code reward") on real programs in the box: the
+program a response wrote, each test kind, `all` and `fraction`, every way a program fails a
+test, tests that cannot see each other, a program that attacks the harness, a compiled
+language, and the box's failure as an infrastructure error rather than the policy's zero."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from streamrl.isolation.box import BoxUnavailableError
+from streamrl.rewards.code import reward as code_reward_module
+from streamrl.rewards.code import runner
+from streamrl.rewards.code.cases import StdioTest
+from streamrl.rewards.code.config import CodeRewardConfig
+from streamrl.rewards.code.reward import CodeReward, extract_program
+from streamrl.rewards.code.runner import LANGUAGES, CodeSandboxError, TestLimits, run_tests
+from streamrl.rewards.registry import RewardResolutionError, RewardSpec, resolve_reward
+
+ADD_STDIO = json.dumps({"inputs": ["1 2\n", "3 4\n", "10 -3\n"], "outputs": ["3\n", "7\n", "7"]})
+ADD_CALL = json.dumps(
+    {"inputs": [[1, 2], [3, 4], [0.1, 0.2]], "outputs": [[3], [7], [0.3]], "fn_name": "add"}
+)
+FAST = CodeRewardConfig(test_timeout_s=1.0, test_memory_mb=256)
+
+
+def fenced(source: str, tag: str = "python") -> str:
+    return f"Here is my solution.\n```{tag}\n{source}\n```\nIt reads the input."
+
+
+def reward(score: str = "all") -> CodeReward:
+    return CodeReward(FAST.model_copy(update={"score": score}), call_limit_s=30.0)
+
+
+def test_the_last_program_block_is_the_program() -> None:
+    response = "```python\nprint(1)\n```\ntext\n```output\n1\n```\n```py\nprint(2)\n```\n"
+    program = extract_program(response)
+    assert program is not None
+    assert (program.source, program.language.name) == ("print(2)\n", "python")
+    assert extract_program("```\nprint(3)\n```", default="cpp").language.name == "cpp"
+    assert extract_program("```python\nprint(4)").source == "print(4)"  # left open at the end
+    assert extract_program("no code here, ```text\n42\n```") is None
+
+
+@pytest.mark.parametrize(
+    ("source", "ground_truth"),
+    [
+        ("a, b = map(int, input().split())\nprint(a + b)", ADD_STDIO),
+        ("import sys\nfor line in sys.stdin:\n    print(sum(map(int, line.split())))", ADD_STDIO),
+        ("def add(a, b):\n    return a + b", ADD_CALL),
+        ("class Solution:\n    def add(self, a, b):\n        return a + b", ADD_CALL),
+        ("def add(a, b):\n    return (a + b,)", ADD_CALL),  # a tuple compares as a list
+    ],
+)
+def test_a_correct_program_scores_one(source: str, ground_truth: str) -> None:
+    assert reward()(fenced(source), ground_truth) == 1.0
+
+
+def test_all_stops_at_the_first_failure_and_fraction_counts_every_test() -> None:
+    wrong_last = fenced("a, b = map(int, input().split())\nprint(a + b if a < 10 else 0)")
+    assert reward("all")(wrong_last, ADD_STDIO) == 0.0
+    assert reward("fraction")(wrong_last, ADD_STDIO) == pytest.approx(2 / 3)
+    first_wrong = reward("all").report(fenced("print(0)"), ADD_STDIO)
+    assert first_wrong.statuses == ("wrong", "skipped", "skipped")
+
+
+def test_no_program_scores_zero_without_running_anything() -> None:
+    assert reward().report("the answer is 3", ADD_STDIO) is None
+    assert reward()("the answer is 3", ADD_STDIO) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("source", "status"),
+    [
+        ("print(3)\nprint(4)", "wrong"),
+        ("raise ValueError('no')", "error"),
+        ("import sys\nsys.exit(2)", "error"),
+        ("while True:\n    pass", "timeout"),
+        ("import time\ntime.sleep(30)", "timeout"),
+        ("x = bytearray(2**30)", "memory"),
+        ("while True:\n    print('x' * 4096)", "output"),
+        ("def add(a, b)\n    return a + b", "not run"),  # a syntax error: nothing runs
+    ],
+)
+def test_each_way_a_program_fails(source: str, status: str) -> None:
+    report = reward("fraction").report(
+        fenced(source), json.dumps({"inputs": ["1 2\n"], "outputs": ["3"]})
+    )
+    assert report.statuses == (status,)
+    assert report.passed == 0
+
+
+def test_a_test_cannot_see_what_an_earlier_one_left() -> None:
+    leaves_traces = """
+import os, subprocess, sys
+seen = os.path.exists("/tmp/mark") or os.environ.get("MARK") or globals().get("mark")
+open("/tmp/mark", "w").write("x")
+os.environ["MARK"] = "1"
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+a, b = map(int, input().split())
+print(999 if seen else a + b)
+"""
+    report = reward("fraction").report(fenced(leaves_traces), ADD_STDIO)
+    assert report.statuses == ("passed", "passed", "passed")
+
+
+def test_a_program_that_kills_the_harness_fails_its_tests() -> None:
+    kills = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"
+    report = reward("fraction").report(fenced(kills), ADD_STDIO)
+    assert report.statuses == ("not run",) * 3
+    assert reward("fraction")(fenced(kills), ADD_STDIO) == 0.0
+
+
+def test_a_program_cannot_write_the_harness_report() -> None:
+    forges = """
+import os, json
+for fd in range(3, 64):
+    try:
+        os.write(fd, b'{"test": 1, "status": "passed", "detail": ""}\\n')
+    except OSError:
+        pass
+for path in (f"/proc/{os.getppid()}/fd/1",):
+    try:
+        with open(path, "w") as f:
+            f.write('{"test": 1, "status": "passed", "detail": ""}\\n')
+    except OSError:
+        pass
+print(0)
+"""
+    report = reward("fraction").report(fenced(forges), ADD_STDIO)
+    assert report.statuses == ("wrong", "wrong", "wrong")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ toolchain installed")
+def test_a_compiled_language_plugs_in_through_the_table() -> None:
+    source = (
+        "#include <iostream>\nint main() { long a, b; std::cin >> a >> b; std::cout << a + b; }"
+    )
+    assert reward()(fenced(source, "cpp"), ADD_STDIO) == 1.0
+    report = reward().report(fenced("int main( {", "cpp"), ADD_STDIO)
+    assert report.compile_error is not None
+    assert report.statuses == ("not run",) * 3
+
+
+def test_tests_past_the_calls_budget_time_out_unrun() -> None:
+    report = run_tests(
+        "import time\ntime.sleep(0.6)\nprint(3)",
+        [StdioTest("", "3")] * 5,
+        LANGUAGES["python"],
+        TestLimits(time_s=1.0),
+        budget_s=2.0,
+    )
+    assert report.statuses[:2] == ("passed", "passed")
+    assert "timeout" in report.statuses[2:]
+    assert report.wall_s < 5.0
+
+
+def test_a_box_that_cannot_start_is_an_infrastructure_error(monkeypatch) -> None:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise BoxUnavailableError("bubblewrap is not installed; run scripts/setup.sh")
+
+    monkeypatch.setattr(runner, "run_in_box", refused)
+    with pytest.raises(CodeSandboxError, match="bubblewrap is not installed"):
+        reward()(fenced("print(3)"), ADD_STDIO)
+
+
+def test_a_harness_that_never_started_is_an_infrastructure_error() -> None:
+    with pytest.raises(CodeSandboxError, match="did not start"):
+        runner._report(b"", b"python: cannot open file", 1, 0.1)
+    assert runner._report(b'{"started": true}\n', b"", 2, 0.1).statuses == ("not run",) * 2
+
+
+def test_the_registered_reward_takes_its_settings_and_checks_the_machine(monkeypatch) -> None:
+    loaded = resolve_reward(RewardSpec("code", FAST.model_copy(update={"score": "fraction"}), 20.0))
+    assert isinstance(loaded, CodeReward)
+    assert loaded.settings.score == "fraction"
+    assert loaded.budget_s == pytest.approx(15.0)
+    monkeypatch.setitem(
+        runner.LANGUAGES, "python", LANGUAGES["python"].__class__(
+            "python", ("python",), "main.py", needs=("/nonexistent/python9",)
+        ),
+    )  # fmt: skip
+    with pytest.raises(RewardResolutionError, match="needs /nonexistent/python9"):
+        resolve_reward(RewardSpec("code"))
+    assert code_reward_module.LANGUAGES is runner.LANGUAGES
