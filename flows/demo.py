@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logs = Path(args.run_uri) / "logs"
     terminal = _terminal_only_for_the_flow(logs / "demo.log")
-    env = f", environment {args.env}" if args.env else ""
+    env = f", task {args.task}" if args.task else ""
+    env += f", environment {args.env}" if args.env else ""
     env += ", LoRA adapters" if args.lora else ""
     print(f"streamrl demo: DAPO, {args.size}{env}, {args.steps} steps, {args.generators} "
           f"generator(s)\n  run:  {args.run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
@@ -74,7 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--generators", type=int, default=1)
     parser.add_argument("--size", default="smollm2-cpu", help="size preset (tiny-cpu: minutes)")
     parser.add_argument(
-        "--env", default=None, help="an environment preset: episodes with tools (calculator)"
+        "--task", default=None, help="a task preset: its data and reward (code: Python problems)"
+    )
+    parser.add_argument(
+        "--env",
+        default=None,
+        help="an environment preset: episodes with tools (calculator), a code agent "
+        "(code_feedback, with --task code)",
     )
     parser.add_argument(
         "--lora", action="store_true", help="train LoRA adapters on the frozen base (preset lora)"
@@ -118,7 +125,11 @@ def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
         state = streamrl_run(
             preset="dapo",
             size=args.size,
-            extra_presets=[*([args.env] if args.env else []), *(["lora"] if args.lora else [])],
+            extra_presets=[
+                *([args.task] if args.task else []),
+                *([args.env] if args.env else []),
+                *(["lora"] if args.lora else []),
+            ],
             overrides=[f"learner.total_steps={args.steps}", *args.overrides],
             run_uri=run_uri,
             generators=args.generators,
@@ -150,6 +161,7 @@ def _resume_argv(args: argparse.Namespace, run_uri: str) -> list[str]:
         str(args.generators),
         "--size",
         args.size,
+        *(["--task", args.task] if args.task else []),
         *(["--env", args.env] if args.env else []),
         *(["--lora"] if args.lora else []),
         *args.overrides,

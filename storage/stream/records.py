@@ -36,7 +36,10 @@ class RolloutSums:
     is ≥ 1; `reward` sums shaped rewards, `length` sampled tokens (docs/algorithms.md: lengths count
     sampled tokens), `env_tokens` environment tokens (multi-turn), `turns` model turns;
     `tool_calls`, `tool_errors`, `env_s` and `wait_s` the episode statistics
-    (`ScoredGroup.tool_calls`, ...); `finished` counts responses by finish reason."""
+    (`ScoredGroup.tool_calls`, ...); `finished` counts responses by finish reason. Episodes
+    whose environment rewards each turn: `turn_reward[i]` sums the rewards of turn i + 1 and
+    `turn_rewarded[i]` counts them; `full_episodes` counts episodes with a turn rewarded 1 and
+    `turns_to_full` sums the number of that first such turn."""
 
     responses: int = 0
     reward: float = 0.0
@@ -50,6 +53,10 @@ class RolloutSums:
     env_s: float = 0.0
     wait_s: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)
+    turn_reward: list[float] = field(default_factory=list)
+    turn_rewarded: list[int] = field(default_factory=list)
+    full_episodes: int = 0
+    turns_to_full: int = 0
 
     def add(self, group: ScoredGroup) -> None:
         sampled = int(np.sum(group.sampled_lengths))
@@ -66,12 +73,28 @@ class RolloutSums:
         self.wait_s += float(np.sum(group.episode_stat("wait_seconds"), dtype=np.float64))
         for reason in group.finish_reasons:
             self.finished[reason] = self.finished.get(reason, 0) + 1
+        for rewards in group.effective_turn_rewards:
+            self._add_turns([float(r) for r in rewards], [1] * len(rewards))
+            full = np.flatnonzero(np.asarray(rewards) >= 1.0)
+            if full.size:
+                self.full_episodes += 1
+                self.turns_to_full += int(full[0]) + 1
+
+    def _add_turns(self, rewards: Sequence[float], counts: Sequence[int]) -> None:
+        grow = len(rewards) - len(self.turn_reward)
+        if grow > 0:
+            self.turn_reward += [0.0] * grow
+            self.turn_rewarded += [0] * grow
+        for i, (reward, count) in enumerate(zip(rewards, counts, strict=True)):
+            self.turn_reward[i] += reward
+            self.turn_rewarded[i] += count
 
     def merge(self, other: RolloutSums) -> None:
         for name in _SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for reason, count in other.finished.items():
             self.finished[reason] = self.finished.get(reason, 0) + count
+        self._add_turns(other.turn_reward, other.turn_rewarded)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutSums:
@@ -91,8 +114,10 @@ class RolloutSums:
     def metrics(self, prefix: str) -> dict[str, float]:
         """`<prefix>/reward_mean`, `/acc`, `/response_len_mean` (sampled tokens),
         `/truncated_frac`, `/env_tokens_mean`, `/turns_mean`, `/tool_calls_mean`,
-        `/tool_errors_mean`, `/env_s_mean`, `/wait_s_mean`: means over responses; and
-        `/finish_<reason>_frac` for each finish reason seen."""
+        `/tool_errors_mean`, `/env_s_mean`, `/wait_s_mean`: means over responses;
+        `/finish_<reason>_frac` for each finish reason seen; with turn rewards,
+        `/turn<i>_reward_mean` over the episodes that reached turn i and `/turns_to_full_mean`
+        over the episodes with a turn rewarded 1."""
         n = max(self.responses, 1)
         return {
             f"{prefix}/reward_mean": self.reward / n,
@@ -109,10 +134,26 @@ class RolloutSums:
                 f"{prefix}/finish_{reason}_frac": count / n
                 for reason, count in sorted(self.finished.items())
             },
+            **{
+                f"{prefix}/turn{i + 1}_reward_mean": total / count
+                for i, (total, count) in enumerate(
+                    zip(self.turn_reward, self.turn_rewarded, strict=True)
+                )
+                if count
+            },
+            **(
+                {f"{prefix}/turns_to_full_mean": self.turns_to_full / self.full_episodes}
+                if self.full_episodes
+                else {}
+            ),
         }
 
 
-_SUMMED = tuple(f.name for f in fields(RolloutSums) if f.name != "finished")
+_SUMMED = tuple(
+    f.name
+    for f in fields(RolloutSums)
+    if f.name not in ("finished", "turn_reward", "turn_rewarded")
+)
 
 
 WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
@@ -210,7 +251,7 @@ class CommitRecord:
         if not isinstance(rollout, RolloutSums):
             raise InvalidRecordError(f"{where}: rollout must be RolloutSums, got {rollout!r}")
         counts = ("responses", "correct", "length", "truncated", "env_tokens", "turns",
-                  "tool_calls", "tool_errors")  # fmt: skip
+                  "tool_calls", "tool_errors", "full_episodes", "turns_to_full")  # fmt: skip
         for name in counts:
             _check_int(getattr(rollout, name), 0, f"{where}: rollout.{name}")
         for name in ("reward", "env_s", "wait_s"):
@@ -224,6 +265,20 @@ class CommitRecord:
             raise InvalidRecordError(f"{where}: rollout.finished must map finish reasons to counts")
         for reason, count in finished.items():
             _check_int(count, 0, f"{where}: rollout.finished[{reason!r}]")
+        sums, counts_ = rollout.turn_reward, rollout.turn_rewarded
+        if not isinstance(sums, list) or not isinstance(counts_, list) or len(sums) != len(counts_):
+            raise InvalidRecordError(f"{where}: rollout.turn_reward and turn_rewarded must be "
+                                     "lists of one length")  # fmt: skip
+        for i, (total, count) in enumerate(zip(sums, counts_, strict=True)):
+            _check_int(count, 0, f"{where}: rollout.turn_rewarded[{i}]")
+            if (
+                isinstance(total, bool)
+                or not isinstance(total, int | float)
+                or not math.isfinite(total)
+            ):
+                raise InvalidRecordError(
+                    f"{where}: rollout.turn_reward[{i}] must be a finite number"
+                )
 
     def _check_segment(self, where: str) -> None:
         if not isinstance(self.writer_id, str) or not WRITER_ID.fullmatch(self.writer_id):

@@ -34,12 +34,21 @@ class DataConfig(Section):
         description="Field with the prompt: a string or a list of chat messages (verl layout). "
         "Dotted paths reach into nested fields.",
     )
-    answer_field: str = Field(
+    answer_field: str | list[str] = Field(
         "reward_model.ground_truth",
         min_length=1,
         description="Field with the ground-truth answer (dotted path; verl/DAPO-Math-17k layout "
-        "by default).",
+        "by default); a list of fields gives the reward a JSON object of their values by path "
+        "(LiveCodeBench's public_test_cases, private_test_cases and metadata).",
     )
+
+    @property
+    def answer_fields(self) -> tuple[str, ...]:
+        """The answer's fields, as dotted paths."""
+        return (
+            (self.answer_field,) if isinstance(self.answer_field, str) else tuple(self.answer_field)
+        )
+
     system_prompt: str | None = Field(
         None, description="System message prepended to every prompt, if any."
     )

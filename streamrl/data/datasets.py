@@ -102,7 +102,7 @@ class PromptSource:
         rows = load_rows(
             self.path,
             config.format,
-            fields=(config.prompt_field, config.answer_field),
+            fields=(config.prompt_field, *config.answer_fields),
             storage_options=storage_options,
         )
         self.num_rows = len(rows)
@@ -123,6 +123,15 @@ class PromptSource:
     def fingerprint(self) -> str:
         """The kept prompts' `fingerprint`, computed once when a generator first asks."""
         return fingerprint(self.prompts)
+
+    def _answer(self, row: Mapping[str, Any], index: int) -> Any:
+        """The row's `answer_field`; several fields: an object of their values by path."""
+        if isinstance(self.config.answer_field, str):
+            return self._field(row, index, self.config.answer_field, "answer_field")
+        return {
+            path: self._field(row, index, path, "answer_field")
+            for path in self.config.answer_fields
+        }
 
     def _field(self, row: Mapping[str, Any], index: int, path: str, option: str) -> Any:
         try:
@@ -178,9 +187,7 @@ class PromptSource:
             )
         rendered = [self._render(row, i, tokenizer) for i, row in enumerate(rows)]
         texts = [text for _, text in rendered]
-        answers = [
-            self._field(row, i, cfg.answer_field, "answer_field") for i, row in enumerate(rows)
-        ]
+        answers = [self._answer(row, i) for i, row in enumerate(rows)]
         # A chat template writes its own special tokens; plain text gets the tokenizer's (BOS).
         token_ids = tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
         name = dataset_name(self.path)

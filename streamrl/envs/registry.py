@@ -1,8 +1,9 @@
 """Environments by name: the bundled ones, or a user's class by import path.
 
 `generator.env.fn` is a registered name (`ENVIRONMENTS`: single_turn, calculator, python,
-guess) or `package.module:ClassName`, a subclass of `streamrl.envs.Environment` at module level
-in a module on the Python path (environment workers are spawned and import it there).
+guess, code_feedback) or `package.module:ClassName`, a subclass of `streamrl.envs.Environment`
+at module level in a module on the Python path (environment workers are spawned and import it
+there).
 
 As with rewards (`streamrl.rewards.registry`), importing a user's module runs user code, so
 only environment workers call `resolve_env`; generators call `check_env_name`, which imports
@@ -32,6 +33,7 @@ ENVIRONMENTS: Mapping[str, str] = MappingProxyType(
         "calculator": "streamrl.envs.calculator:CalculatorEnv",
         "python": "streamrl.envs.python_env:PythonEnv",
         "guess": "streamrl.envs.guess:GuessEnv",
+        "code_feedback": "streamrl.envs.code_feedback:CodeFeedbackEnv",
     }
 )
 """Registered names → import paths (imported only when resolved)."""

@@ -113,6 +113,10 @@ class Evaluator:
         check_reward_name(config.generator.reward.fn)  # user code runs in the workers only
         source = PromptSource(self.dataset, tokenizer_path=config.model.tokenizer or model_path)
         self.prompts = source.prompts[: max_prompts or config.eval.max_prompts]
+        config.generator.reward.check_ground_truths(
+            ((p.prompt_id, p.ground_truth) for p in self.prompts),
+            ", ".join(self.dataset.answer_fields),
+        )
         self._owns_engine = engine is None  # closed on exit; a caller's engine is theirs
         if engine is None:
             engine = Engine(

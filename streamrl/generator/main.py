@@ -80,6 +80,10 @@ def _build(
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
     source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
+    cfg.reward.check_ground_truths(
+        ((p.prompt_id, p.ground_truth) for p in source.prompts),
+        ", ".join(config.data.answer_fields),
+    )
     # The reward's workers load it (the user's module is imported there, under their limits)
     # before anything is counted or vLLM starts: a reward (or an environment) that cannot be
     # loaded fails here.

@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from streamrl.config.base import MAX_WAIT_S, Section
+from streamrl.data.rows import DatasetError
+from streamrl.rewards.code.cases import TestSpecError, read_tests
 from streamrl.rewards.code.config import CodeRewardConfig
 from streamrl.rewards.registry import RewardSpec, check_reward_name
 
@@ -69,3 +72,21 @@ class RewardConfig(Section):
     def spec(self) -> RewardSpec:
         """What a reward worker loads (`streamrl.rewards.registry.resolve_reward`)."""
         return RewardSpec(self.fn, self.code, self.timeout_s)
+
+    def check_ground_truths(self, rows: Iterable[tuple[str, str]], field: str) -> None:
+        """Before any response is scored: for the `code` reward, every row's tests can be read
+        (`rows`: prompt id and ground truth). Other rewards read theirs when scoring.
+
+        Raises:
+            DatasetError: naming the row, the field (`field`: `data.answer_field`) and what
+                is wrong, as for any other dataset a user must fix.
+        """
+        if self.fn != "code":
+            return
+        for prompt_id, ground_truth in rows:
+            try:
+                read_tests(ground_truth, self.code.layout)
+            except TestSpecError as error:
+                raise DatasetError(
+                    f"row {prompt_id}, field {field!r} ({self.code.layout} layout): {error}"
+                ) from None

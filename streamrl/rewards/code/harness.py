@@ -120,7 +120,7 @@ def run_test(spec, test, code):
         if status == -EXIT_PASSED:
             return "passed", ""
         if status == -EXIT_WRONG:
-            return "wrong", stdout[-300:]
+            return "wrong", stdout.strip()[-300:]
         return "error", last_line(stderr) or f"exit status {status}"
     if status != 0:
         return "error", last_line(stderr) or f"exit status {status}"

@@ -92,6 +92,27 @@ def test_verl_layout_reads_with_default_mapping(
         assert prompt.token_ids == tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_several_answer_fields_give_the_reward_an_object_of_them(
+    tmp_path: Path, tokenizer: Any, fmt: str
+) -> None:
+    """LiveCodeBench keeps public and private tests in two columns and the function's name in
+    a third: a list of answer fields joins them, by path, into one JSON ground truth."""
+    rows = [{"question": "Write f.", "public_test_cases": "[1]", "private_test_cases": "[2]",
+             "metadata": {"func_name": "f"}}]  # fmt: skip
+    file = tmp_path / f"lcb.{fmt}"
+    path = _write_parquet(file, rows) if fmt == "parquet" else _write_jsonl(file, rows)
+    fields = ["public_test_cases", "private_test_cases", "metadata.func_name"]
+    config = DataConfig(path=path, prompt_field="question", answer_field=fields)
+    source = PromptSource(config, tokenizer=tokenizer)
+    assert json.loads(source.prompts[0].ground_truth) == {
+        "public_test_cases": "[1]", "private_test_cases": "[2]", "metadata.func_name": "f"
+    }  # fmt: skip
+    with pytest.raises(DatasetError, match=r"'hidden'.*data.answer_field"):
+        PromptSource(config.model_copy(update={"answer_field": ["public_test_cases", "hidden"]}),
+                     tokenizer=tokenizer)  # fmt: skip
+
+
 def test_field_mapping_system_prompt_and_plain_text(tmp_path: Path, tokenizer: Any) -> None:
     rows = [
         {"question": "Add 2 and 3.", "meta": {"answers": [5, "five"]}},

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
+from streamrl.data.rows import DatasetError
 from streamrl.rewards.code.cases import CallTest, StdioTest, TestSpecError, read_tests
+from streamrl.rewards.config import RewardConfig
 
 TACO_STDIO = {"inputs": ["1 2\n", ["3 4", ""]], "outputs": ["3\n", "7"]}
 TACO_CALL = {"inputs": [[1, 2], [[1, 2]]], "outputs": [[3], 3], "fn_name": "add"}
@@ -83,3 +85,13 @@ def test_auto_tells_the_layouts_apart(spec: object) -> None:
 def test_a_malformed_spec_is_a_data_error_naming_the_field(ground_truth: str, message: str) -> None:
     with pytest.raises(TestSpecError, match=message):
         read_tests(ground_truth)
+
+
+def test_a_generator_refuses_a_dataset_whose_tests_cannot_be_read_naming_row_and_field() -> None:
+    good = json.dumps(TACO_STDIO)
+    bad = json.dumps({"inputs": ["1"], "outputs": []})
+    config = RewardConfig(fn="code")
+    config.check_ground_truths([("data:0", good)], "input_output")
+    with pytest.raises(DatasetError, match=r"row data:1, field 'input_output' \(auto layout\)"):
+        config.check_ground_truths([("data:0", good), ("data:1", bad)], "input_output")
+    RewardConfig(fn="math").check_ground_truths([("data:1", bad)], "input_output")  # its own

@@ -255,3 +255,36 @@ def test_rollout_sums_count_finish_reasons_and_episode_statistics_through_a_comm
     bad["rollout"]["finished"] = {"done": -1}
     with pytest.raises(InvalidRecordError, match=r"rollout.finished\['done'\] must be"):
         CommitRecord.from_json(json.dumps(bad).encode(), 0)
+
+
+def test_rollout_sums_reward_each_turn_and_count_turns_to_the_first_full_reward():
+    base = _groups()[0]
+    turns = np.array([3, 1, 2], np.int32)
+    rewards = [np.array([0.0, 0.5, 1.0], np.float32), np.array([1.0], np.float32),
+               np.array([0.5, 0.5], np.float32)]  # fmt: skip
+    group = _with(base, turns=turns, turn_rewards=rewards)
+    sums = RolloutSums.of([group])
+    assert sums.turn_reward == pytest.approx([1.5, 1.0, 1.0])
+    assert sums.turn_rewarded == [3, 2, 1]
+    assert (sums.full_episodes, sums.turns_to_full) == (2, 3 + 1)
+    merged = RolloutSums.of([group])
+    merged.merge(RolloutSums.of([_with(group, turn_rewards=[r[:1] for r in rewards])]))
+    assert merged.turn_rewarded == [6, 2, 1]
+    metrics = sums.metrics("rollout")
+    assert metrics["rollout/turn1_reward_mean"] == pytest.approx(0.5)
+    assert metrics["rollout/turn2_reward_mean"] == pytest.approx(0.5)
+    assert metrics["rollout/turns_to_full_mean"] == pytest.approx(2.0)
+    assert "rollout/turn1_reward_mean" not in RolloutSums.of([_groups()[3]]).metrics("rollout")
+    record = CommitRecord(
+        seq=0, segment="gen0-abc-000000", writer_id="gen0", incarnation="abc", num_groups=1,
+        num_responses=3, num_tokens=group.num_tokens, min_policy_version=0,
+        max_policy_version=0, objects={"zarr.json": (10, 1)}, rollout=sums,
+    )  # fmt: skip
+    assert CommitRecord.from_json(record.to_json(), 0).rollout == sums
+    bad = json.loads(record.to_json())
+    bad["rollout"]["turn_rewarded"] = [3, 2]
+    with pytest.raises(InvalidRecordError, match="lists of one length"):
+        CommitRecord.from_json(json.dumps(bad).encode(), 0)
+    bad["rollout"]["turn_rewarded"], bad["rollout"]["turn_reward"] = [3, 2, 1], [1.5, "x", 1.0]
+    with pytest.raises(InvalidRecordError, match=r"turn_reward\[1\] must be a finite number"):
+        CommitRecord.from_json(json.dumps(bad).encode(), 0)
