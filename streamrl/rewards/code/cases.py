@@ -61,8 +61,9 @@ class StdioTest:
     stdin: str
     stdout: str
 
-    def as_record(self) -> dict[str, Any]:
-        return {"kind": "stdio", "stdin": self.stdin, "stdout": self.stdout}
+    def as_input(self) -> dict[str, Any]:
+        """What the harness in the box gets: the input only."""
+        return {"kind": "stdio", "stdin": self.stdin}
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,9 @@ class CallTest:
     expected: Any
     unwrap: bool = False
 
-    def as_record(self) -> dict[str, Any]:
-        return {
-            "kind": "call",
-            "fn_name": self.fn_name,
-            "args": list(self.args),
-            "expected": self.expected,
-            "unwrap": self.unwrap,
-        }
+    def as_input(self) -> dict[str, Any]:
+        """What the harness in the box gets: the call, not its answer."""
+        return {"kind": "call", "fn_name": self.fn_name, "args": list(self.args)}
 
 
 Test = StdioTest | CallTest

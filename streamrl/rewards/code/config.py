@@ -19,8 +19,8 @@ class CodeRewardConfig(Section):
 
     score: Literal["all", "fraction"] = Field(
         "all",
-        description="all: 1 when every test passes, else 0 (the tests after the first failure "
-        "are not run); fraction: the share of tests passed.",
+        description="all: 1 when every test passes, else 0 (after a test that errs, times out "
+        "or runs out of memory the rest are not run); fraction: the share of tests passed.",
     )
     layout: Layout = Field(
         "auto",

@@ -1,19 +1,24 @@
-"""Runs inside the box (`streamrl.rewards.code.runner`): one program against all of a
-problem's tests, each in a process of its own with its own limits. Standard library only.
+"""Runs inside the box (`streamrl.rewards.code.runner`): one program on all of a problem's
+tests, each in a process of its own with its own limits. Standard library only.
 
     python /box/harness.py            # reads /box/spec.json
 
 The spec: {"source": "/box/<file>", "compile": argv | null, "run": argv | null, "tests": [...],
 "time_s", "memory_mb", "output_bytes", "compile_s", "budget_s", "stop_on_failure"}; `run` null
-runs Python in process. Tests that would start after `budget_s` are timeouts; with
-`stop_on_failure` the tests after a failed one are skipped.
+runs Python in process. A test is {"kind": "stdio", "stdin"} or {"kind": "call", "fn_name",
+"args"}: inputs only. No expected output ever enters the box — the program shares this
+process's memory and files and could read them — so the harness reports what the program did
+and the runner, outside, judges it.
 
 Output, on stdout, one JSON object per line: {"started": true} once the harness runs (before
 any program code: without it the box itself failed), {"compiled": false, "error": ...} when
-compiling failed, then one {"test": i, "status": ..., "detail": ...} per test, in order, written
-as each ends. Statuses: passed, wrong, error (raised or exited non-zero), timeout (past
-`time_s` of wall clock or of CPU), memory (past `memory_mb`), output (printed more than
-`output_bytes`), skipped.
+compiling failed, then per test, in order, as each ends: {"test": i, "status": ..., "detail":
+..., "stdout": sha256 of the printed lines (each stripped, trailing blank lines dropped),
+"head": the first characters printed, "result": a call's return value as JSON}. Statuses:
+ran, error (raised or exited non-zero), timeout (past `time_s` of wall clock or of CPU, or the
+tests' `budget_s`), memory (past `memory_mb`), output (printed more than `output_bytes`, or a
+result larger than `MAX_RESULT_CHARS`), skipped (after a test that did not run to its end, with
+`stop_on_failure`).
 
 Isolation between tests: each test is a fresh fork of this process made before any program
 code ran (nothing a test does to memory reaches the next), in a new session and working
@@ -25,6 +30,7 @@ its own file, every other descriptor is closed, and the harness is not dumpable 
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import math
 import os
@@ -38,9 +44,9 @@ import time
 import traceback
 
 SCRATCH = "/tmp"
-# The forked test process reports through its exit code: past its memory, and a call test's
-# verdicts (codes a program is unlikely to exit with itself).
-EXIT_MEMORY, EXIT_WRONG, EXIT_PASSED = 211, 212, 213
+EXIT_MEMORY = 211  # the forked test process ran out of memory (a code no program uses)
+MAX_RESULT_CHARS = 1 << 16
+HEAD_CHARS = 200
 PR_SET_DUMPABLE = 4
 
 
@@ -69,14 +75,15 @@ def main():
     failed = False
     for index, test in enumerate(spec["tests"]):
         if failed and spec["stop_on_failure"]:
-            status, detail = "skipped", "an earlier test failed"
+            outcome = {"status": "skipped", "detail": "an earlier test failed"}
         elif time.monotonic() + spec["time_s"] > deadline:
-            status, detail = "timeout", f"the tests' time budget ({spec['budget_s']:g}s) ran out"
+            budget = f"the tests' time budget ({spec['budget_s']:g}s) ran out"
+            outcome = {"status": "timeout", "detail": budget}
         else:
-            status, detail = run_test(spec, test, code)
+            outcome = run_test(spec, test, code)
             clean_up(keep)
-        failed = failed or status != "passed"
-        report({"test": index, "status": status, "detail": detail})
+        failed = failed or outcome["status"] != "ran"
+        report({"test": index, "detail": "", **outcome})
 
 
 def report(record):
@@ -95,48 +102,53 @@ def build(spec):
 
 
 def run_test(spec, test, code):
+    """Run one test in a fresh fork; what it did, as a report record's fields."""
     workdir = os.path.join(SCRATCH, f"test-{os.getpid()}-{time.monotonic_ns()}")
     os.mkdir(workdir)
-    stdin_path = os.path.join(workdir, ".stdin")
-    stdout_path = os.path.join(workdir, ".stdout")
-    stderr_path = os.path.join(workdir, ".stderr")
-    with open(stdin_path, "w") as f:
+    paths = {name: os.path.join(workdir, f".{name}") for name in ("stdin", "stdout", "stderr")}
+    paths["result"] = os.path.join(workdir, ".result")
+    with open(paths["stdin"], "w") as f:
         f.write(test.get("stdin", ""))
     pid = os.fork()
     if pid == 0:
-        child(spec, test, code, workdir, stdin_path, stdout_path, stderr_path)
+        child(spec, test, code, workdir, paths)
     status = wait(pid, spec["time_s"])
-    stdout = read(stdout_path, spec["output_bytes"] + 1)
-    stderr = read(stderr_path, 4000)
+    stdout = read(paths["stdout"], spec["output_bytes"] + 1)
+    stderr = read(paths["stderr"], 4000)
     if status == "timeout":
-        return "timeout", f"ran past {spec['time_s']:g}s"
+        return {"status": "timeout", "detail": f"ran past {spec['time_s']:g}s"}
     if status == signal.SIGXFSZ or len(stdout) > spec["output_bytes"]:
-        return "output", f"printed more than {spec['output_bytes']} bytes"
+        return {"status": "output", "detail": f"printed more than {spec['output_bytes']} bytes"}
     if status in (signal.SIGXCPU, signal.SIGKILL):
-        return "timeout", f"used more than {spec['time_s']:g}s of CPU"
+        return {"status": "timeout", "detail": f"used more than {spec['time_s']:g}s of CPU"}
     if status == -EXIT_MEMORY or "MemoryError" in stderr[-300:]:
-        return "memory", f"needed more than {spec['memory_mb']} MiB"
-    if test["kind"] == "call":
-        if status == -EXIT_PASSED:
-            return "passed", ""
-        if status == -EXIT_WRONG:
-            return "wrong", stdout.strip()[-300:]
-        return "error", last_line(stderr) or f"exit status {status}"
+        return {"status": "memory", "detail": f"needed more than {spec['memory_mb']} MiB"}
     if status != 0:
-        return "error", last_line(stderr) or f"exit status {status}"
-    if lines(stdout) == lines(test["stdout"]):
-        return "passed", ""
-    return "wrong", f"printed {stdout[:200]!r}"
+        return {"status": "error", "detail": last_line(stderr) or f"exit status {status}"}
+    ran = {"status": "ran", "stdout": digest(stdout), "head": stdout[:HEAD_CHARS]}
+    if test["kind"] == "call":
+        result = read(paths["result"], MAX_RESULT_CHARS + 1)
+        if len(result) > MAX_RESULT_CHARS:
+            return {"status": "output", "detail": f"returned more than {MAX_RESULT_CHARS} chars"}
+        ran["result"] = result
+    return ran
 
 
-def child(spec, test, code, workdir, stdin_path, stdout_path, stderr_path):
+def digest(text):
+    """The printed lines as the runner compares them: each stripped, trailing blank lines
+    dropped (the same rule as `streamrl.rewards.code.runner.output_digest`)."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def child(spec, test, code, workdir, paths):
     """The test's process: its own session, directory, limits and standard streams."""
     try:
         os.setsid()
         os.chdir(workdir)
-        os.dup2(os.open(stdin_path, os.O_RDONLY), 0)
-        os.dup2(os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
-        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+        os.dup2(os.open(paths["stdin"], os.O_RDONLY), 0)
+        os.dup2(os.open(paths["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+        os.dup2(os.open(paths["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
         os.closerange(3, 1 << 16)
         seconds = max(1, math.ceil(spec["time_s"]))
         resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
@@ -146,21 +158,22 @@ def child(spec, test, code, workdir, stdin_path, stdout_path, stderr_path):
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         if spec["run"] is not None:
             os.execv(spec["run"][0], spec["run"])
-        os._exit(run_python(test, code))  # sys.stdin/stdout/stderr: fds 0-2, nothing buffered
+        os._exit(run_python(test, code, paths["result"]))  # sys.std*: fds 0-2, none buffered
     except BaseException:
         os._exit(1)
 
 
-def run_python(test, code):
-    """Run the program in this (forked) process; the exit status says how it went."""
+def run_python(test, code, result_path):
+    """Run the program in this (forked) process; the exit status says how it went, a call's
+    return value goes to `result_path` as JSON."""
     call = test["kind"] == "call"
     namespace = {"__name__": "solution" if call else "__main__", "__builtins__": __builtins__}
     try:
         exec(code, namespace)
         if call:
-            verdict = judge(call_function(namespace, test), test)
-            sys.stdout.flush()
-            return verdict
+            result = json.dumps(call_function(namespace, test), default=repr)
+            with open(result_path, "w") as f:
+                f.write(result)
     except SystemExit as stop:
         if call:
             return 1
@@ -186,29 +199,6 @@ def call_function(namespace, test):
     else:
         raise NameError(f"the program defines no function {name}")
     return function(*json.loads(json.dumps(test["args"])))  # a fresh copy for each call
-
-
-def judge(result, test):
-    expected = test["expected"]
-    if same(result, expected) or (test["unwrap"] and same(result, expected[0])):
-        return EXIT_PASSED
-    print(f"returned {result!r:.200}")
-    return EXIT_WRONG
-
-
-def same(got, want):
-    """== with tuples as lists and floats to a relative tolerance of 1e-6."""
-    if isinstance(got, bool) or isinstance(want, bool):
-        return got is want or (type(got) is type(want) and got == want)
-    if isinstance(got, int | float) and isinstance(want, int | float):
-        if isinstance(got, float) or isinstance(want, float):
-            return math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
-        return got == want
-    if isinstance(got, list | tuple) and isinstance(want, list | tuple):
-        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
-    if isinstance(got, dict) and isinstance(want, dict):
-        return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
-    return got == want
 
 
 def wait(pid, time_s):
@@ -254,10 +244,6 @@ def read(path, limit):
             return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
-
-
-def lines(text):
-    return [line.strip() for line in text.strip().splitlines()]
 
 
 def last_line(text):

@@ -2,8 +2,10 @@
 block of the response, run against the problem's tests in the box.
 
 - No code block: R = 0, a format failure of the policy.
-- `score: all` (default): R = 1 when every test passes, else 0 (the first failure ends the run
-  of tests); `fraction`: R = passed / total.
+- `score: all` (default): R = 1 when every test passes, else 0 (a test that errs, times out or
+  runs out of memory ends the run of tests); `fraction`: R = passed / total.
+- Answers are judged outside the box: only the tests' inputs enter it, so a program that reads
+  its harness's memory or files finds no expected output there.
 - A test that fails, times out, runs out of memory or prints too much counts as failed; a
   program that does not compile fails every test.
 - A box that could not run the program at all raises `CodeSandboxError`: the scorer counts it

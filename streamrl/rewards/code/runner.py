@@ -16,6 +16,7 @@ harness has started, whatever the program does (crash, hang, kill the harness) f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -147,8 +148,9 @@ def run_tests(
     stop_on_failure: bool = False,
 ) -> TestReport:
     """Run `program` against `tests` in one box (module docstring): the tests that would start
-    after `budget_s` seconds time out unrun; with `stop_on_failure`, those after the first
-    failure are skipped.
+    after `budget_s` seconds time out unrun; with `stop_on_failure`, those after one that did
+    not run to its end (error, timeout, memory, output) are skipped. Answers are judged here,
+    outside the box (`_judge`): the harness never sees one.
 
     Raises:
         CodeSandboxError: the box or the harness did not start.
@@ -159,7 +161,7 @@ def run_tests(
         "source": f"/box/{language.source}",
         "compile": list(language.compile) if language.compile else None,
         "run": list(language.run) if language.run else None,
-        "tests": [test.as_record() for test in tests],
+        "tests": [test.as_input() for test in tests],
         "time_s": limits.time_s,
         "memory_mb": limits.memory_mb,
         "output_bytes": limits.output_bytes,
@@ -189,10 +191,13 @@ def run_tests(
         result = run_in_box(["python", "/box/harness.py"], limits=box, files=files)
     except BoxUnavailableError as error:
         raise CodeSandboxError(str(error)) from error
-    return _report(result.stdout, result.stderr, len(tests), result.wall_s)
+    return _report(result.stdout, result.stderr, tests, result.wall_s)
 
 
-def _report(stdout: bytes, stderr: bytes, count: int, wall_s: float) -> TestReport:
+def _report(
+    stdout: bytes, stderr: bytes, tests: Sequence[StdioTest | CallTest], wall_s: float
+) -> TestReport:
+    count = len(tests)
     records = []
     for line in stdout.decode(errors="replace").splitlines():
         try:
@@ -203,14 +208,56 @@ def _report(stdout: bytes, stderr: bytes, count: int, wall_s: float) -> TestRepo
         said = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["nothing"]
         raise CodeSandboxError(f"the code harness did not start in the box; it said: {said[0]}")
     if len(records) > 1 and records[1].get("compiled") is False:
-        return TestReport(("not run",) * count, ("",) * count, str(records[1]["error"]), wall_s)
+        error = str(records[1]["error"])
+        return TestReport(("not run",) * count, ("",) * count, error, wall_s)
     statuses = ["not run"] * count
     details = ["the program stopped the test harness"] * count
     for record in records[1:]:
         index = record.get("test")
         if isinstance(index, int) and 0 <= index < count:
-            statuses[index], details[index] = str(record["status"]), str(record["detail"])
+            statuses[index], details[index] = _judge(tests[index], record)
     return TestReport(tuple(statuses), tuple(details), None, wall_s)
+
+
+def _judge(test: StdioTest | CallTest, record: dict[str, object]) -> tuple[str, str]:
+    """A test's status from what the harness saw the program do: it ran and printed (or
+    returned) what was expected, or not; or why it did not run to its end."""
+    status, detail = str(record.get("status")), str(record.get("detail", ""))
+    if status != "ran":
+        return status, detail
+    if isinstance(test, StdioTest):
+        if record.get("stdout") == output_digest(test.stdout):
+            return "passed", ""
+        return "wrong", f"printed {str(record.get('head', ''))!r}"
+    try:
+        got = json.loads(str(record.get("result")))
+    except json.JSONDecodeError:
+        return "wrong", "returned something that is not a value"
+    if same(got, test.expected) or (test.unwrap and same(got, test.expected[0])):
+        return "passed", ""
+    return "wrong", f"returned {json.dumps(got)[:200]}"
+
+
+def output_digest(text: str) -> str:
+    """sha256 of printed lines as compared: each stripped, leading and trailing blank lines
+    dropped (the harness digests what a program printed the same way)."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def same(got: object, want: object) -> bool:
+    """== with tuples as lists and floats to a relative tolerance of 1e-6 (absolute 1e-9)."""
+    if isinstance(got, bool) or isinstance(want, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(got, int | float) and isinstance(want, int | float):
+        if isinstance(got, float) or isinstance(want, float):
+            return math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
+        return got == want
+    if isinstance(got, list | tuple) and isinstance(want, list | tuple):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+    return got == want
 
 
 def _not_run(tests: Sequence[object], why: str) -> TestReport:

@@ -62,8 +62,11 @@ def test_all_stops_at_the_first_failure_and_fraction_counts_every_test() -> None
     wrong_last = fenced("a, b = map(int, input().split())\nprint(a + b if a < 10 else 0)")
     assert reward("all")(wrong_last, ADD_STDIO) == 0.0
     assert reward("fraction")(wrong_last, ADD_STDIO) == pytest.approx(2 / 3)
-    first_wrong = reward("all").report(fenced("print(0)"), ADD_STDIO)
-    assert first_wrong.statuses == ("wrong", "skipped", "skipped")
+    # Under all, a test that does not run to its end stops the rest; answers are judged outside
+    # the box, after all have run.
+    crashes = reward("all").report(fenced("raise SystemExit(3)"), ADD_STDIO)
+    assert crashes.statuses == ("error", "skipped", "skipped")
+    assert reward("all").report(fenced("print(0)"), ADD_STDIO).statuses == ("wrong",) * 3
 
 
 def test_no_program_scores_zero_without_running_anything() -> None:
@@ -133,6 +136,26 @@ print(0)
     assert report.statuses == ("wrong", "wrong", "wrong")
 
 
+def test_no_expected_output_is_within_the_programs_reach() -> None:
+    """The program shares the harness's process and files: what it could read there holds
+    the tests' inputs, never their answers."""
+    snoops = """
+import gc, os, sys
+parts = [open("/box/spec.json").read()]
+frame = sys._getframe()
+while frame is not None:
+    parts.append(repr(frame.f_locals))
+    frame = frame.f_back
+parts.append(repr([o for o in gc.get_objects() if isinstance(o, (dict, list))]))
+parts += [open(os.path.join("/box", name), errors="replace").read() for name in os.listdir("/box")]
+print("LEAKED" if "".join(["SECRET", "-ANSWER"]) in "".join(parts) else "clean")
+"""
+    tests = [StdioTest("1 2\n", "SECRET-ANSWER-1\n"), StdioTest("3 4\n", "SECRET-ANSWER-2\n")]
+    report = run_tests(snoops, tests, LANGUAGES["python"], TestLimits(time_s=5.0))
+    assert report.statuses == ("wrong", "wrong")
+    assert report.details == ("printed 'clean\\n'",) * 2
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ toolchain installed")
 def test_a_compiled_language_plugs_in_through_the_table() -> None:
     source = (
@@ -168,8 +191,9 @@ def test_a_box_that_cannot_start_is_an_infrastructure_error(monkeypatch) -> None
 
 def test_a_harness_that_never_started_is_an_infrastructure_error() -> None:
     with pytest.raises(CodeSandboxError, match="did not start"):
-        runner._report(b"", b"python: cannot open file", 1, 0.1)
-    assert runner._report(b'{"started": true}\n', b"", 2, 0.1).statuses == ("not run",) * 2
+        runner._report(b"", b"python: cannot open file", [StdioTest("", "")], 0.1)
+    two = [StdioTest("", "")] * 2
+    assert runner._report(b'{"started": true}\n', b"", two, 0.1).statuses == ("not run",) * 2
 
 
 def test_the_registered_reward_takes_its_settings_and_checks_the_machine(monkeypatch) -> None:
