@@ -296,6 +296,9 @@ def test_bad_input_fails_before_vllm_starts(config: RunConfig, tmp_path):
     bad_reward = load_config(["dapo", "tiny-cpu"], overrides=["generator.reward.fn=tests:nope"])
     with pytest.raises(RewardResolutionError, match="has no attribute 'nope'"):
         _build(bad_reward, run)
+    math_rows_as_code = load_config(["dapo", "tiny-cpu"], overrides=["generator.reward.fn=code"])
+    with pytest.raises(DatasetError, match=r"row \S+:\d+, field 'reward_model.ground_truth'"):
+        _build(math_rows_as_code, run)  # an answer that holds no tests, before any sampling
     missing = tmp_path / "no-model"
     bad_model = load_config(["dapo", "tiny-cpu"], overrides=[f"model.path={missing}"])
     with pytest.raises(ModelPathError, match="does not exist"):
