@@ -2,7 +2,9 @@
 vLLM `generate` on the same engine, prompts and sampling settings, plus the time of a live
 weight update from the weight store.
 
-    .venv/bin/python -m benchmarks.generator_bench [--preset smollm2-cpu] [--seconds 60]
+    .venv/bin/python -m benchmarks.generator_bench [--preset smollm2-cpu ...] [--seconds 60]
+
+`--preset` may be given several times (a size preset, then a task preset such as `code`).
 
 Raw: `LLM.generate` of a batch of prompts (n = G) at a time, back to back for `--seconds`.
 Loop: `GeneratorLoop` for the same time with as many prompts in flight as the raw batch,
@@ -33,12 +35,15 @@ from streamrl.models import resolve_model_path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--preset", default="smollm2-cpu", help="size preset (model, sampling)")
+    parser.add_argument(
+        "--preset", action="append", help="presets after dapo (default: smollm2-cpu); repeatable"
+    )
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each measurement")
     args = parser.parse_args()
 
     # No learner consumes here: flow control would pause generation at the staleness budget.
-    config = load_config(["dapo", args.preset], overrides=["generator.flow_control=off"])
+    presets = args.preset or ["smollm2-cpu"]
+    config = load_config(["dapo", *presets], overrides=["generator.flow_control=off"])
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
     engine = Engine(model_path, config.model, cfg, seed=0)

@@ -18,12 +18,12 @@ examples:
   streamrl eval --run ./runs/demo --dataset aime-2024.parquet --prompt-field problem \\
       --answer-field answer
   streamrl eval --run s3://bucket/runs/x --follow        the evaluator process of a run
-Scores val/acc_greedy (one greedy response per prompt) and val/avg@k (k samples at
-eval.temperature, else generator.temperature) with the run's reward function, prints them as
-JSON and appends them to <run>/metrics/eval.jsonl (--no-record: print only). Without --dataset
-the prompts are eval.dataset, else data.val_path, else the training prompts (not held out).
---follow evaluates every eval.every_versions-th version (--every) and the last one, until the
-run's stop marker appears; versions already in the log are not evaluated again.
+Scores val/acc_greedy (one greedy response per prompt), val/avg@k = val/pass@1 and val/pass@k
+(k samples at eval.temperature, else generator.temperature) with the run's reward function,
+prints them as JSON and appends them to <run>/metrics/eval.jsonl (--no-record: print only).
+Without --dataset the prompts are eval.dataset, else data.val_path, else the training prompts
+(not held out). --follow evaluates every eval.every_versions-th version (--every) and the last
+one, until the run's stop marker appears; versions already in the log are not evaluated again.
 """
 
 EXAMPLES_EXPORT = """\
@@ -131,7 +131,7 @@ def add_commands(commands: Any) -> None:
     evaluate = commands.add_parser(
         "eval",
         help="evaluate published weight versions on held-out prompts",
-        description="Greedy accuracy and avg@k of a run's published weights.",
+        description="Greedy accuracy, avg@k (pass@1) and pass@k of a run's published weights.",
         epilog=EXAMPLES_EVAL,
         formatter_class=raw,
     )

@@ -8,6 +8,11 @@ Problems come from templates with a parameter (`times_k` with K = 7: "return x m
 test split asks problems no training row asks, in the same wording (a problem is its prompt;
 tests/unit/data/test_code_problems.py checks the splits share none).
 
+The prompt states the task, the public test as an example, and the answer's form — a
+```python block with the function's signature (measured: the demo model, SmolLM2-135M-Instruct,
+passes ~25% of level-1 problems when shown the form and none when only asked for a code block,
+which it mostly writes without its fences; benchmarks/RESULTS.md).
+
 Rows use verl's layout with LiveCodeBench's tests in the ground truth, which the `code` reward
 reads with its default settings (`generator.reward.code.layout: auto`):
 
@@ -31,7 +36,7 @@ from typing import Any
 
 __all__ = ["CODE_INSTRUCTION", "code_rows", "code_test_rows"]
 
-CODE_INSTRUCTION = "Reply with your code in a ```python code block."
+CODE_INSTRUCTION = "Reply with the code only, in this form:"
 HIDDEN_TESTS = 5
 _HOLD_OUT_EVERY = 5
 
@@ -193,6 +198,7 @@ def _problem(template: _Template, k: int) -> dict[str, Any]:
         (args, result) = tests[0]
         task = f"Write a Python program that {template.text(k)}."
         example = f"For example, for the input `{line(args)}` it prints `{result}`."
+        form = "```python\n...\n```"
         metadata: dict[str, Any] = {}
     else:
         name = template.signature.split("(")[0]
@@ -202,9 +208,10 @@ def _problem(template: _Template, k: int) -> dict[str, Any]:
         call = f"{name}({', '.join(map(repr, args))})"
         task = f"Write a Python function `{template.signature}` that {template.text(k)}."
         example = f"For example, `{call}` returns `{result!r}`."
+        form = f"```python\ndef {template.signature}:\n    ...\n```"
         metadata = {"func_name": name}
     truth = {"public_test_cases": cases[:1], "private_test_cases": cases[1:], "metadata": metadata}
-    return {"prompt": f"{task}\n{example}\n{CODE_INSTRUCTION}", "truth": truth}
+    return {"prompt": f"{task}\n{example}\n{CODE_INSTRUCTION}\n{form}", "truth": truth}
 
 
 def _rows(held_out: bool, source: str) -> list[dict[str, Any]]:
