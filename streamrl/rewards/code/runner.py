@@ -9,9 +9,11 @@ tests; a compiled language runs its binary per test. A language whose toolchain 
 installed is refused when the reward loads (`check_language`), naming what to install.
 
 `run_tests` returns a `TestReport`: every test's status, or that the program did not compile.
-A box that could not run the harness at all raises `CodeSandboxError` — an infrastructure
-error the scorer counts (`generator.reward.on_error`), never the policy's zero. Once the
-harness has started, whatever the program does (crash, hang, kill the harness) fails its tests.
+Only the tests' inputs enter the box; what the program printed or returned comes back and is
+judged here (`_judge`), so no expected output is within a program's reach. A box that could not
+run the harness at all raises `CodeSandboxError` — an infrastructure error the scorer counts
+(`generator.reward.on_error`), never the policy's zero. Once the harness has started, whatever
+the program does (crash, hang, kill the harness) fails its tests.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ class TestLimits:
 class TestReport:
     """What the tests of one program did: `statuses[i]` of test i (passed, wrong, error,
     timeout, memory, output, skipped; `not run` when the program killed the harness before it
-    or did not compile),
-    `details[i]` a short reason; `compile_error` when it did not compile (no test ran)."""
+    or did not compile), `details[i]` a short reason; `compile_error` when it did not compile
+    (no test ran)."""
 
     __test__ = False  # not a pytest class
 
