@@ -18,6 +18,7 @@ the program does (crash, hang, kill the harness) fails its tests.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -82,6 +83,13 @@ LANGUAGES: dict[str, Language] = {
 }
 
 
+@functools.cache
+def _installed(program: str) -> bool:
+    """Whether `program` is there: looked up once per process (every reward call checks its
+    program's language)."""
+    return shutil.which(program) is not None
+
+
 def check_language(name: str) -> Language:
     """The language `name` names, its toolchain installed.
 
@@ -91,7 +99,7 @@ def check_language(name: str) -> Language:
     if name not in LANGUAGES:
         raise ValueError(f"code language {name!r} is not one of {sorted(LANGUAGES)}")
     language = LANGUAGES[name]
-    missing = [program for program in language.needs if shutil.which(program) is None]
+    missing = [program for program in language.needs if not _installed(program)]
     if missing:
         raise ValueError(
             f"code language {name!r} needs {', '.join(missing)}, which is not installed on "

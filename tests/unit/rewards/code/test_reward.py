@@ -156,8 +156,13 @@ print("LEAKED" if "".join(["SECRET", "-ANSWER"]) in "".join(parts) else "clean")
     assert report.details == ("printed 'clean\\n'",) * 2
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ toolchain installed")
 def test_a_compiled_language_plugs_in_through_the_table() -> None:
+    """Where g++ is installed a C++ program compiles and runs in the box; where it is not, the
+    reward refuses C++ naming what to install (never a silent zero)."""
+    if shutil.which("g++") is None:
+        with pytest.raises(ValueError, match=r"needs /usr/bin/g\+\+, which is not installed"):
+            reward()(fenced("int main() {}", "cpp"), ADD_STDIO)
+        return
     source = (
         "#include <iostream>\nint main() { long a, b; std::cin >> a >> b; std::cout << a + b; }"
     )
