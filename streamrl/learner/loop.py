@@ -99,6 +99,7 @@ class Learner:
         self.config, self.run_location, self.topology = config, run, topology
         self.stop = stop or threading.Event()
         self.stop_deadline: float | None = None  # monotonic: when `stop` was set + the grace
+        self._released = threading.Event()  # ends the stop-deadline thread
         threading.Thread(target=self._note_stop, daemon=True, name="stop-deadline").start()
         self.last_checkpoint_s = 0.0
         self.lease: RunLease | None = None
@@ -106,7 +107,7 @@ class Learner:
         try:
             self._setup()
         except BaseException:
-            self.release()
+            self._release_lease()
             raise
 
     def _acquire_lease(self, take_over: bool) -> None:
@@ -115,7 +116,13 @@ class Learner:
         )
 
     def release(self) -> None:
-        """Give the run's lease up (rank 0): a successor may start at once."""
+        """Stop reading the stream and give the run's lease up (rank 0): a successor may start
+        at once. Idempotent."""
+        self.stream.close()
+        self._release_lease()
+
+    def _release_lease(self) -> None:
+        self._released.set()
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -204,7 +211,9 @@ class Learner:
         return self.state.step
 
     def _note_stop(self) -> None:
-        self.stop.wait()
+        while not self.stop.wait(timeout=1.0):
+            if self._released.is_set():
+                return
         self.stop_deadline = time.monotonic() + self.config.learner.stop_grace_s
 
     def _while_waiting(self) -> None:

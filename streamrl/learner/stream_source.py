@@ -21,14 +21,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from storage.control.lease import RunLease
 from storage.control.progress import read_all_progress
 from storage.fs import Location
 from storage.stream.learner_progress import LearnerProgress, write_learner_progress
-from storage.stream.records import Cursor
+from storage.stream.reader import SkippedSegment
+from storage.stream.records import Cursor, ScoredGroup
 from storage.stream.writer import StreamReader, StreamTimeoutError, quarantined
 from streamrl.config.run import RunConfig
 from streamrl.learner.batching import BatchCollector, FilterCounts, StreamBatch
@@ -67,6 +68,7 @@ class StreamSource:
         self._progress_lock = threading.Lock()  # the reader's prefetch thread writes it too
         self.reader: StreamReader | None = None
         self.collector: BatchCollector | None = None
+        self._groups: Iterator[ScoredGroup | SkippedSegment] | None = None
         if not topology.is_main:
             return
         cfg = config.learner
@@ -96,6 +98,13 @@ class StreamSource:
         the wait for it was abandoned (`StopRequested`): nothing of it was consumed, the
         learner's cursor still points at its first group."""
         return self.topology.decide_on_main(self._collect)
+
+    def close(self) -> None:
+        """Stop reading the stream (rank 0): the reader's prefetch thread ends, and with it its
+        polling of the stream and progress writes. Idempotent."""
+        if self._groups is not None:
+            self._groups.close()
+            self._groups = None
 
     def _collect(self) -> tuple[StreamBatch, dict[str, float]] | None:
         reader, seen_before = self.reader, len(self.reader.stats.quarantined)

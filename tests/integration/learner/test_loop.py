@@ -124,6 +124,24 @@ def test_learner_publishes_checkpoints_logs_and_stops_the_run(tmp_path, topology
         )
 
 
+def test_a_finished_learner_leaves_no_thread_reading_the_run(tmp_path, topology):
+    """Once `run` returns, the stream reader's prefetch thread and the stop watcher end: a
+    learner built again in the same process (tests, notebooks) does not poll the old run."""
+    run_dir = tmp_path / "run"
+    _write_stream(run_dir, groups=10)
+    before = set(threading.enumerate())
+    assert Learner(_config(run_dir, total_steps=1), open_location(str(run_dir)), topology).run()
+
+    def lingering() -> set[str]:
+        names = {t.name for t in set(threading.enumerate()) - before}
+        return names & {"stream-prefetch", "stop-deadline"}
+
+    deadline = time.monotonic() + 10  # the stop watcher looks once a second
+    while lingering() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not lingering()
+
+
 def test_length_aware_batches_close_at_batch_tokens(tmp_path, topology):
     run_dir = tmp_path / "run"
     _write_stream(run_dir)
