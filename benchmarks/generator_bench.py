@@ -3,8 +3,15 @@ vLLM `generate` on the same engine, prompts and sampling settings, plus the time
 weight update from the weight store.
 
     .venv/bin/python -m benchmarks.generator_bench [--preset smollm2-cpu ...] [--seconds 60]
+    .venv/bin/python -m benchmarks.generator_bench --preset smollm2-cpu --preset code \
+        --reward code --reward math --rounds 2 --groups 48
 
 `--preset` may be given several times (a size preset, then a task preset such as `code`).
+`--reward` (repeatable) runs the loop once per reward and round, the rewards taking turns on
+the same engine, prompts and sampling settings, so what differs is only the scoring:
+each run samples and scores the same first `--groups` prompts, and the table gives each
+reward's tokens/s (their response tokens over the time until the last of them is scored)
+and its ratio to the first.
 
 Raw: `LLM.generate` of a batch of prompts (n = G) at a time, back to back for `--seconds`.
 Loop: `GeneratorLoop` for the same time with as many prompts in flight as the raw batch,
@@ -19,6 +26,7 @@ import itertools
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,10 +34,12 @@ from storage.fs import open_location
 from storage.stream.writer import StreamReader, StreamWriter
 from storage.weights.publish import WeightWriter
 from streamrl.config.loading import load_config
+from streamrl.config.run import RunConfig
 from streamrl.data import PromptSource
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
+from streamrl.generator.records import GeneratorStats
 from streamrl.models import resolve_model_path
 
 
@@ -39,11 +49,21 @@ def main() -> None:
         "--preset", action="append", help="presets after dapo (default: smollm2-cpu); repeatable"
     )
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each measurement")
+    parser.add_argument(
+        "--reward", action="append", help="compare the loop scoring with these rewards (repeatable)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="runs per reward, taking turns")
+    parser.add_argument(
+        "--groups", type=int, default=48, help="groups each run of --reward samples and scores"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     args = parser.parse_args()
 
     # No learner consumes here: flow control would pause generation at the staleness budget.
     presets = args.preset or ["smollm2-cpu"]
-    config = load_config(["dapo", *presets], overrides=["generator.flow_control=off"])
+    config = load_config(["dapo", *presets], overrides=["generator.flow_control=off", *args.set])
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
     engine = Engine(model_path, config.model, cfg, seed=0)
@@ -56,6 +76,10 @@ def main() -> None:
 
     # Warm-up: the first requests pay one-off costs (allocation, kernels).
     engine.generate([p.token_ids for p in source.prompts[:2]])
+
+    if args.reward:
+        _compare_rewards(config, engine, source, args.reward, args.rounds, args.groups)
+        return
 
     from vllm.inputs import TokensPrompt
 
@@ -71,29 +95,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run = open_location(tmp)
-        with EnvRunner.from_config(cfg.env, cfg.reward, None) as runner:
-            loop = GeneratorLoop(
-                config=config,
-                run=run,
-                engine=engine,
-                prompts=source.iterate(),
-                runner=runner,
-                writer=StreamWriter(run, "gen0"),
-                generator_id="gen0",
-            )
-            stop = threading.Event()
-            timer = threading.Timer(args.seconds, stop.set)
-            start = time.perf_counter()
-            timer.start()
-            stats = loop.run(stop)
-            loop_s = time.perf_counter() - start
-        # Steady state: groups finished after the first one, over the time between them. (The
-        # loop's wall-clock rate also charges it for the groups still in flight at the stop.)
-        reader = StreamReader(run).groups(timeout_s=5)
-        written = [next(reader) for _ in range(stats.groups)]
-        finished = sorted(written, key=lambda g: g.finished_at)
-        steady_tokens = sum(g.num_tokens for g in finished[1:])
-        steady_s = finished[-1].finished_at - finished[0].finished_at
+        loop = _run_loop(config, engine, source, run, args.seconds)
+        steady_tokens, steady_s, steady_groups = loop.steady_tokens, loop.steady_s, loop.groups - 1
+        stats, loop_s = loop.stats, loop.seconds
 
         # Live weight update: publish the engine's model as version 1 and load it in place,
         # then version 2 as a delta (1% of the elements changed) onto the version held.
@@ -122,8 +126,8 @@ def main() -> None:
         f"{loop_rate:.1f} | {stats.groups / loop_s:.2f} |"
     )
     print(
-        f"| generator loop, steady state | {len(finished) - 1} | {steady_tokens} | "
-        f"{steady_s:.1f} | {steady_tokens / steady_s:.1f} | {(len(finished) - 1) / steady_s:.2f} |"
+        f"| generator loop, steady state | {steady_groups} | {steady_tokens} | "
+        f"{steady_s:.1f} | {steady_tokens / steady_s:.1f} | {steady_groups / steady_s:.2f} |"
     )
     print(
         f"\nloop / raw tokens/s: {loop_rate / raw_rate:.3f} wall clock, "
@@ -140,6 +144,125 @@ def main() -> None:
         f"reward mean {stats.reward_sum / max(stats.responses, 1):.3f}, "
         f"accuracy {stats.correct / max(stats.responses, 1):.3f}"
     )
+
+
+@dataclass(frozen=True)
+class LoopRun:
+    stats: GeneratorStats
+    seconds: float  # wall clock, start to stop
+    groups: int  # finished
+    steady_tokens: int  # response tokens of the groups finished after the first
+    steady_s: float  # from the first finished group to the last
+    first_tokens: int  # response tokens of the first `groups` finished (fixed-work runs)
+    first_s: float  # from the start to the last of those finishing
+
+    @property
+    def steady_rate(self) -> float:
+        return self.steady_tokens / self.steady_s
+
+
+def _run_loop(
+    config: RunConfig,
+    engine: Engine,
+    source: PromptSource,
+    run,
+    seconds: float | None = None,
+    groups: int | None = None,
+) -> LoopRun:
+    """`GeneratorLoop` committing to `run`, for `seconds`, or until `groups` groups are
+    written. Its steady state: the groups finished after the first one, over the time between
+    them (the loop's wall-clock rate also charges it for the groups still in flight at the
+    stop)."""
+    with EnvRunner.from_config(config.generator.env, config.generator.reward, None) as runner:
+        loop = GeneratorLoop(
+            config=config,
+            run=run,
+            engine=engine,
+            prompts=source.iterate(),
+            runner=runner,
+            writer=StreamWriter(run, "gen0"),
+            generator_id="gen0",
+        )
+        stop = threading.Event()
+        if seconds is not None:
+            threading.Timer(seconds, stop.set).start()
+        if groups is not None:
+            threading.Thread(target=_stop_at, args=(loop, groups, stop), daemon=True).start()
+        start_unix, start = time.time(), time.perf_counter()
+        stats = loop.run(stop)
+        loop_s = time.perf_counter() - start
+    reader = StreamReader(run).groups(timeout_s=5)
+    written = sorted((next(reader) for _ in range(stats.groups)), key=lambda g: g.finished_at)
+    reader.close()
+    counted = written[: groups or len(written)]
+    return LoopRun(
+        stats,
+        loop_s,
+        len(written),
+        sum(g.num_tokens for g in written[1:]),
+        written[-1].finished_at - written[0].finished_at,
+        sum(g.num_tokens for g in counted),
+        counted[-1].finished_at - start_unix,
+    )
+
+
+def _stop_at(loop: GeneratorLoop, groups: int, stop: threading.Event) -> None:
+    while loop.stats.groups < groups and not stop.is_set():
+        time.sleep(0.05)
+    stop.set()
+
+
+def _compare_rewards(
+    config: RunConfig,
+    engine: Engine,
+    source: PromptSource,
+    rewards: list[str],
+    rounds: int,
+    groups: int,
+) -> None:
+    """The loop scoring with each of `rewards` in turn, `rounds` times, each run sampling the
+    same first `groups` prompts; one table. A first run
+    of the first reward, not counted, warms the engine and the reward up."""
+
+    def measure(name: str) -> LoopRun:
+        reward = config.generator.reward.model_copy(update={"fn": name})
+        generator = config.generator.model_copy(update={"reward": reward})
+        with tempfile.TemporaryDirectory() as tmp:
+            return _run_loop(
+                config.model_copy(update={"generator": generator}),
+                engine,
+                source,
+                open_location(tmp),
+                groups=groups,
+            )
+
+    measure(rewards[0])
+    runs: dict[str, list[LoopRun]] = {name: [] for name in rewards}
+    for round_ in range(rounds):
+        for name in rewards:
+            run = measure(name)
+            runs[name].append(run)
+            print(
+                f"round {round_ + 1}, reward {name}: {run.first_tokens} tokens of {groups} "
+                f"groups in {run.first_s:.1f}s = {run.first_tokens / run.first_s:.1f} tokens/s, "
+                f"reward mean {run.stats.reward_sum / max(run.stats.responses, 1):.3f}"
+            )
+
+    def rate(done: list[LoopRun]) -> float:
+        return sum(r.first_tokens for r in done) / sum(r.first_s for r in done)
+
+    first = rate(runs[rewards[0]])
+    print(
+        f"\n| reward | groups | tokens | seconds | tokens/s | per round | ratio to {rewards[0]} |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, done in runs.items():
+        per_round = ", ".join(f"{r.first_tokens / r.first_s:.1f}" for r in done)
+        print(
+            f"| {name} | {groups * len(done)} | {sum(r.first_tokens for r in done)} | "
+            f"{sum(r.first_s for r in done):.1f} | {rate(done):.1f} | {per_round} | "
+            f"{rate(done) / first:.3f} |"
+        )
 
 
 def _changed(tensor: torch.Tensor, fraction: float) -> torch.Tensor:

@@ -41,6 +41,17 @@ def scripted(response: str, ground_truth: str, *, prompt: str | None = None) -> 
     return response == ground_truth
 
 
+HOLD_FILE = "STREAMRL_TEST_HOLD"  # a STREAMRL_ name: reward workers keep it
+
+
+def held(response: str, ground_truth: str, *, prompt: str | None = None) -> float:
+    """Returns 0.0 once the file named by $STREAMRL_TEST_HOLD is gone (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while os.path.exists(os.environ.get(HOLD_FILE, "")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return 0.0
+
+
 def without_prompt(response: str, ground_truth: str) -> float:
     """A reward that does not take the `prompt` keyword."""
     return float(response.strip() == ground_truth.strip())

@@ -71,9 +71,11 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "generator.reward.workers",
     "generator.reward.startup_timeout_s",
     "generator.reward.memory_mb",  # the workers' limit, never what a score is
+    "generator.reward.nice",  # their CPU priority: scores count CPU time, not wall clock
     "generator.env.workers",  # as for the reward: how many run the calls, and their box
     "generator.env.startup_timeout_s",
     "generator.env.memory_mb",
+    "generator.env.nice",
     "generator.flow_control",  # pacing: how much is generated ahead, not how it is learned
     # Where metrics go, and held-out evaluation (it never touches training).
     "logging",

@@ -194,6 +194,7 @@ class EnvRunner:
                 setting="generator.env",
                 workers=config.workers,
                 memory_mb=config.memory_mb,
+                nice=config.nice,
                 startup_timeout_s=config.startup_timeout_s,
                 resolution_error=EnvResolutionError,
                 load_error=EnvLoadError,

@@ -125,7 +125,12 @@ class GeneratorConfig(Section):
     )
     count: int = Field(1, ge=1, le=100_000, description="Number of generators a run starts.")
     prompts_in_flight: int = Field(
-        32, ge=1, le=1_000_000, description="Prompts submitted to the engine and not yet finished."
+        32,
+        ge=1,
+        le=1_000_000,
+        description="Groups being sampled at once (in the engine or their environment). With "
+        "the groups waiting for their scores, up to twice as many are in flight: scoring "
+        "holds sampling back only once that many wait.",
     )
     segment_groups: int = Field(
         16,

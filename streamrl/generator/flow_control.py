@@ -31,7 +31,8 @@ engine, finished groups being scored, groups in its open segment).
 
 Approximations, all of them bounded:
   * other generators' uncommitted groups are not seen: each may overshoot by its own
-    `prompts_in_flight` + `segment_groups` (the fleet by their sum);
+    2 × `prompts_in_flight` (sampling, and waiting for scores) + `segment_groups` (the fleet by
+    their sum);
   * the learner's record and the log are read at most every `REFRESH_S` (our own commits are
     added as they happen): consumption is seen late (a pause lasts up to that much longer), other
     generators' commits too (we admit a little more);

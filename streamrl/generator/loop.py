@@ -11,11 +11,13 @@ way the failures are counted in the next commit record.
 Waits for: vLLM, and the learner only through flow control (`generator.flow_control`): a new
 prompt is admitted only while the learner can still train on it within `max_staleness`
 (`streamrl.generator.flow_control`); paused with nothing in flight, the loop sleeps and keeps
-polling weights and the stop marker. It keeps up to `prompts_in_flight` groups in flight
-(sampling, in their environment or being scored; environment and reward calls run in worker
-processes while the engine goes on), and between engine steps
-polls `LATEST` every `weight_poll_s` seconds; when it moved, the engine's workers read the
-newest intact version straight from the weight store and load it in place
+polling weights and the stop marker. It keeps up to `prompts_in_flight` groups sampling (in
+the engine or in their environment; environment calls run in worker processes while the
+engine goes on), and up to twice that many in all with the groups whose episodes have ended
+and wait for their scores (reward workers): slow scoring holds sampling back only once that
+many wait. Between
+engine steps it polls `LATEST` every `weight_poll_s` seconds; when it moved, the engine's
+workers read the newest intact version straight from the weight store and load it in place
 (`Engine.advance_weights`). A corrupt version is skipped for good (counted, logged) and the
 newest intact one above the current is loaded instead.
 Stops when: the run's stop marker or its own (scaling in) appears, or `stop` is set (e.g. by
@@ -127,7 +129,11 @@ class GeneratorLoop:
         """Top up the groups in flight, advance the engine one step and the episodes as far as
         they go, and write the groups finished and scored."""
         cfg = self.config.generator
-        while self.episodes.groups_in_flight < cfg.prompts_in_flight and self._admits():
+        while (
+            self.episodes.groups_sampling < cfg.prompts_in_flight
+            and self.episodes.groups_in_flight < 2 * cfg.prompts_in_flight  # and those scoring
+            and self._admits()
+        ):
             position = self.prompts.position
             key = f"g{self._next_key}"
             self._next_key += 1

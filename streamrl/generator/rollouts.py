@@ -177,6 +177,17 @@ class EpisodeDriver:
         """Prompts started and not yet handed back scored."""
         return len(self._resets) + len(self._rollouts)
 
+    @property
+    def groups_scoring(self) -> int:
+        """Groups whose episodes have all ended, waiting for their scores."""
+        return sum(rollout.ended for rollout in self._rollouts)
+
+    @property
+    def groups_sampling(self) -> int:
+        """Groups being reset, sampled or stepped in their environment: `groups_in_flight`
+        less `groups_scoring`."""
+        return self.groups_in_flight - self.groups_scoring
+
     def start(self, prompt: Prompt, key: str) -> None:
         """Begin a group, called `key`: reset the environment for `prompt` (its first turn
         follows)."""

@@ -4,11 +4,11 @@ mechanism behind the reward scorer (`streamrl.rewards.scoring`) and the environm
 
 `IsolatedPool` runs `workers` spawned processes, each boxed in by `streamrl.isolation.worker`
 (an allowlisted environment, an address-space limit, dead with its parent, the OOM killer's
-first choice)
-before it loads the user's code with the pool's loader. Callers from any number of threads
-`submit(fn, *args, timeout_s=...)` and get a `Future[Outcome]` that never raises: user code may
-raise, hang or crash its interpreter, and each of those comes back as an `Outcome` with
-`failure` set ("error" or "timeout"). The caller counts, logs and words it.
+first choice, `nice` steps below the caller's CPU priority) before it loads the user's code
+with the pool's loader. Callers from any number of threads `submit(fn, *args, timeout_s=...)`
+and get a `Future[Outcome]` that never raises: user code may raise, hang or crash its
+interpreter, and each of those comes back as an `Outcome` with `failure` set ("error" or
+"timeout"). The caller counts, logs and words it.
 
 How the time limit is kept. A running task cannot be cancelled in a ProcessPoolExecutor, so
 one dispatcher thread owns the executor:
@@ -103,6 +103,7 @@ class IsolatedPool:
         setting: str,
         workers: int,
         memory_mb: int,
+        nice: int = 0,
         startup_timeout_s: float,
         resolution_error: type[Exception],
         load_error: type[Exception],
@@ -111,7 +112,7 @@ class IsolatedPool:
             raise TypeError("load_error must subclass resolution_error: a failed restart is both")
         self.load, self.spec = load, spec
         self.subject, self.setting = subject, setting
-        self.workers, self.memory_mb = workers, memory_mb
+        self.workers, self.memory_mb, self.nice = workers, memory_mb, nice
         self.startup_timeout_s = startup_timeout_s
         self.resolution_error, self.load_error = resolution_error, load_error
         self.restarts = 0  # pools started in place of one killed or broken
@@ -326,7 +327,7 @@ class IsolatedPool:
             max_workers=self.workers,
             mp_context=context,
             initializer=init_worker,
-            initargs=(self.load, self.spec, barrier, os.getpid(), self.memory_mb),
+            initargs=(self.load, self.spec, barrier, os.getpid(), self.memory_mb, self.nice),
         )
         # The executor spawns one process per submit while none is idle, so `workers` submits
         # start all of them; the barrier returns only once each one has loaded.

@@ -12,7 +12,10 @@ for environments: the only place a user's module is ever imported:
   it; processes the worker starts inherit the cleaned copy;
 * its address space is capped at `memory_mb` (RLIMIT_AS, soft and hard: user code cannot
   raise it back), so an allocation beyond it gets a MemoryError, a counted failure;
-* the kernel's OOM killer takes it before anything else (oom_score_adj 1000, Linux).
+* the kernel's OOM killer takes it before anything else (oom_score_adj 1000, Linux);
+* it runs `nice` steps below the generator's CPU priority, it and every program it starts:
+  where scoring and sampling share cores (a CPU generator), sampling gets them first and
+  scoring takes what is left.
 
 `wait_until_all_started` holds each worker until all have loaded, or carries the load error
 back to the pool; calls then reach the loaded object through `loaded()` (a reward call:
@@ -88,24 +91,30 @@ _barrier: Barrier | None = None
 _load_error: Exception | None = None
 
 
-def box_in(parent_pid: int, memory_mb: int) -> None:
+def box_in(parent_pid: int, memory_mb: int, nice: int = 0) -> None:
     """Box this process in (module docstring): dead with its parent, only the environment
     `WORKER_ENVIRONMENT` allows, the OOM killer's first choice, at most `memory_mb` of address
-    space."""
+    space, `nice` steps below its parent's CPU priority."""
     die_with_parent(parent_pid)
     keep_worker_environment(os.environ)
     _prefer_for_oom_killer()
     limit_address_space(memory_mb)
+    os.nice(nice)
 
 
 def init_worker(
-    load: Callable[[Any], object], spec: Any, barrier: Barrier, parent_pid: int, memory_mb: int
+    load: Callable[[Any], object],
+    spec: Any,
+    barrier: Barrier,
+    parent_pid: int,
+    memory_mb: int,
+    nice: int,
 ) -> None:
     """Pool initializer: box this process in, then `load(spec)` here. A load that raises is kept
     as `_load_error` for `wait_until_all_started` to raise in the pool; one that never ends is
     killed by the pool at its startup limit."""
     global _loaded, _spec, _barrier, _load_error
-    box_in(parent_pid, memory_mb)
+    box_in(parent_pid, memory_mb, nice)
     _spec, _barrier = spec, barrier
     try:
         _loaded = load(spec)

@@ -43,6 +43,15 @@ class RewardConfig(Section):
         "beyond it fails and the call counts as failed (on_error). Counts virtual memory, "
         "which threads and mapped files take too.",
     )
+    nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="How many steps below the generator's CPU priority its reward workers "
+        "and the programs they start run (Unix nice; 0: the same). Where they share cores with "
+        "sampling (a CPU generator) sampling gets them first; code tests' time limits count "
+        "CPU time, so a test waiting for a core does not time out.",
+    )
     startup_timeout_s: float = Field(
         120.0,
         gt=0.0,

@@ -132,6 +132,7 @@ class RewardScorer:
         workers: int = 2,
         timeout_s: float = 10.0,
         memory_mb: int = 4096,
+        nice: int = 0,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
         if workers < 1:
@@ -156,6 +157,7 @@ class RewardScorer:
             setting="generator.reward",
             workers=workers,
             memory_mb=memory_mb,
+            nice=nice,
             startup_timeout_s=startup_timeout_s,
             resolution_error=RewardResolutionError,
             load_error=RewardLoadError,
@@ -172,6 +174,7 @@ class RewardScorer:
             workers=config.workers,
             timeout_s=config.timeout_s,
             memory_mb=config.memory_mb,
+            nice=config.nice,
             startup_timeout_s=config.startup_timeout_s,
         )
 

@@ -35,7 +35,11 @@ class CodeRewardConfig(Section):
         + ".",
     )
     test_timeout_s: float = Field(
-        4.0, gt=0.0, le=600.0, description="Wall-clock and CPU limit of each test, seconds."
+        4.0,
+        gt=0.0,
+        le=600.0,
+        description="CPU limit of each test, seconds (one waiting or sleeping is stopped after "
+        "3 times it of wall clock).",
     )
     test_memory_mb: int = Field(
         512, ge=32, le=1024**2, description="Address-space limit of each test, MiB."

@@ -4,7 +4,8 @@ tests, each in a process of its own with its own limits. Standard library only.
     python /box/harness.py            # reads /box/spec.json
 
 The spec: {"source": "/box/<file>", "compile": argv | null, "run": argv | null, "tests": [...],
-"time_s", "memory_mb", "output_bytes", "compile_s", "budget_s", "stop_on_failure"}; `run` null
+"time_s", "wall_s", "memory_mb", "output_bytes", "compile_s", "budget_s", "stop_on_failure"};
+`run` null
 runs Python in process. A test is {"kind": "stdio", "stdin"} or {"kind": "call", "fn_name",
 "args"}: inputs only. No expected output ever enters the box — the program shares this
 process's memory and files and could read them — so the harness reports what the program did
@@ -15,10 +16,10 @@ any program code: without it the box itself failed), {"compiled": false, "error"
 compiling failed, then per test, in order, as each ends: {"test": i, "status": ..., "detail":
 ..., "stdout": sha256 of the printed lines (each stripped, trailing blank lines dropped),
 "head": the first characters printed, "result": a call's return value as JSON}. Statuses:
-ran, error (raised or exited non-zero), timeout (past `time_s` of wall clock or of CPU, or the
-tests' `budget_s`), memory (past `memory_mb`), output (printed more than `output_bytes`, or a
-result larger than `MAX_RESULT_CHARS`), skipped (after a test that did not run to its end, with
-`stop_on_failure`).
+ran, error (raised or exited non-zero), timeout (past `time_s` of CPU, past `wall_s` of wall
+clock — it waited or slept —, or past the tests' `budget_s`), memory (past `memory_mb`),
+output (printed more than `output_bytes`, or a result larger than `MAX_RESULT_CHARS`), skipped
+(after a test that did not run to its end, with `stop_on_failure`).
 
 Isolation between tests: each test is a fresh fork of this process made before any program
 code ran (nothing a test does to memory reaches the next), in a new session and working
@@ -112,14 +113,14 @@ def run_test(spec, test, code):
     pid = os.fork()
     if pid == 0:
         child(spec, test, code, workdir, paths)
-    status = wait(pid, spec["time_s"])
+    status, cpu_s = wait(pid, spec["wall_s"])
     stdout = read(paths["stdout"], spec["output_bytes"] + 1)
     stderr = read(paths["stderr"], 4000)
     if status == "timeout":
-        return {"status": "timeout", "detail": f"ran past {spec['time_s']:g}s"}
+        return {"status": "timeout", "detail": f"ran past {spec['wall_s']:g}s of wall clock"}
     if status == signal.SIGXFSZ or len(stdout) > spec["output_bytes"]:
         return {"status": "output", "detail": f"printed more than {spec['output_bytes']} bytes"}
-    if status in (signal.SIGXCPU, signal.SIGKILL):
+    if status in (signal.SIGXCPU, signal.SIGKILL) or cpu_s > spec["time_s"]:
         return {"status": "timeout", "detail": f"used more than {spec['time_s']:g}s of CPU"}
     if status == -EXIT_MEMORY or "MemoryError" in stderr[-300:]:
         return {"status": "memory", "detail": f"needed more than {spec['memory_mb']} MiB"}
@@ -201,10 +202,11 @@ def call_function(namespace, test):
     return function(*json.loads(json.dumps(test["args"])))  # a fresh copy for each call
 
 
-def wait(pid, time_s):
+def wait(pid, wall_s):
     """The child's exit status (its negated exit code for an exit, the signal that ended it,
-    0 for success), or "timeout" after `time_s` seconds of wall clock."""
-    deadline = time.monotonic() + time_s
+    0 for success), or "timeout" after `wall_s` seconds of wall clock; and the CPU seconds it
+    used (with the children it waited for)."""
+    deadline = time.monotonic() + wall_s
     handle = os.pidfd_open(pid)
     try:
         while True:
@@ -212,13 +214,14 @@ def wait(pid, time_s):
             if left <= 0 or not select.select([handle], [], [], left)[0]:
                 os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                return "timeout"
-            done, status = os.waitpid(pid, os.WNOHANG)
+                return "timeout", 0.0
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             if done:
+                cpu_s = usage.ru_utime + usage.ru_stime
                 if os.WIFSIGNALED(status):
-                    return os.WTERMSIG(status)
+                    return os.WTERMSIG(status), cpu_s
                 code = os.WEXITSTATUS(status)
-                return -code if code else 0
+                return (-code if code else 0), cpu_s
     finally:
         os.close(handle)
 

@@ -33,6 +33,7 @@ from streamrl.rewards.code.cases import CallTest, StdioTest
 __all__ = [
     "HARNESS",
     "LANGUAGES",
+    "WALL_PER_CPU",
     "CodeSandboxError",
     "Language",
     "TestLimits",
@@ -44,6 +45,7 @@ __all__ = [
 HARNESS = Path(__file__).with_name("harness.py")
 _BOX_OVERHEAD_S = 5.0  # starting the box and the harness, on a loaded machine
 _TEST_OVERHEAD_S = 0.5  # forking, cleaning up and reporting one test
+WALL_PER_CPU = 3.0  # a test's wall-clock limit, in multiples of its CPU limit
 
 
 class CodeSandboxError(RuntimeError):
@@ -110,8 +112,12 @@ def check_language(name: str) -> Language:
 
 @dataclass(frozen=True)
 class TestLimits:
-    """Each test's limits: `time_s` of wall clock (and of CPU), `memory_mb` of address
-    space, `output_bytes` of standard output; `compile_s` for compiling the program."""
+    """Each test's limits: `time_s` of CPU (and `WALL_PER_CPU` times it of wall clock, for a
+    program that waits or sleeps), `memory_mb` of address space, `output_bytes` of standard
+    output; `compile_s` for compiling the program.
+
+    CPU time, not wall clock, is what a test may use: a program's reward does not depend on how
+    busy the machine is (reward workers run below sampling's priority, `generator.reward.nice`)."""
 
     __test__ = False  # not a pytest class
 
@@ -119,6 +125,10 @@ class TestLimits:
     memory_mb: int = 512
     output_bytes: int = 1024**2
     compile_s: float = 30.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.time_s * WALL_PER_CPU
 
 
 @dataclass(frozen=True)
@@ -173,16 +183,17 @@ def run_tests(
         "run": list(language.run) if language.run else None,
         "tests": [test.as_input() for test in tests],
         "time_s": limits.time_s,
+        "wall_s": limits.wall_s,
         "memory_mb": limits.memory_mb,
         "output_bytes": limits.output_bytes,
         "compile_s": limits.compile_s,
         "budget_s": budget_s,
         "stop_on_failure": stop_on_failure,
     }
-    wall_s = len(tests) * (limits.time_s + _TEST_OVERHEAD_S)
+    wall_s = len(tests) * (limits.wall_s + _TEST_OVERHEAD_S)
     if language.compile:
         wall_s += limits.compile_s
-    wall_s = _BOX_OVERHEAD_S + min(wall_s, budget_s + limits.time_s)
+    wall_s = _BOX_OVERHEAD_S + min(wall_s, budget_s + limits.wall_s)
     box = BoxLimits(
         wall_s=min(wall_s, 3600.0),
         cpu_s=min(3600, math.ceil(wall_s)),

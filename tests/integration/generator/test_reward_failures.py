@@ -39,6 +39,7 @@ from streamrl.models import resolve_model_path
 from streamrl.rewards import RewardLoadError, RewardScorer
 from streamrl.runs.status import read_status
 from streamrl.runs.status_format import format_status
+from tests.reward_fns import HOLD_FILE
 
 ROOT = Path(__file__).resolve().parents[3]
 RAISES_ON_ODD = "tests.reward_fns:raises_on_odd_answer"
@@ -115,6 +116,51 @@ def _failures(records) -> tuple[int, int, int]:
         sum(r.reward_timeouts for r in records),
         sum(r.reward_dropped_groups for r in records),
     )
+
+
+def test_groups_waiting_for_their_scores_do_not_hold_sampling_back(tmp_path, engine, monkeypatch):
+    """While every group sampled so far waits for its scores (the reward is held), the loop
+    goes on sampling, up to `prompts_in_flight` groups at once and twice that many in flight
+    with those waiting."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv(HOLD_FILE, str(hold))
+    config = _config(
+        "drop_group",
+        "tests.reward_fns:held",
+        "generator.prompts_in_flight=2",
+        "generator.flow_control=off",  # no learner: nothing to pace against
+    )
+    run = open_location(str(tmp_path / "run"))
+    create_run(run, config.model_dump(mode="json"))
+    runner = EnvRunner.from_config(config.generator.env, config.generator.reward, None)
+    with runner:
+        loop = GeneratorLoop(
+            config=config,
+            run=run,
+            engine=engine,
+            prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
+            runner=runner,
+            writer=StreamWriter(run, "gen0"),
+            generator_id="gen0",
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while loop.episodes.groups_scoring < 2 and time.monotonic() < deadline:
+                loop.step()
+            assert loop.episodes.groups_scoring == 2  # none scored: the reward is held
+            loop.step()  # tops up: two more groups sample while those two wait
+            assert loop.episodes.groups_sampling == 2
+            assert engine.num_in_flight == 2
+            while loop.episodes.groups_scoring < 4 and time.monotonic() < deadline:
+                loop.step()
+            loop.step()
+            assert loop.episodes.groups_in_flight == 4  # four waiting hold new prompts back
+            assert engine.num_in_flight == 0
+            assert loop.stats.groups == 0
+        finally:
+            engine.abort_all()
+            hold.unlink()
 
 
 def test_drop_group_keeps_failed_groups_out_and_counts_them(tmp_path, engine):

@@ -6,6 +6,7 @@ language, and the box's failure as an infrastructure error rather than the polic
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -16,8 +17,16 @@ from streamrl.rewards.code import runner
 from streamrl.rewards.code.cases import StdioTest
 from streamrl.rewards.code.config import CodeRewardConfig
 from streamrl.rewards.code.reward import CodeReward, extract_program
-from streamrl.rewards.code.runner import LANGUAGES, CodeSandboxError, TestLimits, run_tests
+from streamrl.rewards.code.runner import (
+    LANGUAGES,
+    WALL_PER_CPU,
+    CodeSandboxError,
+    TestLimits,
+    run_tests,
+)
+from streamrl.rewards.config import RewardConfig
 from streamrl.rewards.registry import RewardResolutionError, RewardSpec, resolve_reward
+from streamrl.rewards.scoring import RewardScorer
 
 ADD_STDIO = json.dumps({"inputs": ["1 2\n", "3 4\n", "10 -3\n"], "outputs": ["3\n", "7\n", "7"]})
 ADD_CALL = json.dumps(
@@ -183,6 +192,41 @@ def test_tests_past_the_calls_budget_time_out_unrun() -> None:
     assert report.statuses[:2] == ("passed", "passed")
     assert "timeout" in report.statuses[2:]
     assert report.wall_s < 5.0
+
+
+def test_a_tests_limit_is_cpu_time_and_waiting_has_a_wall_clock_backstop() -> None:
+    """A program's reward does not depend on how busy the machine is: a test may wait (here it
+    sleeps) past its limit as long as it computes less than it, up to `WALL_PER_CPU` times the
+    limit of wall clock; one that computes past the limit times out even when it finishes
+    before the kernel's whole-second CPU limit stops it."""
+    limits = TestLimits(time_s=0.5)
+    sleeps = "import time\ntime.sleep(0.9)\nprint(3)"
+    computes = (
+        "import time\nt = time.process_time()\n"
+        "while time.process_time() - t < 0.7:\n    pass\nprint(3)"
+    )
+    sleeps_long = "import time\ntime.sleep(5)\nprint(3)"
+    python, test = LANGUAGES["python"], [StdioTest("", "3")]
+    assert run_tests(sleeps, test, python, limits).statuses == ("passed",)
+    computed = run_tests(computes, test, python, limits)
+    assert computed.statuses == ("timeout",)
+    assert computed.details == ("used more than 0.5s of CPU",)
+    waited = run_tests(sleeps_long, test, python, limits)
+    assert waited.statuses == ("timeout",)
+    assert waited.details == (f"ran past {0.5 * WALL_PER_CPU:g}s of wall clock",)
+
+
+def test_programs_run_at_the_reward_workers_lower_priority() -> None:
+    """`generator.reward.nice`: the reward's workers, and the programs they run in the box,
+    run that many steps below the scorer's CPU priority."""
+    expected = min(19, os.nice(0) + 7)
+    config = RewardConfig(fn="code", nice=7, code=FAST)
+    prints_priority = fenced("import os\nprint(os.nice(0))")
+    with RewardScorer.from_config(config) as scorer:
+        scores = scorer.score(
+            [prints_priority], [json.dumps({"inputs": [""], "outputs": [str(expected)]})]
+        )
+    assert scores.values == [1.0]
 
 
 def test_a_box_that_cannot_start_is_an_infrastructure_error(monkeypatch) -> None:
