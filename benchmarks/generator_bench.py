@@ -7,7 +7,8 @@ weight update from the weight store.
         --reward code --reward math --rounds 2 --groups 48
 
 `--preset` may be given several times (a size preset, then a task preset such as `code`).
-`--reward` (repeatable) runs the loop once per reward and round, the rewards taking turns on
+`--reward` (repeatable) runs the loop once per reward and round, the rewards taking turns (every
+other round in reverse order, so a drift of the machine's speed cancels) on
 the same engine, prompts and sampling settings, so what differs is only the scoring:
 each run samples and scores the same first `--groups` prompts, and the table gives each
 reward's tokens/s (their response tokens over the time until the last of them is scored)
@@ -238,8 +239,8 @@ def _compare_rewards(
 
     measure(rewards[0])
     runs: dict[str, list[LoopRun]] = {name: [] for name in rewards}
-    for round_ in range(rounds):
-        for name in rewards:
+    for round_ in range(rounds):  # in turn, every other round backwards: a drift cancels
+        for name in rewards if round_ % 2 == 0 else rewards[::-1]:
             run = measure(name)
             runs[name].append(run)
             print(
