@@ -107,7 +107,16 @@ def _flow_in_a_session_of_its_own(argv: list[str]) -> int:
     )
 
     def forward(signum: int, frame: object) -> None:
+        if not stopping:
+            print(
+                "\nstopping: generators commit what they sampled; the learner finishes the step "
+                "in hand and checkpoints it (within learner.stop_grace_s)",
+                flush=True,
+            )
+        stopping.append(signum)
         child.send_signal(signal.SIGINT)
+
+    stopping: list[int] = []
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -138,7 +147,7 @@ def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
         )
     except KeyboardInterrupt:
         command = shlex.join([sys.executable, "-m", "flows.demo", *_resume_argv(args, run_uri)])
-        print("\nstopped: every process of the run has ended; its last checkpoint is intact. "
+        print(f"\nstopped: every process of the run has ended; {_resume_point(run_uri)}. "
               f"Resume with:\n  {command}", file=terminal)  # fmt: skip
         return 130
     print(file=terminal)
@@ -147,6 +156,28 @@ def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
         print(f"demo failed: {state.message}\n(see {run_uri}/logs/)", file=terminal)
         return 1
     return 0
+
+
+def _resume_point(run_uri: str) -> str:
+    """Where a resume of the stopped run starts, against the steps the learner finished."""
+    from storage.checkpoints.dcp import CheckpointStore
+    from storage.fs import open_location
+    from storage.stream.learner_progress import read_learner_progress
+
+    run = open_location(run_uri)
+    progress = read_learner_progress(run)
+    finished = progress.step if progress is not None else 0
+    saved = CheckpointStore(run).latest_committed() or 0
+    if finished == 0:
+        return "the learner had finished no step: a resume starts from step 0"
+    if saved >= finished:
+        return f"the checkpoint of step {saved} holds every step it finished"
+    lost = f"step {finished}" if finished == saved + 1 else f"steps {saved + 1}-{finished}"
+    start = f"step {saved}" if saved else "step 0 (no checkpoint yet)"
+    return (
+        f"the learner stopped before it could checkpoint: a resume starts from {start} and "
+        f"trains {lost} again"
+    )
 
 
 def _resume_argv(args: argparse.Namespace, run_uri: str) -> list[str]:

@@ -52,6 +52,7 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "learner.checkpoint_every",
     "learner.keep_checkpoints",
     "learner.stream_timeout_s",
+    "learner.stop_grace_s",  # how long a stop may take, never what a step computes
     # Generator capacity and placement: more or fewer samplers, on other hardware.
     "generator.count",
     "generator.weight_poll_s",

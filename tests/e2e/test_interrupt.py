@@ -147,6 +147,8 @@ def test_ctrl_c_to_the_demo_stops_every_process_and_says_how_to_resume(tmp_path)
             *TINY]  # fmt: skip
     code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT)
     assert code == 130, output
+    assert "stopping: generators commit what they sampled; the learner finishes" in output
+    assert "holds every step it finished. Resume with:" in output  # checkpointed on stop
     assert f"flows.demo --resume --run-uri {run_dir}" in output
     # A quiet terminal: a short header, then step lines; the chatter is in the log files.
     lines = output.splitlines()

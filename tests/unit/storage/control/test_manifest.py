@@ -73,7 +73,12 @@ def test_resume_safe_changes_are_accepted(run_location: Location) -> None:
     original = _config()
     create_run(run_location, original)
     resumed = _config(
-        learner={"total_steps": 500, "checkpoint_every": 5, "keep_checkpoints": 4},
+        learner={
+            "total_steps": 500,
+            "checkpoint_every": 5,
+            "keep_checkpoints": 4,
+            "stop_grace_s": 240.0,  # a demo run made before its preset's grace was raised
+        },
         generator={"count": 8, "weight_poll_s": 1.0, "prompts_in_flight": 64},
         logging={"wandb_mode": "disabled", "level": "DEBUG"},
         storage={"run_uri": "/elsewhere/run", "sweep_grace_s": 900.0},
