@@ -38,7 +38,6 @@ from streamrl.algorithms.losses import (
     explained_variance_stats,
     pg_loss,
     positive_nll_loss,
-    ppo_policy_loss,
     value_loss,
 )
 from streamrl.algorithms.masked import (
@@ -48,6 +47,7 @@ from streamrl.algorithms.masked import (
     masked_whiten,
     masked_whiten_jointly,
 )
+from streamrl.algorithms.policy_losses import policy_loss, ppo_policy_loss
 from streamrl.algorithms.shaping import (
     overlong_filter_mask,
     overlong_penalty,
@@ -80,6 +80,7 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_penalty",
     "pg_loss",
+    "policy_loss",
     "positive_nll_loss",
     "ppo_policy_loss",
     "reinforce_pp_advantages",

@@ -37,12 +37,8 @@ from streamrl.algorithms.correction_config import (
     correction_of_importance,
 )
 from streamrl.algorithms.kl import KLEstimator
-from streamrl.algorithms.losses import (
-    Aggregation,
-    LossDenominators,
-    Metrics,
-    ppo_policy_loss,
-)
+from streamrl.algorithms.losses import Aggregation, LossDenominators, Metrics
+from streamrl.algorithms.policy_losses import ppo_policy_loss
 from streamrl.algorithms.shaping import RewardScale
 from streamrl.algorithms.variants import sequence_length_weights
 from streamrl.config.base import Section

@@ -1,18 +1,10 @@
-"""Policy, value and auxiliary losses with importance correction and exact aggregation.
+"""Aggregation, the plain policy gradient (GPG), value and auxiliary losses.
 
-Policy loss (PPO, Schulman et al. 1707.06347, with DAPO's Clip-Higher, arXiv 2503.14476 §3.1,
-and the dual clip of Ye et al. 1912.09729), per token, to be minimised:
-
-    r      = exp(logp_θ − logp_prox)
-    ℓ_clip = −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)
-    ℓ_clip = min(ℓ_clip, −c·A)                         where A < 0 (dual clip)
-    w, m   = the off-policy correction's weights and narrowed mask, detached (behaviour
-             mismatch and staleness: `streamrl.algorithms.correction`; by default
-             w = min(exp(logp_prox − logp_behav), 2))
-    ℓ      = w · ℓ_clip
-
-logp_prox is the learner's log-prob under the weights at the start of the step; with one
-optimiser update per batch it may be logp_θ.detach() (r = 1, same gradient).
+The policy losses with a ratio (PPO's clip, GSPO, CISPO, SAPO) are
+`streamrl.algorithms.policy_losses`; each is ℓ = w·ℓ_x with the off-policy correction's
+weights and narrowed mask w, m (detached; behaviour mismatch and staleness:
+`streamrl.algorithms.correction`; by default w = min(exp(logp_prox − logp_behav), 2)),
+reduced by `aggregate`.
 
 Aggregation over the optimiser (mini-)batch:
 
@@ -57,7 +49,6 @@ __all__ = [
     "explained_variance_stats",
     "pg_loss",
     "positive_nll_loss",
-    "ppo_policy_loss",
     "two_hot",
     "value_atoms",
     "value_loss",
@@ -146,81 +137,6 @@ def _weights_in_loss(weights: Tensor, loss_mask: Tensor) -> Tensor:
     instead of multiplying keeps an overflowed w = inf from turning the loss or grad into NaN.
     """
     return zero_outside(weights, loss_mask)
-
-
-def ppo_policy_loss(
-    logp: Tensor,
-    logp_prox: Tensor,
-    logp_behav: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: float | None = None,
-    correction: CorrectionConfig = DEFAULT_CORRECTION,
-    weight_mean: float | Tensor | None = None,
-    aggregation: Aggregation = "token-mean",
-    num_tokens: float | Tensor | None = None,
-    num_seqs: float | Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[Tensor, Metrics]:
-    """Decoupled-clip (Clip-Higher) PPO loss with dual clip and importance correction.
-
-    Args:
-        logp: `[N, T]` log π_θ of the sampled tokens, with grad.
-        logp_prox: `[N, T]` log π_prox (weights at the start of the step), no grad.
-        logp_behav: `[N, T]` log π_behav stored by the generator, or None (on-policy).
-        advantages: `[N, T]` per-token advantages.
-        mask: `[N, T]` loss mask: sampled tokens (never environment tokens of a multi-turn
-            response), overlong filtering already applied. Every term, metric and
-            denominator counts only these tokens.
-        clip_low, clip_high: ε_low, ε_high.
-        dual_clip: c > 1 bounds the loss of negative-advantage tokens at −c·A; None disables.
-        correction: the off-policy correction (`algorithm.correction`); `weight_mean` its
-            batch normaliser when it normalises (the scoring pass's mean weight).
-        aggregation, num_tokens, num_seqs, max_len: see `aggregate`.
-
-    Returns `(loss, metrics)`; metrics are token means over this micro-batch's mask:
-    actor/pg_loss, actor/clip_frac (tokens where the clipped branch is taken),
-    actor/dual_clip_frac, actor/ppo_kl (logp_prox − logp_θ), and the correction's
-    (`streamrl.algorithms.correction.correct`).
-    """
-    mask = mask.float()
-    corrected = correction.apply(logp_prox, logp_behav, mask, weight_mean)
-    weights, metrics = _weights_in_loss(corrected.weights, corrected.mask), corrected.metrics
-    advantages = zero_outside(advantages, mask)
-    # Padding may hold any value; selecting (not multiplying) keeps exp() and its grad finite.
-    log_ratio = zero_outside(logp.float() - logp_prox.detach().float(), mask)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    clip_taken = clipped > unclipped
-    per_token = torch.where(clip_taken, clipped, unclipped)
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
-        dual_taken = (advantages < 0) & (per_token > bound)
-        per_token = torch.where(dual_taken, bound, per_token)
-    else:
-        dual_taken = torch.zeros_like(clip_taken)
-    per_token = weights * per_token
-    loss = aggregate(
-        per_token,
-        mask,
-        aggregation,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        max_len=max_len,
-    )
-    metrics.update(
-        {
-            "actor/pg_loss": loss.detach(),
-            "actor/clip_frac": masked_mean(clip_taken.float(), mask).detach(),
-            "actor/dual_clip_frac": masked_mean(dual_taken.float(), mask).detach(),
-            "actor/ppo_kl": masked_mean(-log_ratio, mask).detach(),
-        }
-    )
-    return loss, metrics
 
 
 def pg_loss(
