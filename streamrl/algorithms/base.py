@@ -38,7 +38,12 @@ from streamrl.algorithms.correction_config import (
 )
 from streamrl.algorithms.kl import KLEstimator
 from streamrl.algorithms.losses import Aggregation, LossDenominators, Metrics
-from streamrl.algorithms.policy_losses import ppo_policy_loss
+from streamrl.algorithms.policy_losses import (
+    PolicyLoss,
+    PPOClipLoss,
+    check_loss_fields,
+    policy_loss,
+)
 from streamrl.algorithms.shaping import RewardScale
 from streamrl.algorithms.variants import sequence_length_weights
 from streamrl.config.base import Section
@@ -383,20 +388,39 @@ class AlgorithmBase(Section):
 
 
 class ClippedAlgorithmBase(AlgorithmBase):
-    """Algorithms optimising the clipped surrogate objective."""
+    """Algorithms optimising a ratio surrogate: PPO's clipped token ratio unless
+    `policy_loss` names another (`streamrl.algorithms.policy_losses`)."""
 
-    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="ε_low: ratio floor is 1 − ε_low.")
-    clip_high: float = Field(0.2, gt=0.0, description="ε_high: ratio ceiling is 1 + ε_high.")
-    dual_clip: float | None = Field(
-        None,
-        gt=1.0,
-        description="c of the dual clip: the loss of a negative-advantage token is at most "
-        "−c·A. null disables.",
+    policy_loss: PolicyLoss = Field(
+        default_factory=PPOClipLoss,
+        description="The policy loss, by kind: ppo_clip (the clipped token ratio; default), "
+        "gspo, gspo_token, cispo or sapo, each with its own parameters (docs/algorithms.md, "
+        "'Policy losses beyond the clipped ratio'). algorithm.clip_low / clip_high / "
+        "dual_clip still read as ppo_clip's.",
     )
     kl: KLConfig | None = Field(None, description="KL to a reference policy; null disables.")
 
     kl_in_reward: ClassVar[bool] = False
     """Whether `kl.placement='reward'` is defined (REINFORCE++ only)."""
+    older_fields: ClassVar[tuple[str, ...]] = ("clip_low", "clip_high", "dual_clip")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_paper_defaults(cls, data: Any) -> Any:
+        """As `AlgorithmBase`'s, with the older top-level clip fields (the user's and the
+        paper's) read as `policy_loss` ppo_clip's; a paper's clip defaults do not reach
+        another loss."""
+        if not isinstance(data, dict):
+            return data
+        data = _clip_fields_as_policy_loss(_importance_as_correction(data), "algorithm")
+        loss = data.get("policy_loss")
+        defaults = dict(cls.paper_defaults)
+        clip_defaults = {k: defaults.pop(k) for k in _CLIP_FIELDS if k in defaults}
+        if _loss_kind(loss) == "ppo_clip" and not isinstance(loss, PPOClipLoss):
+            defaults["policy_loss"] = {"kind": "ppo_clip", **clip_defaults}
+        merged = deep_merge(defaults, data)
+        check_loss_fields(merged.get("policy_loss"))
+        return merged
 
     @model_validator(mode="after")
     def _kl_in_reward_only_for_reinforce_pp(self) -> ClippedAlgorithmBase:
@@ -406,6 +430,24 @@ class ClippedAlgorithmBase(AlgorithmBase):
                 "use kl.placement='loss' for this algorithm"
             )
         return self
+
+    @model_validator(mode="after")
+    def _loss_takes_these_advantages(self) -> ClippedAlgorithmBase:
+        loss = self.policy_loss
+        if self.per_token_advantages and not loss.per_token_advantages:
+            raise ValueError(
+                f"policy_loss {loss.kind!r} is defined for one advantage per response (its "
+                f"ratio is the response's), but {self.name} gives each token its own "
+                f"({self.per_token_advantages}); use policy_loss.kind=gspo_token, which takes "
+                "per-token advantages, or an outcome algorithm (grpo, dapo, ...)"
+            )
+        return self
+
+    @property
+    def per_token_advantages(self) -> str | None:
+        """Why this algorithm's advantages differ between the tokens of a response, or None
+        when each response has one."""
+        return None
 
     @property
     def reference_kl(self) -> KLConfig | None:
@@ -420,18 +462,47 @@ class ClippedAlgorithmBase(AlgorithmBase):
         mask: Tensor,
         denominators: LossDenominators,
     ) -> tuple[Tensor, Metrics]:
-        """The clipped surrogate (Clip-Higher, dual clip): `ppo_policy_loss`."""
-        return ppo_policy_loss(
+        """`policy_loss`'s term (`streamrl.algorithms.policy_losses.policy_loss`)."""
+        return policy_loss(
+            self.policy_loss,
             logp,
             logp_prox,
             logp_behav,
             advantages,
             mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
             **self._aggregation(denominators),
         )
+
+
+_CLIP_FIELDS = ("clip_low", "clip_high", "dual_clip")
+
+
+def _loss_kind(loss: Any) -> str:
+    """The kind of a `policy_loss` as given: a mapping, a loss, or nothing (ppo_clip)."""
+    if loss is None:
+        return "ppo_clip"
+    return loss.get("kind", "ppo_clip") if isinstance(loss, dict) else loss.kind
+
+
+def _clip_fields_as_policy_loss(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` with its top-level clip fields (the older spelling) moved into its
+    `policy_loss`, which they must then be ppo_clip's."""
+    given = {k: data[k] for k in _CLIP_FIELDS if k in data}
+    if not given:
+        return data
+    loss = data.get("policy_loss") or {}
+    if isinstance(loss, PPOClipLoss):
+        loss = loss.model_dump()
+    kind = _loss_kind(loss)
+    if kind != "ppo_clip":
+        names = ", ".join(f"{where}.{k}" for k in given)
+        raise ValueError(
+            f"{names}: the clipped token ratio's parameters (policy_loss ppo_clip), but "
+            f"{where}.policy_loss.kind is {kind}; set that loss's own parameters under "
+            f"{where}.policy_loss instead"
+        )
+    rest = {k: v for k, v in data.items() if k not in _CLIP_FIELDS}
+    return {**rest, "policy_loss": {"kind": "ppo_clip", **loss, **given}}
 
 
 def _importance_as_correction(data: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from streamrl.algorithms.masked import masked_mean, zero_outside
+from streamrl.algorithms.masked import masked_mean, masked_sum, zero_outside
 from streamrl.algorithms.reductions import Extreme, Mean, StepMetric
 
 __all__ = [
@@ -119,8 +119,9 @@ def correct(
         weight_mean: the batch normaliser, mean(w) over the kept loss tokens of the whole
             optimiser batch (`weight_sums` summed over micro-batches and ranks); None: none.
 
-    Metrics: actor/is_weight_mean (token ρ before any truncation) and actor/is_clip_frac
-    (tokens whose weight was truncated), token means over the loss mask;
+    Metrics: actor/is_weight_mean (the weight that multiplies the loss — after truncation and
+    normalisation — over the kept loss tokens; the raw ratio is mismatch/ratio_mean) and
+    actor/is_clip_frac (tokens whose weight was truncated, a token mean over the loss mask);
     mismatch/rs_token_frac (loss tokens rejected by the band or IcePop, a token mean);
     mismatch/rs_seq_frac (responses with a rejected token) and mismatch/veto_frac (vetoed
     responses), each over the responses with a loss token.
@@ -160,7 +161,7 @@ def correct(
     scored = mask.sum(-1) > 0
     responses = scored.sum().float()
     metrics: dict[str, StepMetric] = {
-        "actor/is_weight_mean": masked_mean(token_ratio, mask).detach(),
+        "actor/is_weight_mean": Mean(masked_sum(weights, keep).detach(), keep.sum().detach()),
         "actor/is_clip_frac": masked_mean(clipped, mask).detach(),
         "mismatch/rs_token_frac": masked_mean(rejected, mask).detach(),
         "mismatch/rs_seq_frac": Mean(((rejected.sum(-1) > 0) & scored).sum().float(), responses),

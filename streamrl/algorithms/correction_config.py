@@ -78,9 +78,10 @@ class RolloutCorrection(_CorrectionMethod):
     is_cap: float = Field(2.0, ge=1.0, description="C_is, the truncation cap of the weight.")
     is_normalize: bool = Field(
         False,
-        description="Divide the truncated weights by their mean over the loss tokens of the "
-        "whole optimiser batch (all ranks), so they average 1. Costs one extra forward pass "
-        "per step when the batch makes one optimiser update.",
+        description="Divide the truncated weights by their mean over the kept loss tokens (not "
+        "rejected or vetoed) of the whole optimiser batch (all ranks), so they average 1 "
+        "there. Costs one extra forward pass per step when the batch makes one optimiser "
+        "update.",
     )
     rs_level: Literal["token", "sequence", "geometric", "none"] = Field(
         "none",

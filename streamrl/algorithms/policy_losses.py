@@ -72,7 +72,9 @@ class _Loss(Section):
 class PPOClipLoss(_Loss):
     """The clipped token ratio (PPO, Clip-Higher, dual clip): every algorithm's default."""
 
-    kind: Literal["ppo_clip"] = "ppo_clip"
+    kind: Literal["ppo_clip"] = Field(
+        "ppo_clip", description="The clipped token ratio (PPO, Clip-Higher, dual clip)."
+    )
     clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="ε_low: ratio floor is 1 − ε_low.")
     clip_high: float = Field(0.2, gt=0.0, description="ε_high: ratio ceiling is 1 + ε_high.")
     dual_clip: float | None = Field(
@@ -105,7 +107,9 @@ class PPOClipLoss(_Loss):
 class GSPOLoss(_Loss):
     """GSPO: one length-normalised ratio per response, clipped per response."""
 
-    kind: Literal["gspo"] = "gspo"
+    kind: Literal["gspo"] = Field(
+        "gspo", description="GSPO: one length-normalised ratio per response, clipped per response."
+    )
     clip_low: float = Field(
         3e-4, gt=0.0, lt=1.0, description="ε_low of the sequence ratio (the paper's 3e-4)."
     )
@@ -142,7 +146,10 @@ class GSPOTokenLoss(GSPOLoss):
     """GSPO-token: GSPO's ratio in value, each token's own log-prob in the gradient, so
     advantages may differ per token."""
 
-    kind: Literal["gspo_token"] = "gspo_token"  # type: ignore[assignment]
+    kind: Literal["gspo_token"] = Field(
+        "gspo_token",
+        description="GSPO-token: GSPO's ratio in value, each token's log-prob in the gradient.",
+    )  # type: ignore[assignment]
 
     per_token_advantages: ClassVar[bool] = True
 
@@ -157,7 +164,9 @@ class GSPOTokenLoss(GSPOLoss):
 class CISPOLoss(_Loss):
     """CISPO: the token ratio, clipped and detached, weighs REINFORCE's A·logp_θ."""
 
-    kind: Literal["cispo"] = "cispo"
+    kind: Literal["cispo"] = Field(
+        "cispo", description="CISPO: REINFORCE weighted by the clipped, detached token ratio."
+    )
     clip_low: float = Field(
         1.0, gt=0.0, le=1.0, description="ε_low: the weight's floor is 1 − ε_low (1: none)."
     )
@@ -181,7 +190,7 @@ class CISPOLoss(_Loss):
 class SAPOLoss(_Loss):
     """SAPO: a sigmoid gate on the ratio, steeper for negative advantages."""
 
-    kind: Literal["sapo"] = "sapo"
+    kind: Literal["sapo"] = Field("sapo", description="SAPO: a sigmoid gate on the token ratio.")
     tau_pos: float = Field(1.0, gt=0.0, description="τ where the advantage is positive.")
     tau_neg: float = Field(1.05, gt=0.0, description="τ where it is zero or negative.")
 

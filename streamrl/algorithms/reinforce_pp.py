@@ -38,6 +38,12 @@ class ReinforcePPConfig(ClippedAlgorithmBase):
     def needs_groups(self) -> bool:
         return self.baseline
 
+    @property
+    def per_token_advantages(self) -> str | None:
+        if self.kl is not None and self.kl.placement == "reward":
+            return "the reward-to-go of its per-token KL penalty, kl.placement=reward"
+        return None
+
     def response_outcomes(self, responses: Responses) -> Tensor:
         """R_i, less the group mean for REINFORCE++-baseline."""
         rewards = responses.rewards.float()

@@ -106,6 +106,10 @@ class ValueAlgorithmBase(ClippedAlgorithmBase):
         "(a second critic in memory and in checkpoints); null: the live critic alone.",
     )
 
+    @property
+    def per_token_advantages(self) -> str | None:
+        return "GAE over its value model"
+
     def policy_lambda(self, lengths: Tensor) -> Tensor | float:
         """λ of the policy's GAE, per response (`lengths: [N]` sampled tokens) or one for all."""
         raise NotImplementedError

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from streamrl.algorithms.policy_losses import POLICY_LOSSES
 from streamrl.config.base import ConfigError
 from streamrl.config.loading import UNIONS, available_presets, load_config
 from streamrl.config.run import RunConfig
@@ -139,6 +140,7 @@ def _cmd_fields(args: argparse.Namespace) -> int:
     sections["generator.reward"] = RewardConfig
     sections["generator.env"] = EnvConfig
     sections["model.critic"] = CriticConfig
+    sections.update({f"algorithm.policy_loss.{k}": v for k, v in POLICY_LOSSES.items()})
     wanted = [s for s in sections if args.section is None or s.startswith(args.section)]
     if not wanted:
         raise ConfigError(

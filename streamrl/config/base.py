@@ -10,7 +10,7 @@ that span components; `streamrl.config.loading` builds one from presets, files a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, get_args, get_origin
+from typing import Annotated, Any, ClassVar, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -89,6 +89,9 @@ class Section(BaseModel):
     whatever its bounds), and no credentials anywhere in it (`_no_credentials`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    older_fields: ClassVar[tuple[str, ...]] = ()
+    """Older spellings it still reads (suggested for a misspelt field like its own)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -248,7 +248,8 @@ def _describe(err: Mapping[str, Any]) -> str:
     if kind == "extra_forbidden":
         field = str(loc[-1]) if loc else where
         valid = sorted(owner.model_fields) if owner is not None else []
-        close = difflib.get_close_matches(field, valid, n=1)
+        older = list(getattr(owner, "older_fields", ()))  # a model that is no Section has none
+        close = difflib.get_close_matches(field, valid + older, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         listing = f" Valid fields: {', '.join(valid)}." if valid else ""
         return f"{where}: unknown field{context}.{hint}{listing}"

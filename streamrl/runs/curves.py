@@ -65,6 +65,11 @@ CHARTS = (
     Chart("truncated fraction", (("rollout/truncated_frac", "truncated"),), "{:.0%}"),
     Chart("entropy", (("actor/entropy", "per token"),)),
     Chart("policy loss", (("actor/pg_loss", "pg loss"),), "{:+.4f}"),
+    Chart(
+        "policy-loss clipping",
+        (("actor/clip_frac", "clipped fraction"), ("actor/gate_weight_mean", "SAPO gate weight")),
+        "{:.3f}",
+    ),
     Chart("gradient norm", (("actor/grad_norm", "before clipping"),)),
     Chart("KL to the reference", (("actor/ref_kl", "KL"),), "{:.4f}"),
     Chart(

@@ -45,6 +45,8 @@ _METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner ro
     ),
     (
         ("actor/pg_loss", "pg_loss", "{:.4f}"),
+        ("actor/clip_frac", "clipped", "{:.3f}"),  # per the policy loss: tokens or responses
+        ("actor/gate_weight_mean", "gate", "{:.3f}"),  # SAPO's
         ("perf/learner_tokens_per_s", "tokens/s", "{:.0f}"),
         ("perf/step_s", "step", "{:.2f}s"),
     ),

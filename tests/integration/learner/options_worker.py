@@ -80,6 +80,21 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "tis-token-normalised": ("dapo", ("algorithm.correction.is_normalize=true",)),
     "no-correction": ("dapo", ("algorithm.correction.method=none",)),
+    # The policy losses beside PPO's clip (docs/algorithms.md): their presets, GSPO-token on
+    # per-token (GAE) advantages, and CISPO and SAPO with a rejection band and a veto.
+    "gspo": ("gspo", ()),
+    "gspo_token-vapo": (
+        "vapo",
+        ("model.critic.init_from=policy", "algorithm.policy_loss.kind=gspo_token"),
+    ),
+    "cispo-band": (
+        "cispo",
+        ("algorithm.correction.rs_level=token", "algorithm.correction.rs_high=2.5"),
+    ),
+    "sapo-veto-normalised": (
+        "sapo",
+        ("algorithm.correction.veto=0.45", "algorithm.correction.is_normalize=true"),
+    ),
     # The framework guide's advantage variants, and their presets as they are.
     "grpo-as-is": ("grpo", ("algorithm.kl=null",)),
     "dapo-as-is": ("dapo", ()),

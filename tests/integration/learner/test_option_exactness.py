@@ -1,5 +1,5 @@
-"""Every algorithm option (the off-policy correction menu, the framework guide's advantage
-variants; `options_worker.OPTIONS`) trains
+"""Every algorithm option (the off-policy correction menu, the policy losses, the framework
+guide's advantage variants; `options_worker.OPTIONS`) trains
 exactly alike — update (SGD at lr 1: the gradient) and every metric within 1e-5 — whatever
 the micro-batch budget, and on 2 gloo ranks as on one: batch-normalised weights, response-level
 rejection and the mismatch metrics' means and extremes are global, not per micro-batch or
@@ -54,6 +54,11 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
     assert 0 < metrics["geometric-band"]["mismatch/rs_seq_frac"] < 1
     assert 0 < metrics["icepop"]["mismatch/rs_token_frac"] < 1
     assert metrics["tis-sequence-normalised"]["actor/is_clip_frac"] > 0
+    for option, values in metrics.items():  # the weight applied: normalised, it averages 1
+        if "normalised" in option:
+            assert values["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-5), option
+        else:
+            assert values["actor/is_weight_mean"] != pytest.approx(values["mismatch/ratio_mean"])
     for values in metrics.values():
         assert values["mismatch/kl_k3_fresh"] > 0
         assert values["mismatch/ratio_min"] < 1 < values["mismatch/ratio_max"]
@@ -74,6 +79,10 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
         ("tis-token-normalised", "dapo-as-is"),
         ("no-correction", "dapo-as-is"),
         ("vc_ppo-as-is", "orz-as-is"),
+        ("gspo", "grpo-as-is"),
+        ("gspo_token-vapo", "vapo-as-is"),
+        ("sapo-veto-normalised", "grpo-as-is"),
+        ("cispo-band", "grpo-as-is"),
     ],
 )
 def test_a_variant_changes_the_update(one_rank, variant, as_is):

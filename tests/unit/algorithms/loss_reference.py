@@ -19,14 +19,18 @@ from torch import Tensor
 from streamrl.algorithms.correction_config import CorrectionConfig, correction_of_importance
 from streamrl.algorithms.losses import pg_loss
 from streamrl.algorithms.policy_losses import ppo_policy_loss
+from streamrl.algorithms.reductions import Mean
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 IMPORTANCE = ["tis", "mask", "none"]
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def close(actual: Tensor, expected) -> None:
-    """assert_close against a Python float / nested list computed by a reference."""
+def close(actual: Tensor | Mean, expected) -> None:
+    """assert_close against a Python float / nested list computed by a reference (a `Mean`
+    metric: its value over the step)."""
+    if isinstance(actual, Mean):
+        actual = actual.total / actual.count.clamp(min=1.0)
     expected_t = torch.tensor(expected, dtype=torch.float64).to(actual.dtype)
     torch.testing.assert_close(actual.detach(), expected_t, **TOL)
 
@@ -167,6 +171,7 @@ def ref_policy(
     dper_token = [[0.0] * T for _ in range(N)]
     keep = [[0.0] * T for _ in range(N)]
     raw_w = [[0.0] * T for _ in range(N)]
+    applied_w = [[0.0] * T for _ in range(N)]  # the weight that multiplies the token's loss
     over = [[0.0] * T for _ in range(N)]
     clip_taken = [[0.0] * T for _ in range(N)]
     dual_taken = [[0.0] * T for _ in range(N)]
@@ -175,6 +180,7 @@ def ref_policy(
         for t in range(T):
             behav = None if bh is None else bh[i][t]
             w, keep[i][t], raw_w[i][t] = ref_weights(px[i][t], behav, m[i][t], importance, cap)
+            applied_w[i][t] = w
             truncates = importance != "none"  # none has no cap: no weight is truncated
             over[i][t] = 1.0 if truncates and raw_w[i][t] > cap else 0.0
             a = adv[i][t]
@@ -207,7 +213,7 @@ def ref_policy(
     metrics = {
         "actor/pg_loss": loss,
         "actor/ppo_kl": ref_masked_mean(log_ratio_neg, m),
-        "actor/is_weight_mean": ref_masked_mean(raw_w, m),
+        "actor/is_weight_mean": ref_masked_mean(applied_w, keep),
         "actor/is_clip_frac": ref_masked_mean(over, m),
     }
     if kind == "ppo":

@@ -56,12 +56,13 @@ def test_importance_weights_match_reference(seed, mode):
         [a * c for a, c in zip(r, mr, strict=True)] for r, mr in zip(ref_w, ref_m, strict=True)
     ]
     close(w * mask, ref_w_masked)
-    close(metrics["actor/is_weight_mean"], ref_masked_mean(raw, m))
+    close(metrics["actor/is_weight_mean"], ref_masked_mean(ref_w, ref_m))  # as applied, kept
     close(metrics["actor/is_clip_frac"], ref_masked_mean(over, m))
 
 
 def test_importance_weights_tis_cap_hand_example():
-    """w = [0.5, 1, 3, 10], C = 2: tis truncates, mask drops, none ignores; metrics use raw w."""
+    """w = [0.5, 1, 3, 10], C = 2: tis truncates, mask drops, none ignores; is_clip_frac counts
+    the raw weights over the cap, is_weight_mean the weights applied to the kept tokens."""
     raw = [0.5, 1.0, 3.0, 10.0]
     prox = torch.full((1, 4), -1.0)
     behav = prox - torch.log(torch.tensor([raw]))
@@ -70,9 +71,10 @@ def test_importance_weights_tis_cap_hand_example():
     close(w, [[0.5, 1.0, 2.0, 2.0]])
     close(m, [[1.0, 1.0, 1.0, 1.0]])
     close(metrics["actor/is_clip_frac"], 0.5)
-    close(metrics["actor/is_weight_mean"], sum(raw) / 4)
-    w, m, _ = importance_weights(prox, behav, mask, "mask", 2.0)
+    close(metrics["actor/is_weight_mean"], (0.5 + 1 + 2 + 2) / 4)  # not the raw 3.625
+    w, m, metrics = importance_weights(prox, behav, mask, "mask", 2.0)
     close(m, [[1.0, 1.0, 0.0, 0.0]])
+    close(metrics["actor/is_weight_mean"], (0.5 + 1) / 2)  # over the kept tokens
     close(w[:, :2], [[0.5, 1.0]])  # w itself unchanged by the mask mode
     w, m, metrics = importance_weights(prox, behav, mask, "none", 2.0)
     close(w, [[1.0, 1.0, 1.0, 1.0]])
@@ -119,7 +121,8 @@ def test_ppo_tis_cap_hand_example(importance):
     close(loss, -sum(w) / 4)
     close(logp.grad, [[-x / 4 for x in w]])  # r = 1: ∂ℓ/∂logp = −w·A
     close(metrics["actor/is_clip_frac"], 0.0 if importance == "none" else 0.5)  # none: no cap
-    close(metrics["actor/is_weight_mean"], sum(raw) / 4)
+    kept = [x for x in w if x != 0.0]
+    close(metrics["actor/is_weight_mean"], sum(kept) / len(kept))
 
 
 @pytest.mark.parametrize("importance", IMPORTANCE)

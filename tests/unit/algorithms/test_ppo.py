@@ -50,7 +50,12 @@ def test_ppo_gae_matches_the_reference(lam_policy, lam_critic, gamma):
 def test_ppo_defaults_and_what_it_does_not_have():
     ppo = TypeAdapter(AlgorithmConfig).validate_python({"name": "ppo"})
     assert isinstance(ppo, PPOConfig)
-    assert (ppo.lam_policy, ppo.lam_critic, ppo.clip_high, ppo.dual_clip) == (0.95, 0.95, 0.2, None)
+    assert (
+        ppo.lam_policy,
+        ppo.lam_critic,
+        ppo.policy_loss.clip_high,
+        ppo.policy_loss.dual_clip,
+    ) == (0.95, 0.95, 0.2, None)
     assert ppo.positive_nll_coef == 0.0
     assert ppo.value_pretrain_steps == 0
     assert ppo.uses_value_model

@@ -19,6 +19,7 @@ from streamrl.algorithms.config import (
     ReinforcePPConfig,
     VAPOConfig,
 )
+from streamrl.algorithms.policy_losses import GSPOLoss, PPOClipLoss
 from streamrl.config.base import ConfigError
 from streamrl.config.loading import (
     UNIONS,
@@ -28,6 +29,7 @@ from streamrl.config.loading import (
     validate_config,
 )
 from streamrl.config.run import RunConfig
+from streamrl.config.stored import as_this_version_reads
 from tests.unit.config.sections import every_section
 
 ALGORITHM_PRESETS = ["grpo", "dr_grpo", "dapo", "vapo", "rloo", "reinforce_pp", "gpg"]
@@ -67,18 +69,26 @@ def test_cpu_size_presets_scale_the_critic_rate_with_the_actor_rate(size: str) -
 def test_paper_defaults_of_each_algorithm() -> None:
     """The preset table: clip ranges, dual clip, aggregation and extras per algorithm."""
     grpo = load_config(["grpo"]).algorithm
-    assert (grpo.clip_low, grpo.clip_high, grpo.dual_clip) == (0.2, 0.2, None)
+    assert (grpo.policy_loss.clip_low, grpo.policy_loss.clip_high, grpo.policy_loss.dual_clip) == (
+        0.2,
+        0.2,
+        None,
+    )
     assert grpo.aggregation == "seq-mean-token-mean"
     assert grpo.kl is not None
     assert (grpo.kl.estimator, grpo.kl.coef, grpo.kl.reference) == ("k3", 0.001, "frozen")
 
     dr = load_config(["dr_grpo"]).algorithm
-    assert (dr.clip_low, dr.clip_high, dr.kl) == (0.2, 0.2, None)
+    assert (dr.policy_loss.clip_low, dr.policy_loss.clip_high, dr.kl) == (0.2, 0.2, None)
     assert dr.aggregation == "seq-mean-token-sum-norm"
 
     dapo = load_config(["dapo"])
     alg = dapo.algorithm
-    assert (alg.clip_low, alg.clip_high, alg.dual_clip) == (0.2, 0.28, 10.0)
+    assert (alg.policy_loss.clip_low, alg.policy_loss.clip_high, alg.policy_loss.dual_clip) == (
+        0.2,
+        0.28,
+        10.0,
+    )
     assert alg.aggregation == "token-mean"
     assert alg.dynamic_sampling
     assert alg.overlong.shaping
@@ -89,7 +99,12 @@ def test_paper_defaults_of_each_algorithm() -> None:
     vapo = load_config(["vapo"])
     v = vapo.algorithm
     assert isinstance(v, VAPOConfig)
-    assert (v.clip_low, v.clip_high, v.dual_clip, v.aggregation) == (0.2, 0.28, 10.0, "token-mean")
+    assert (
+        v.policy_loss.clip_low,
+        v.policy_loss.clip_high,
+        v.policy_loss.dual_clip,
+        v.aggregation,
+    ) == (0.2, 0.28, 10.0, "token-mean")
     assert (v.gamma, v.lam_critic, v.length_alpha, v.nll_coef, v.value_clip) == (
         1.0,
         1.0,
@@ -171,13 +186,13 @@ def test_nested_override_keeps_paper_defaults() -> None:
 def test_algorithm_fields_without_name_refine_the_default() -> None:
     config = load_config(overrides=["algorithm.clip_high=0.3"])
     assert config.algorithm.name == "dapo"
-    assert config.algorithm.clip_high == 0.3
+    assert config.algorithm.policy_loss.clip_high == 0.3
 
 
 def test_switching_algorithm_by_override() -> None:
     config = load_config(["dapo"], overrides=["algorithm.name=rloo"])
     assert config.algorithm.name == "rloo"
-    assert config.algorithm.clip_high == 0.2  # RLOO's own default, not DAPO's
+    assert config.algorithm.policy_loss.clip_high == 0.2  # RLOO's own default, not DAPO's
 
 
 def test_parse_overrides_types() -> None:
@@ -431,6 +446,10 @@ def test_cli_documents_every_field() -> None:
         assert f"[algorithm.{alg}]" in result.stdout
     for nested in ("generator.reward", "generator.env", "model.critic"):  # sections in sections
         assert run_cli("config", "fields", nested).stdout.startswith(f"[{nested}]")
+    losses = run_cli("config", "fields", "algorithm.policy_loss").stdout
+    for kind in ("ppo_clip", "gspo", "gspo_token", "cispo", "sapo"):
+        assert f"[algorithm.policy_loss.{kind}]" in losses
+    assert "algorithm.policy_loss.sapo.tau_neg = 1.05" in losses
 
 
 def test_every_field_is_documented() -> None:
@@ -603,3 +622,76 @@ def test_each_union_tag_names_the_class_whose_field_holds_it():
         for tag, cls in classes.items():
             chosen = TypeAdapter(union).validate_python({field: tag})
             assert type(chosen) is cls, (path, tag)
+
+
+# --- policy losses ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("preset", "kind", "aggregation"),
+    [("gspo", "gspo", "seq-mean-token-mean"), ("cispo", "cispo", "token-mean"),
+     ("sapo", "sapo", "seq-mean-token-mean")],
+)  # fmt: skip
+def test_the_policy_loss_presets(preset: str, kind: str, aggregation: str) -> None:
+    """docs/algorithms.md's presets: GRPO advantages, the loss with its paper's parameters,
+    its aggregation, no KL; each composes with the CPU size presets."""
+    algorithm = load_config([preset, "tiny-cpu"]).algorithm
+    assert (algorithm.name, algorithm.policy_loss.kind) == ("grpo", kind)
+    assert (algorithm.aggregation, algorithm.kl) == (aggregation, None)
+    expected = {
+        "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
+        "cispo": {"clip_low": 1.0, "clip_high": 0.28},
+        "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
+    }[kind]
+    assert algorithm.policy_loss.model_dump(exclude={"kind"}) == expected
+
+
+def test_the_older_clip_fields_read_as_ppo_clips_and_a_papers_defaults_stay_with_it() -> None:
+    dapo = load_config(["dapo"], overrides=["algorithm.clip_high=0.3"]).algorithm
+    assert dapo.policy_loss == PPOClipLoss(clip_low=0.2, clip_high=0.3, dual_clip=10.0)
+    gspo = load_config(["dapo"], overrides=["algorithm.policy_loss.kind=gspo"]).algorithm
+    assert gspo.policy_loss == GSPOLoss()  # DAPO's clip_high 0.28 and dual clip are ppo_clip's
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(
+            ["dapo"], overrides=["algorithm.policy_loss.kind=gspo", "algorithm.clip_high=0.3"]
+        )
+    assert "algorithm.clip_high: the clipped token ratio's parameters" in problems(excinfo)
+    assert "set that loss's own parameters under algorithm.policy_loss" in problems(excinfo)
+
+
+def test_a_field_of_another_policy_loss_names_where_it_belongs() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(["gspo"], overrides=["algorithm.policy_loss.tau_neg=2"])
+    assert "policy_loss.tau_neg is a parameter of policy_loss kind sapo, not of gspo" in problems(
+        excinfo
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(["dapo"], overrides=["algorithm.policy_loss.kind=spo"])
+    assert "policy_loss" in problems(excinfo)
+
+
+def test_gspo_refuses_per_token_advantages_naming_why() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(["vapo"], overrides=["algorithm.policy_loss.kind=gspo"])
+    text = problems(excinfo)
+    assert "policy_loss 'gspo' is defined for one advantage per response" in text
+    assert "GAE over its value model" in text
+    assert "use policy_loss.kind=gspo_token" in text
+    vapo = load_config(["vapo"], overrides=["algorithm.policy_loss.kind=gspo_token"]).algorithm
+    assert vapo.policy_loss.kind == "gspo_token"
+    with pytest.raises(ConfigError, match=r"kl\.placement=reward"):
+        load_config(["reinforce_pp"], overrides=["algorithm.policy_loss.kind=gspo"])
+    assert (
+        load_config(
+            ["reinforce_pp"], overrides=["algorithm.policy_loss.kind=gspo", "algorithm.kl=null"]
+        ).algorithm.policy_loss
+        == GSPOLoss()
+    )
+
+
+def test_a_run_stored_with_the_older_clip_fields_resumes_unchanged() -> None:
+    """run.json of a run created before policy_loss: its clip fields mean ppo_clip's."""
+    stored = load_config(["dapo"]).model_dump(mode="json")
+    loss = stored["algorithm"].pop("policy_loss")
+    stored["algorithm"].update({k: loss[k] for k in ("clip_low", "clip_high", "dual_clip")})
+    assert as_this_version_reads(stored) == load_config(["dapo"]).model_dump(mode="json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -15,6 +16,7 @@ from storage.fs import open_location
 from streamrl.learner.config import LoggingConfig
 from streamrl.learner.reporting import MetricsFollower, MetricsReporter
 from streamrl.runs.curves import RunCurves, curve_data, render_png, sparkline, text_charts
+from streamrl.runs.status_format import _metrics_rows
 
 
 def _record(step: int, reward: float, **more: object) -> dict:
@@ -143,3 +145,19 @@ def test_run_curves_follow_a_run_on_s3(seaweedfs, tmp_path):
 @pytest.mark.parametrize("width", [8, 40])
 def test_sparkline_never_exceeds_its_width(width):
     assert len(sparkline([float(i % 7) for i in range(1000)], width=width)) == width
+
+
+def test_the_policy_losses_clipping_is_charted_and_in_the_status_table():
+    """actor/clip_frac (whatever the loss counts: tokens, responses or truncated weights) and
+    SAPO's actor/gate_weight_mean have a chart and a place in `streamrl status`."""
+    records = [
+        _record(s, 0.0, **{"actor/clip_frac": s / 100, "actor/gate_weight_mean": 1 - s / 100})
+        for s in range(1, 6)
+    ]
+    lines = text_charts(curve_data(records))
+    assert any(line.startswith("policy-loss clipping (clipped fraction)") for line in lines)
+    gate = next(line for line in lines if "SAPO gate weight" in line)
+    assert "0.990 → 0.950" in gate
+    shown = dict(_metrics_rows(SimpleNamespace(last_metrics=records[-1], read_at=0.0)))
+    assert "clipped 0.050" in shown[""]
+    assert "gate 0.950" in shown[""]

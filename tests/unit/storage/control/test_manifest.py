@@ -53,7 +53,7 @@ def test_create_twice_keeps_the_first(run_location: Location) -> None:
 def test_incompatible_config_lists_every_field(run_location: Location) -> None:
     create_run(run_location, _config())
     changed = _config(learner={"lr": 5e-6}, model={"dtype": "float32"}, data={"shuffle_seed": 7})
-    changed["algorithm"]["clip_high"] = 0.3
+    changed["algorithm"]["policy_loss"]["clip_high"] = 0.3
     with pytest.raises(StorageError, match="cannot change on resume") as info:
         open_run(run_location, changed)
     message = str(info.value)
@@ -61,7 +61,7 @@ def test_incompatible_config_lists_every_field(run_location: Location) -> None:
         "learner.lr: 1e-06 → 5e-06",
         'model.dtype: "bfloat16" → "float32"',
         "data.shuffle_seed: 0 → 7",
-        "algorithm.clip_high: 0.28 → 0.3",
+        "algorithm.policy_loss.clip_high: 0.28 → 0.3",
     ):
         assert line in message
     # create_run on an existing run checks the same way.
