@@ -152,7 +152,7 @@ class Rollout:
 
 class EpisodeDriver:
     """Drives one generator's rollouts (module docstring). `group_sizes`: the rule giving each
-    group's G, fed every group handed back."""
+    group's G, fed every group whose episodes have ended (before its scores come back)."""
 
     def __init__(self, config: RunConfig, engine: Engine, runner: EnvRunner) -> None:
         self.env = config.generator.env
@@ -208,6 +208,8 @@ class EpisodeDriver:
         for rollout in self._rollouts:
             if rollout.ended and not rollout.scores:
                 rollout.scores = [self.runner.score(e) for e in rollout.episodes]
+                # Its lengths are known now: the next group's G need not wait for its scores.
+                self.group_sizes.observe(rollout.sampled_lengths())
         return self._take_scored()
 
     def drain(self) -> list[Rollout]:
@@ -226,8 +228,6 @@ class EpisodeDriver:
     def _take_scored(self) -> list[Rollout]:
         done = [r for r in self._rollouts if r.scored]
         self._rollouts = [r for r in self._rollouts if not r.scored]
-        for rollout in done:
-            self.group_sizes.observe(rollout.sampled_lengths())
         return done
 
     # -- the steps of a group -------------------------------------------------------------
