@@ -36,7 +36,6 @@ from streamrl.algorithms.losses import (
     explained_variance,
     explained_variance_from_stats,
     explained_variance_stats,
-    pg_loss,
     positive_nll_loss,
     value_loss,
 )
@@ -47,7 +46,7 @@ from streamrl.algorithms.masked import (
     masked_whiten,
     masked_whiten_jointly,
 )
-from streamrl.algorithms.policy_losses import policy_loss, ppo_policy_loss
+from streamrl.algorithms.policy_losses import pg_loss, policy_loss, ppo_policy_loss
 from streamrl.algorithms.shaping import (
     overlong_filter_mask,
     overlong_penalty,

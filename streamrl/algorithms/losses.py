@@ -1,6 +1,6 @@
-"""Aggregation, the plain policy gradient (GPG), value and auxiliary losses.
+"""Aggregation, value and auxiliary losses.
 
-The policy losses with a ratio (PPO's clip, GSPO, CISPO, SAPO) are
+The policy losses (PPO's clip, GSPO, CISPO, SAPO, GPG's plain policy gradient) are
 `streamrl.algorithms.policy_losses`; each is ℓ = w·ℓ_x with the off-policy correction's
 weights and narrowed mask w, m (detached; behaviour mismatch and staleness:
 `streamrl.algorithms.correction`; by default w = min(exp(logp_prox − logp_behav), 2)),
@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from streamrl.algorithms.correction_config import CorrectionConfig, RolloutCorrection
+from streamrl.algorithms.correction_config import RolloutCorrection
 from streamrl.algorithms.masked import masked_mean, zero_outside
 from streamrl.algorithms.reductions import StepMetric
 
@@ -47,7 +47,6 @@ __all__ = [
     "explained_variance",
     "explained_variance_from_stats",
     "explained_variance_stats",
-    "pg_loss",
     "positive_nll_loss",
     "two_hot",
     "value_atoms",
@@ -127,53 +126,6 @@ def aggregate(
         f"unknown aggregation {mode!r}; use token-mean, seq-mean-token-mean or "
         "seq-mean-token-sum-norm"
     )
-
-
-def _weights_in_loss(weights: Tensor, loss_mask: Tensor) -> Tensor:
-    """w where the token enters the loss, exactly 0 elsewhere.
-
-    Rejected tokens and padding then add 0 to the numerator, while the
-    aggregation still counts them in the denominator through the unnarrowed mask. Selecting
-    instead of multiplying keeps an overflowed w = inf from turning the loss or grad into NaN.
-    """
-    return zero_outside(weights, loss_mask)
-
-
-def pg_loss(
-    logp: Tensor,
-    logp_prox: Tensor,
-    logp_behav: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    correction: CorrectionConfig = DEFAULT_CORRECTION,
-    weight_mean: float | Tensor | None = None,
-    aggregation: Aggregation = "token-mean",
-    num_tokens: float | Tensor | None = None,
-    num_seqs: float | Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[Tensor, Metrics]:
-    """Plain policy-gradient loss (GPG): ℓ = −w · A · logp_θ, no ratio, no clip.
-
-    GPG itself is on-policy; the off-policy correction's weight (`correction`) is the
-    streaming system's correction for stale behaviour data, 1 when `logp_behav` is None.
-    Shapes and aggregation as in `ppo_policy_loss`.
-    """
-    mask = mask.float()
-    corrected = correction.apply(logp_prox, logp_behav, mask, weight_mean)
-    weights, metrics = _weights_in_loss(corrected.weights, corrected.mask), corrected.metrics
-    per_token = -weights * zero_outside(advantages, mask) * zero_outside(logp, mask)
-    loss = aggregate(
-        per_token,
-        mask,
-        aggregation,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        max_len=max_len,
-    )
-    metrics["actor/pg_loss"] = loss.detach()
-    metrics["actor/ppo_kl"] = masked_mean(logp_prox.float() - logp.detach().float(), mask).detach()
-    return loss, metrics
 
 
 def value_loss(

@@ -32,7 +32,8 @@ from streamrl.algorithms.advantages import (
     rloo_advantages,
 )
 from streamrl.algorithms.base import AlgorithmBase, ClippedAlgorithmBase, Responses
-from streamrl.algorithms.losses import LossDenominators, Metrics, pg_loss
+from streamrl.algorithms.losses import LossDenominators, Metrics
+from streamrl.algorithms.policy_losses import pg_loss
 from streamrl.algorithms.variants import (
     BaselineWeights,
     hierarchical_advantages,

@@ -45,6 +45,7 @@ __all__ = [
     "PolicyLoss",
     "SAPOLoss",
     "check_loss_fields",
+    "pg_loss",
     "policy_loss",
     "ppo_policy_loss",
 ]
@@ -67,6 +68,16 @@ class _Loss(Section):
         metrics over `mask`. `logp` carries the gradient, `logp_prox` none; `advantages` and
         `mask` are 0 outside the loss tokens."""
         raise NotImplementedError
+
+
+class PlainGradientLoss(_Loss):
+    """GPG's plain policy gradient: ℓ_t = −A_t·logp_θ,t, no ratio and no clip (not a choice of
+    `algorithm.policy_loss`: GPG's own loss, `pg_loss`)."""
+
+    def surrogate(
+        self, logp: Tensor, logp_prox: Tensor, advantages: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Metrics]:
+        return -advantages * zero_outside(logp.float(), mask), {}
 
 
 class PPOClipLoss(_Loss):
@@ -318,4 +329,20 @@ def ppo_policy_loss(
     actor/dual_clip_frac, actor/ppo_kl and the correction's.
     """
     loss = PPOClipLoss(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    return policy_loss(loss, logp, logp_prox, logp_behav, advantages, mask, **aggregation)
+
+
+def pg_loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    logp_behav: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    **aggregation: Any,
+) -> tuple[Tensor, Metrics]:
+    """`policy_loss` with GPG's plain policy gradient: ℓ = −w·A·logp_θ. GPG itself is
+    on-policy; the correction's weight w is the streaming system's correction for stale
+    behaviour data (1 when `logp_behav` is None). Metrics: actor/pg_loss, actor/ppo_kl and the
+    correction's."""
+    loss = PlainGradientLoss()
     return policy_loss(loss, logp, logp_prox, logp_behav, advantages, mask, **aggregation)

@@ -17,8 +17,7 @@ from pydantic import TypeAdapter
 from torch import Tensor
 
 from streamrl.algorithms.correction_config import CorrectionConfig, correction_of_importance
-from streamrl.algorithms.losses import pg_loss
-from streamrl.algorithms.policy_losses import ppo_policy_loss
+from streamrl.algorithms.policy_losses import pg_loss, ppo_policy_loss
 from streamrl.algorithms.reductions import Mean
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

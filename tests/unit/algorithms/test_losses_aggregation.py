@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.algorithms.losses import aggregate, pg_loss
-from streamrl.algorithms.policy_losses import ppo_policy_loss
+from streamrl.algorithms.losses import aggregate
+from streamrl.algorithms.policy_losses import pg_loss, ppo_policy_loss
 from tests.unit.algorithms.loss_reference import (
     AGGREGATIONS,
     IMPORTANCE,

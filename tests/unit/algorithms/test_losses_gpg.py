@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.algorithms.losses import pg_loss
+from streamrl.algorithms.policy_losses import pg_loss
 from tests.unit.algorithms.loss_reference import (
     AGGREGATIONS,
     IMPORTANCE,

@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 
-from streamrl.algorithms.losses import pg_loss
-from streamrl.algorithms.policy_losses import ppo_policy_loss
+from streamrl.algorithms.policy_losses import pg_loss, ppo_policy_loss
 from tests.unit.algorithms.loss_reference import (
     AGGREGATIONS,
     IMPORTANCE,
