@@ -24,13 +24,16 @@ LEARNING_MD = HERE / "LEARNING.md"
 FIGURE = HERE / "learning.png"
 BEGIN_MARK = "<!-- study results: written by benchmarks/learning_report.py -->"
 END_MARK = "<!-- end of study results -->"
-ARM_ORDER = ("grpo", "dr_grpo", "dapo", "vapo", "dapo_sync")
+ARM_ORDER = ("grpo", "dr_grpo", "dapo", "vapo", "dapo_sync", "gspo", "cispo", "sapo")
 ARM_LABELS = {
     "grpo": "GRPO",
     "dr_grpo": "Dr. GRPO",
     "dapo": "DAPO",
     "vapo": "VAPO",
     "dapo_sync": "DAPO sync",
+    "gspo": "GSPO",
+    "cispo": "CISPO",
+    "sapo": "SAPO",
 }
 GREEDY, LENGTH = "val/acc_greedy", "val/response_len_mean"
 

@@ -54,6 +54,9 @@ ARMS: dict[str, tuple[str, list[str]]] = {  # arm: (algorithm preset, extra over
     "dapo": ("dapo", []),
     "vapo": ("vapo", []),
     "dapo_sync": ("dapo", ["learner.max_staleness=0"]),
+    "gspo": ("gspo", []),
+    "cispo": ("cispo", []),
+    "sapo": ("sapo", []),
 }
 STARTED = "study-started.json"  # in the run folder: when the cell's run was first launched
 
