@@ -70,6 +70,9 @@ def without_environment_tokens(group: ScoredGroup) -> ScoredGroup:
         "behaviour_logprobs": [
             lp[m] for lp, m in zip(group.behaviour_logprobs, masks, strict=True)
         ],
+        "teacher_logprobs": None
+        if group.teacher_logprobs is None
+        else [lp[m] for lp, m in zip(group.teacher_logprobs, masks, strict=True)],
         "loss_masks": None,
         "token_versions": None,
         "turns": None,

@@ -29,9 +29,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("storage.stream",),
     ("streamrl.config.base", "streamrl.config.merge"),
     ("streamrl.isolation", "streamrl.algorithms", "streamrl.models", "streamrl.data"),
-    ("streamrl.rewards", "streamrl.envs"),
+    ("streamrl.rewards", "streamrl.envs", "streamrl.scorers"),
     ("streamrl.config",),
-    ("streamrl.placement", "streamrl.generator", "streamrl.learner", "streamrl.evaluation"),
+    (
+        "streamrl.placement",
+        "streamrl.generator",
+        "streamrl.learner",
+        "streamrl.evaluation",
+        "streamrl.scorers.serve",  # a served scorer's process, a component like a generator
+    ),
     ("streamrl.supervision",),
     ("streamrl.runs",),
     ("streamrl.cli", "streamrl.__main__", "streamrl"),

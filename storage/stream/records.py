@@ -39,7 +39,10 @@ class RolloutSums:
     (`ScoredGroup.tool_calls`, ...); `finished` counts responses by finish reason. Episodes
     whose environment rewards each turn: `turn_reward[i]` sums the rewards of turn i + 1 and
     `turn_rewarded[i]` counts them; `full_episodes` counts episodes with a turn rewarded 1 and
-    `turns_to_full` sums the number of that first such turn."""
+    `turns_to_full` sums the number of that first such turn. Rewards of several terms
+    (`ScoredGroup.reward_terms`): `reward_terms[name]` sums term `name` over responses;
+    `teacher_groups` counts groups a teacher scored and `teacher_s` sums their
+    `teacher_seconds` (0 where not timed)."""
 
     responses: int = 0
     reward: float = 0.0
@@ -57,6 +60,9 @@ class RolloutSums:
     turn_rewarded: list[int] = field(default_factory=list)
     full_episodes: int = 0
     turns_to_full: int = 0
+    reward_terms: dict[str, float] = field(default_factory=dict)
+    teacher_groups: int = 0
+    teacher_s: float = 0.0
 
     def add(self, group: ScoredGroup) -> None:
         sampled = int(np.sum(group.sampled_lengths))
@@ -79,6 +85,12 @@ class RolloutSums:
             if full.size:
                 self.full_episodes += 1
                 self.turns_to_full += int(full[0]) + 1
+        for name, values in (group.reward_terms or {}).items():
+            total = float(np.sum(values, dtype=np.float64))
+            self.reward_terms[name] = self.reward_terms.get(name, 0.0) + total
+        if group.teacher_logprobs is not None:
+            self.teacher_groups += 1
+            self.teacher_s += group.teacher_seconds or 0.0
 
     def _add_turns(self, rewards: Sequence[float], counts: Sequence[int]) -> None:
         grow = len(rewards) - len(self.turn_reward)
@@ -95,12 +107,15 @@ class RolloutSums:
         for reason, count in other.finished.items():
             self.finished[reason] = self.finished.get(reason, 0) + count
         self._add_turns(other.turn_reward, other.turn_rewarded)
+        for name, total in other.reward_terms.items():
+            self.reward_terms[name] = self.reward_terms.get(name, 0.0) + total
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutSums:
         """The sums a commit record stored. Records written before multi-turn rollouts lack
         `env_tokens` and `turns` (their responses were single-turn: no environment token, one
-        turn each), and before episode statistics the fields after `turns` (read as 0)."""
+        turn each), and before episode statistics the fields after `turns` (read as 0; the
+        reward terms as none)."""
         data = {"env_tokens": 0, "turns": data.get("responses", 0), **data}
         return cls(**data)
 
@@ -117,7 +132,9 @@ class RolloutSums:
         `/tool_errors_mean`, `/env_s_mean`, `/wait_s_mean`: means over responses;
         `/finish_<reason>_frac` for each finish reason seen; with turn rewards,
         `/turn<i>_reward_mean` over the episodes that reached turn i and `/turns_to_full_mean`
-        over the episodes with a turn rewarded 1."""
+        over the episodes with a turn rewarded 1; `/reward_<term>_mean` for each reward term,
+        over all responses (one without the term counts 0); `/teacher_s_per_group` over the
+        groups a teacher scored, when any."""
         n = max(self.responses, 1)
         return {
             f"{prefix}/reward_mean": self.reward / n,
@@ -146,13 +163,22 @@ class RolloutSums:
                 if self.full_episodes
                 else {}
             ),
+            **{
+                f"{prefix}/reward_{name}_mean": total / n
+                for name, total in sorted(self.reward_terms.items())
+            },
+            **(
+                {f"{prefix}/teacher_s_per_group": self.teacher_s / self.teacher_groups}
+                if self.teacher_groups
+                else {}
+            ),
         }
 
 
 _SUMMED = tuple(
     f.name
     for f in fields(RolloutSums)
-    if f.name not in ("finished", "turn_reward", "turn_rewarded")
+    if f.name not in ("finished", "turn_reward", "turn_rewarded", "reward_terms")
 )
 
 
@@ -177,6 +203,11 @@ def segment_name(writer_id: str, incarnation: str, number: int) -> str:
 def _check_int(value: object, minimum: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidRecordError(f"{what} must be an integer ≥ {minimum}, got {value!r}")
+
+
+def _check_finite(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRecordError(f"{what} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -251,15 +282,17 @@ class CommitRecord:
         if not isinstance(rollout, RolloutSums):
             raise InvalidRecordError(f"{where}: rollout must be RolloutSums, got {rollout!r}")
         counts = ("responses", "correct", "length", "truncated", "env_tokens", "turns",
-                  "tool_calls", "tool_errors", "full_episodes", "turns_to_full")  # fmt: skip
+                  "tool_calls", "tool_errors", "full_episodes", "turns_to_full",
+                  "teacher_groups")  # fmt: skip
         for name in counts:
             _check_int(getattr(rollout, name), 0, f"{where}: rollout.{name}")
-        for name in ("reward", "env_s", "wait_s"):
-            value = getattr(rollout, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidRecordError(f"{where}: rollout.{name} must be a finite number")
-            if not math.isfinite(value):
-                raise InvalidRecordError(f"{where}: rollout.{name} must be a finite number")
+        for name in ("reward", "env_s", "wait_s", "teacher_s"):
+            _check_finite(getattr(rollout, name), f"{where}: rollout.{name}")
+        terms = rollout.reward_terms
+        if not isinstance(terms, dict) or not all(isinstance(k, str) for k in terms):
+            raise InvalidRecordError(f"{where}: rollout.reward_terms must map term names to sums")
+        for name, total in terms.items():
+            _check_finite(total, f"{where}: rollout.reward_terms[{name!r}]")
         finished = rollout.finished
         if not isinstance(finished, dict) or not all(isinstance(k, str) for k in finished):
             raise InvalidRecordError(f"{where}: rollout.finished must map finish reasons to counts")
@@ -271,14 +304,7 @@ class CommitRecord:
                                      "lists of one length")  # fmt: skip
         for i, (total, count) in enumerate(zip(sums, counts_, strict=True)):
             _check_int(count, 0, f"{where}: rollout.turn_rewarded[{i}]")
-            if (
-                isinstance(total, bool)
-                or not isinstance(total, int | float)
-                or not math.isfinite(total)
-            ):
-                raise InvalidRecordError(
-                    f"{where}: rollout.turn_reward[{i}] must be a finite number"
-                )
+            _check_finite(total, f"{where}: rollout.turn_reward[{i}]")
 
     def _check_segment(self, where: str) -> None:
         if not isinstance(self.writer_id, str) or not WRITER_ID.fullmatch(self.writer_id):

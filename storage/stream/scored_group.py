@@ -4,18 +4,27 @@ replay stream and the learner trains on (`storage.stream.records` holds the comm
 A response may be multi-turn (an agent with tools or an environment): its tokens interleave
 tokens the policy sampled with environment tokens (tool results, user turns, template glue),
 told apart by its loss mask. Single-turn groups leave the multi-turn fields None.
+
+Models that score add fields a group without them leaves None: a teacher model's log-probs of
+each response token (on-policy distillation) and a reward's terms before weighting (reward
+models and judges beside verifiers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["EPISODE_STATS", "InvalidRecordError", "ScoredGroup"]
+__all__ = ["EPISODE_STATS", "REWARD_TERM_NAME", "InvalidRecordError", "ScoredGroup"]
 
 EPISODE_STATS = ("tool_calls", "tool_errors", "env_seconds", "wait_seconds")
+REWARD_TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+"""A reward term's name (`math`, `judge`): it becomes part of a metric's name."""
 
 
 class InvalidRecordError(ValueError):
@@ -29,16 +38,20 @@ class ScoredGroup:
     Invariants (checked by `validate`, on write and on read):
       * G ≥ 1 responses; `response_tokens`, `behaviour_logprobs`, `rewards`, `raw_scores`,
         `truncated` and `finish_reasons` all have G entries, and so do `loss_masks`,
-        `token_versions`, `turns` and `turn_rewards` when given;
+        `token_versions`, `turns`, `turn_rewards` and `teacher_logprobs` when given;
       * len(response_tokens[i]) == len(behaviour_logprobs[i]) == len(loss_masks[i]) ==
-        len(token_versions[i]) for every response i;
-      * tokens are int32 ≥ 0; log-probs float32, finite and ≤ 0, and exactly 0 at environment
-        tokens (loss mask 0); rewards, raw scores and turn rewards finite;
+        len(token_versions[i]) == len(teacher_logprobs[i]) for every response i;
+      * tokens are int32 ≥ 0; log-probs (behaviour and teacher) float32, finite and ≤ 0, and
+        exactly 0 at environment tokens (loss mask 0); rewards, raw scores and turn rewards
+        finite;
       * loss masks hold only 0 and 1; token versions are ≥ 0;
       * policy_version ≥ 0 (0 = the initial weights) and is the oldest version that sampled a
         token of the group: min of token_versions[i][t] over sampled tokens (mask 1), when the
         group has any;
-      * turns ≥ 1; turn_rewards[i] holds turns[i] rewards, or none.
+      * turns ≥ 1; turn_rewards[i] holds turns[i] rewards, or none;
+      * teacher_seconds is finite and ≥ 0, and given only with teacher_logprobs;
+      * reward_terms names one term or more, each matching `REWARD_TERM_NAME`, each with G
+        finite values.
 
     Fields:
         prompt_id: the dataset's id of the prompt.
@@ -76,6 +89,14 @@ class ScoredGroup:
         env_seconds: `[G] float32` time the environment's calls of each episode took.
         wait_seconds: `[G] float32` how long each episode's result waited for the group's
             slowest episode (a straggler's cost).
+
+    Scores from models (None: not scored that way, as in segments written before them):
+        teacher_logprobs: G arrays `[L_i] float32`, a teacher model's log-prob of each
+            response token given the episode's exact token history; 0 at environment tokens.
+            None: no teacher scored the group.
+        teacher_seconds: wall seconds the teacher took to score the group; None: not timed.
+        reward_terms: the reward's terms before weighting, term name → `[G] float32` value per
+            response (`{"math": ..., "judge": ...}`). None: the reward had a single term.
     """
 
     prompt_id: str
@@ -99,6 +120,9 @@ class ScoredGroup:
     tool_errors: np.ndarray | None = None
     env_seconds: np.ndarray | None = None
     wait_seconds: np.ndarray | None = None
+    teacher_logprobs: Sequence[np.ndarray] | None = None
+    teacher_seconds: float | None = None
+    reward_terms: Mapping[str, np.ndarray] | None = None
 
     @property
     def group_size(self) -> int:
@@ -170,7 +194,9 @@ class ScoredGroup:
             "truncated": len(self.truncated),
             "finish_reasons": len(self.finish_reasons),
         }
-        for name in ("loss_masks", "token_versions", "turns", "turn_rewards", *EPISODE_STATS):
+        per_response = ("loss_masks", "token_versions", "turns", "turn_rewards", *EPISODE_STATS,
+                        "teacher_logprobs")  # fmt: skip
+        for name in per_response:
             if getattr(self, name) is not None:
                 sized[name] = len(getattr(self, name))
         for name, n in sized.items():
@@ -199,6 +225,8 @@ class ScoredGroup:
         self._validate_masks_and_versions(where)
         self._validate_turns(where)
         self._validate_episode_stats(where)
+        self._validate_teacher(where)
+        self._validate_reward_terms(where)
         return self
 
     def _validate_episode_stats(self, where: str) -> None:
@@ -211,6 +239,59 @@ class ScoredGroup:
                 raise InvalidRecordError(f"{where}: {name} must be finite and ≥ 0 per response")
         if (self.episode_stat("tool_errors") > self.episode_stat("tool_calls")).any():
             raise InvalidRecordError(f"{where}: tool_errors must be ≤ tool_calls")
+
+    def _validate_teacher(self, where: str) -> None:
+        """Teacher log-probs, checked after the loss masks (their lengths are the responses')."""
+        if self.teacher_seconds is not None:
+            if self.teacher_logprobs is None:
+                raise InvalidRecordError(
+                    f"{where}: teacher_seconds is given but teacher_logprobs is not; only a "
+                    "group a teacher scored has a teacher time"
+                )
+            seconds = self.teacher_seconds
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise InvalidRecordError(f"{where}: teacher_seconds must be finite and ≥ 0")
+        if self.teacher_logprobs is None:
+            return
+        masks = self.effective_loss_masks
+        for i, (tokens, logprobs) in enumerate(
+            zip(self.response_tokens, self.teacher_logprobs, strict=True)
+        ):
+            logprobs = np.asarray(logprobs)
+            if logprobs.ndim != 1 or len(logprobs) != len(tokens):
+                raise InvalidRecordError(
+                    f"{where}: teacher_logprobs[{i}] has {logprobs.size} entries but response "
+                    f"{i} has {len(tokens)} tokens; they must have the same length"
+                )
+            if logprobs.size and not (np.isfinite(logprobs).all() and (logprobs <= 0).all()):
+                raise InvalidRecordError(f"{where}: teacher_logprobs[{i}] must be finite and ≤ 0")
+            if (logprobs[masks[i] == 0] != 0).any():
+                raise InvalidRecordError(
+                    f"{where}: teacher_logprobs[{i}] must be exactly 0 at environment tokens "
+                    "(loss mask 0)"
+                )
+
+    def _validate_reward_terms(self, where: str) -> None:
+        if self.reward_terms is None:
+            return
+        if not self.reward_terms:
+            raise InvalidRecordError(
+                f"{where}: reward_terms names no term; leave it None for a single-term reward"
+            )
+        for name, values in self.reward_terms.items():
+            if not isinstance(name, str) or not REWARD_TERM_NAME.fullmatch(name):
+                raise InvalidRecordError(
+                    f"{where}: reward_terms name {name!r} must be a lower-case letter then up "
+                    "to 63 lower-case letters, digits or '_'"
+                )
+            values = np.asarray(values)
+            if values.shape != (self.group_size,):
+                raise InvalidRecordError(
+                    f"{where}: reward_terms[{name!r}] has shape {values.shape} but there are "
+                    f"{self.group_size} responses; give one value per response"
+                )
+            if not (np.issubdtype(values.dtype, np.number) and np.isfinite(values).all()):
+                raise InvalidRecordError(f"{where}: reward_terms[{name!r}] must be finite numbers")
 
     def _validate_masks_and_versions(self, where: str) -> None:
         """Loss masks and token versions (nothing to check for a single-turn group), checked
@@ -276,10 +357,17 @@ class ScoredGroup:
 
     def equals(self, other: ScoredGroup) -> bool:
         """Field-by-field equality (arrays compared by value and dtype-insensitive); a
-        multi-turn field left None equals its single-turn values given explicitly."""
+        multi-turn field left None equals its single-turn values given explicitly; a field of
+        scores from models left None differs from any value."""
 
         def arrays_equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
             return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+        def optional_equal(a: Any, b: Any, equal: Callable[[Any, Any], bool]) -> bool:
+            return a is b is None or (a is not None and b is not None and equal(a, b))
+
+        def terms_equal(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+            return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
         return (
             self.prompt_id == other.prompt_id
@@ -303,6 +391,9 @@ class ScoredGroup:
                 np.array_equal(self.episode_stat(name), other.episode_stat(name))
                 for name in EPISODE_STATS
             )
+            and optional_equal(self.teacher_logprobs, other.teacher_logprobs, arrays_equal)
+            and self.teacher_seconds == other.teacher_seconds
+            and optional_equal(self.reward_terms, other.reward_terms, terms_equal)
         )
 
     def episode_stat(self, name: str) -> np.ndarray:

@@ -15,16 +15,30 @@ Arrays are plain numeric, one chunk each; ragged data is stored flat with length
                                  token_versions i64
     flat turns    [Σ T]          turn_rewards f32 (T_i = turn_reward_counts[i]: 0 or turns[i])
 
+and, only in a segment where some group has teacher log-probs (otherwise absent):
+
+    per group     [n_groups]     teacher_scored bool, teacher_timed bool (teacher_seconds
+                                 given), teacher_seconds f64 (0 where not timed)
+    flat tokens   [Σ L]          teacher_logprobs f32 (0 for a group no teacher scored)
+
+and, only in a segment whose groups have reward terms (then all of them, with the same names:
+one generator writes a segment with one reward config), their names, sorted, in the attribute
+`reward_term_names` and
+
+    per response  [n_responses, K]  reward_terms f32 (column k: term reward_term_names[k])
+
 Every group is stored with its multi-turn arrays, a single-turn one with their single-turn
 values (`ScoredGroup.effective_*`), and its episode statistics (0 where not recorded); decoded
-groups carry them as arrays.
+groups carry them as arrays. A group's fields of scores from models decode as None where its
+segment stores none for it.
 
 Strings (prompt ids, ground truths, generator ids, the finish-reason vocabulary) live in the
 group attributes, next to a CRC32 of every array's uncompressed bytes (`crc32`), checked on
 decode. (The commit record separately carries a CRC32 of every stored object, checked before
 decoding, so storage corruption is caught even where it breaks decompression.)
 
-Formats: 3 (written now) as above; 2 lacks the episode statistics (`tool_calls`,
+Formats: 4 (written now) as above; 3 lacks the teacher and reward-term arrays (those fields
+decoded as None); 2 also lacks the episode statistics (`tool_calls`,
 `tool_errors`, `env_seconds`, `wait_seconds`: decoded as None); 1, written before multi-turn
 rollouts, also lacks `loss_masks`, `token_versions`, `turns`, `turn_reward_counts` and
 `turn_rewards` and decodes as single-turn groups (their multi-turn fields None), so a run
@@ -57,9 +71,10 @@ __all__ = [
     "encode_segment",
 ]
 
-FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_FORMATS = (1, 2, 3, 4)
 _MULTI_TURN_ARRAYS = ("loss_masks", "token_versions", "turns", "turn_reward_counts", "turn_rewards")
+_TEACHER_ARRAYS = ("teacher_scored", "teacher_timed", "teacher_seconds", "teacher_logprobs")
 _EPISODE_STAT_DTYPES = (np.int32, np.int32, np.float32, np.float32)
 Compression = Literal["zstd", "blosc", "none"]
 
@@ -111,6 +126,7 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
             [np.asarray(lp) for g in groups for lp in g.behaviour_logprobs], np.float32
         ),
         **_multi_turn_columns(groups),
+        **_teacher_columns(groups),
     }
     attrs = {
         "format_version": FORMAT_VERSION,
@@ -119,6 +135,8 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
         "generator_ids": [g.generator_id for g in groups],
         "finish_reason_vocab": list(vocab),
     }
+    if any(g.reward_terms is not None for g in groups):
+        attrs["reward_term_names"], arrays["reward_terms"] = _reward_term_columns(groups)
     return arrays, attrs
 
 
@@ -152,6 +170,41 @@ def _multi_turn_columns(groups: Sequence[ScoredGroup]) -> dict[str, np.ndarray]:
     }
 
 
+def _teacher_columns(groups: Sequence[ScoredGroup]) -> dict[str, np.ndarray]:
+    """The teacher arrays, when a group has teacher log-probs; none otherwise."""
+    if all(g.teacher_logprobs is None for g in groups):
+        return {}
+    logprobs = []
+    for g in groups:
+        if g.teacher_logprobs is None:
+            logprobs.append(np.zeros(g.num_tokens, np.float32))
+        else:
+            logprobs.extend(np.asarray(lp) for lp in g.teacher_logprobs)
+    return {
+        "teacher_scored": np.array([g.teacher_logprobs is not None for g in groups], np.bool_),
+        "teacher_timed": np.array([g.teacher_seconds is not None for g in groups], np.bool_),
+        "teacher_seconds": np.array([g.teacher_seconds or 0.0 for g in groups], np.float64),
+        "teacher_logprobs": _flat(logprobs, np.float32),
+    }
+
+
+def _reward_term_columns(groups: Sequence[ScoredGroup]) -> tuple[list[str], np.ndarray]:
+    """The sorted term names and `[n_responses, K]` values of groups that all have the same
+    reward terms; raises ValueError naming two groups whose terms differ."""
+    first = next(g for g in groups if g.reward_terms is not None)
+    names = sorted(first.reward_terms)
+    for g in groups:
+        theirs = None if g.reward_terms is None else sorted(g.reward_terms)
+        if theirs != names:
+            raise ValueError(
+                f"group {g.prompt_id!r} has reward terms {theirs} but group "
+                f"{first.prompt_id!r} of the same segment has {names}; a segment holds groups "
+                "of one reward config"
+            )
+    rows = [np.stack([np.asarray(g.reward_terms[n]) for n in names], axis=1) for g in groups]
+    return names, np.concatenate(rows).astype(np.float32)
+
+
 def encode_segment(
     groups: Sequence[ScoredGroup], compression: Compression = "blosc", level: int = 3
 ) -> dict[str, bytes]:
@@ -180,7 +233,7 @@ async def _write_arrays(
             name,
             shape=values.shape,
             dtype=values.dtype,
-            chunks=(max(len(values), 1),),
+            chunks=(max(len(values), 1), *values.shape[1:]),
             compressors=compressors,
         )
         if len(values):
@@ -253,6 +306,37 @@ def _multi_turn_fields(arrays: dict[str, np.ndarray], format_version: int) -> di
     return fields
 
 
+def _scores_from_models(
+    arrays: dict[str, np.ndarray], attrs: dict[str, Any], bounds: np.ndarray
+) -> list[dict[str, Any]]:
+    """Per group: its teacher log-probs, teacher seconds and reward terms, those the segment
+    stores for it (none from formats 1–3); `bounds`: each group's first response, then the end."""
+    fields: list[dict[str, Any]] = [{} for _ in range(len(bounds) - 1)]
+    if attrs["format_version"] < 4:
+        return fields
+    if any(name in arrays for name in _TEACHER_ARRAYS):
+        missing = [name for name in _TEACHER_ARRAYS if name not in arrays]
+        if missing:
+            raise KeyError(f"a segment with teacher log-probs lacks {', '.join(missing)}")
+        logprobs = _split(arrays["teacher_logprobs"], arrays["response_lengths"])
+        for i, group in enumerate(fields):
+            if arrays["teacher_scored"][i]:
+                group["teacher_logprobs"] = logprobs[bounds[i] : bounds[i + 1]]
+            if arrays["teacher_timed"][i]:
+                group["teacher_seconds"] = float(arrays["teacher_seconds"][i])
+    if "reward_term_names" in attrs or "reward_terms" in arrays:
+        names, terms = attrs["reward_term_names"], arrays["reward_terms"]
+        if terms.shape != (bounds[-1], len(names)):
+            raise ValueError(
+                f"reward_terms has shape {terms.shape} but the segment has {bounds[-1]} "
+                f"responses and {len(names)} reward terms"
+            )
+        for i, group in enumerate(fields):
+            rows = terms[bounds[i] : bounds[i + 1]]
+            group["reward_terms"] = {name: rows[:, k] for k, name in enumerate(names)}
+    return fields
+
+
 def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[ScoredGroup]:
     sizes = arrays["group_sizes"]
     bounds = np.concatenate([[0], np.cumsum(sizes)])
@@ -261,6 +345,7 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
     tokens = _split(arrays["response_tokens"], arrays["response_lengths"])
     logprobs = _split(arrays["behaviour_logprobs"], arrays["response_lengths"])
     multi_turn = _multi_turn_fields(arrays, attrs["format_version"])
+    scores = _scores_from_models(arrays, attrs, bounds)
     groups = []
     for i in range(len(sizes)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
@@ -279,6 +364,7 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
             created_at=float(arrays["created_at"][i]),
             finished_at=float(arrays["finished_at"][i]),
             **{name: values[lo:hi] for name, values in multi_turn.items()},
+            **scores[i],
         )
         groups.append(group.validate())
     return groups

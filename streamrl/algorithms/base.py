@@ -36,6 +36,7 @@ from streamrl.algorithms.correction_config import (
     RolloutCorrection,
     correction_of_importance,
 )
+from streamrl.algorithms.distillation import OPDConfig
 from streamrl.algorithms.kl import KLEstimator
 from streamrl.algorithms.losses import Aggregation, LossDenominators, Metrics
 from streamrl.algorithms.policy_losses import (
@@ -231,6 +232,13 @@ class AlgorithmBase(Section):
     )
     entropy_coef: float = Field(
         0.0, ge=0.0, description="c_H: loss −= c_H · token-mean entropy (T1). 0 disables."
+    )
+    opd: OPDConfig | None = Field(
+        None,
+        description="On-policy distillation: a teacher's log-probs on the student's samples as "
+        "a per-token advantage, λ_rl·A + λ_opd·Σ γ^(k−t)·(logp_T − logp_behav)_k "
+        "(docs/algorithms.md); needs generator.teacher. null (default): off. "
+        "algorithm.opd.lambda_rl=0 distils only.",
     )
     length_reweight: float = Field(
         0.0,
@@ -434,6 +442,13 @@ class ClippedAlgorithmBase(AlgorithmBase):
     @model_validator(mode="after")
     def _loss_takes_these_advantages(self) -> ClippedAlgorithmBase:
         loss = self.policy_loss
+        if self.opd is not None and not loss.per_token_advantages:
+            raise ValueError(
+                f"policy_loss {loss.kind!r} is defined for one advantage per response (its "
+                "ratio is the response's), but on-policy distillation (algorithm.opd) gives "
+                "each token its own (the teacher's log-prob gap); use policy_loss.kind="
+                "gspo_token, which takes per-token advantages, or set algorithm.opd=null"
+            )
         if self.per_token_advantages and not loss.per_token_advantages:
             raise ValueError(
                 f"policy_loss {loss.kind!r} is defined for one advantage per response (its "

@@ -22,6 +22,7 @@ from streamrl.envs.config import EnvConfig
 from streamrl.isolation.user_code import check_user_code, modules_not_found
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
+from streamrl.scorers.config import ScorerConfig
 
 __all__ = ["add_commands", "add_config_args", "config_from"]
 
@@ -117,6 +118,11 @@ def _describe_model(model: type[BaseModel], prefix: str) -> list[str]:
     # A union member's defaults are its own (each algorithm's paper values).
     instance = model() if prefix.split(".")[0] in UNIONS else None
     for name, field in model.model_fields.items():
+        if field.is_required():
+            lines.append(f"{prefix}.{name} = (required)")
+            if field.description:
+                lines.append(f"    {field.description}")
+            continue
         default = (
             getattr(instance, name)
             if instance is not None
@@ -135,6 +141,8 @@ def _cmd_fields(args: argparse.Namespace) -> int:
     for name, field in RunConfig.model_fields.items():
         if name in UNIONS:
             sections.update({f"{name}.{k}": v for k, v in UNIONS[name][1].items()})
+        elif name == "scorers":  # sections by name, each a ScorerConfig
+            sections["scorers.<name>"] = ScorerConfig
         else:
             sections[name] = field.annotation  # type: ignore[assignment]
     sections["generator.reward"] = RewardConfig

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from streamrl.cli import config as cli_config
@@ -43,6 +44,7 @@ def _cmd_generator(args: argparse.Namespace) -> int:
     from streamrl.generator.index import GeneratorIndexHeldError, GeneratorIndexLostError
     from streamrl.generator.main import run_generator
     from streamrl.rewards import RewardLoadError, RewardResolutionError
+    from streamrl.scorers.tokenizers import TokenizerMismatchError
     from streamrl.supervision.policy import USER_CODE_EXIT_CODE
 
     try:
@@ -50,13 +52,38 @@ def _cmd_generator(args: argparse.Namespace) -> int:
     except (GeneratorIndexHeldError, GeneratorIndexLostError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return NOT_HOLDER_EXIT_CODE
-    except (RewardResolutionError, EnvResolutionError) as exc:
+    except (RewardResolutionError, EnvResolutionError, TokenizerMismatchError) as exc:
         if isinstance(exc, (RewardLoadError, EnvLoadError)):
             raise  # may load next time: a restart is worth it
         print(f"error: {exc}", file=sys.stderr)
         return USER_CODE_EXIT_CODE
     print(f"generator {args.index}: {stats.groups} groups in {stats.segments} segments")
     return 0
+
+
+EXAMPLES_SCORER = """\
+examples:
+  streamrl scorer --run ./runs/distil --name teacher
+Serves one of the run's scorers (scorers.NAME without a url: a teacher, reward model or judge)
+with vLLM's OpenAI-compatible server, and publishes its address in the run's storage once it
+answers; `streamrl run` and the flows start it themselves. Exits with the server's code; a
+teacher whose tokenizer is not the policy's exits with code 4 (a restart would fail the same
+way).
+"""
+
+
+def _cmd_scorer(args: argparse.Namespace) -> int:
+    from streamrl.scorers.serve import serve_scorer
+    from streamrl.scorers.tokenizers import TokenizerMismatchError
+    from streamrl.supervision.policy import USER_CODE_EXIT_CODE
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        return serve_scorer(args.run, args.name, stop)
+    except TokenizerMismatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_CODE_EXIT_CODE
 
 
 EXAMPLES_LEARNER = """\
@@ -228,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
         "restarting the index, or a generator known to be gone",
     )
     generator.set_defaults(func=_cmd_generator)
+
+    scorer = commands.add_parser(
+        "scorer",
+        help="serve one of a run's scorers (teacher, reward model, judge) with vLLM",
+        description="Serve a scorer of an existing run and publish its address.",
+        epilog=EXAMPLES_SCORER,
+        formatter_class=raw,
+    )
+    scorer.add_argument("--run", required=True, metavar="RUN_URI", help="the run's root URI")
+    scorer.add_argument("--name", required=True, help="the scorer's name (scorers.NAME)")
+    scorer.set_defaults(func=_cmd_scorer)
 
     learner = commands.add_parser(
         "learner",

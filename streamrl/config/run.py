@@ -13,6 +13,7 @@ Each section is defined, read and validated beside its component:
     eval        streamrl.evaluation.config     EvalConfig
     algorithm   streamrl.algorithms.config     one class per algorithm (by `name`)
     placement   streamrl.placement.config      one class per mode (`local` | `pools`)
+    scorers     streamrl.scorers.config        ScorerConfig per name (teacher, reward model, judge)
     health      streamrl.learner.health                HealthConfig
     storage     here                           StorageConfig
 
@@ -37,6 +38,7 @@ from streamrl.learner.config import HealthConfig, LearnerConfig, LoggingConfig, 
 from streamrl.models.config import ModelConfig
 from streamrl.models.lora import LoraConfig
 from streamrl.placement.config import LocalPlacement, PlacementConfig
+from streamrl.scorers.config import ScorerConfig, check_scorer_name
 
 __all__ = ["RunConfig", "StorageConfig"]
 
@@ -115,6 +117,12 @@ class RunConfig(Section):
     placement: PlacementConfig = Field(
         default_factory=LocalPlacement,
         description="Where the processes run: this machine or Prefect work pools.",
+    )
+    scorers: dict[str, ScorerConfig] = Field(
+        default_factory=dict,
+        description="The models that score, by name: a teacher (generator.teacher), reward "
+        "models and judges — each an OpenAI-compatible endpoint, served by the run (vLLM, "
+        "placed and supervised like a generator) or external (url).",
     )
 
     @model_validator(mode="before")
@@ -210,6 +218,46 @@ class RunConfig(Section):
                 f"algorithm '{self.algorithm.name}' trains a value model, which multi-turn "
                 f"episodes (generator.env.fn={env.fn}) do not support yet; use grpo, dr_grpo, "
                 "dapo, rloo, reinforce_pp or gpg"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scorers_are_named_and_used(self) -> RunConfig:
+        for name in self.scorers:
+            check_scorer_name(name)
+        teacher, opd = self.generator.teacher, self.algorithm.opd
+        if opd is not None and teacher is None:
+            raise ValueError(
+                "algorithm.opd (on-policy distillation) trains on a teacher's log-probs, but "
+                "generator.teacher is not set: name a scorer, e.g. scorers.teacher.model=PATH "
+                "and generator.teacher=teacher"
+            )
+        if teacher is None:
+            return self
+        if opd is None:
+            raise ValueError(
+                f"generator.teacher={teacher} scores every sampled token, but algorithm.opd is "
+                "not set, so nothing would train on it: set algorithm.opd (e.g. "
+                "algorithm.opd.lambda_rl=1.0) or generator.teacher=null"
+            )
+        scorer = self.scorers.get(teacher)
+        if scorer is None:
+            known = ", ".join(sorted(self.scorers)) or "none"
+            raise ValueError(
+                f"generator.teacher={teacher} names no scorer (scorers: {known}); add "
+                f"scorers.{teacher}.model=PATH (served by the run) or scorers.{teacher}.url=URL"
+            )
+        if not scorer.served and scorer.tokenizer is None:
+            raise ValueError(
+                f"generator.teacher={teacher} is an external endpoint: set "
+                f"scorers.{teacher}.tokenizer to its tokenizer's directory, so that streamrl "
+                "can check it is the policy's (the teacher's log-probs are read at the "
+                "policy's token ids)"
+            )
+        if scorer.task != "generate":
+            raise ValueError(
+                f"generator.teacher={teacher} is a {scorer.task} scorer; a teacher gives "
+                f"log-probs, so scorers.{teacher}.task must be generate"
             )
         return self
 
@@ -310,6 +358,12 @@ class RunConfig(Section):
         if self.model.lora is not None and self.weights.lora_publish == "adapter":
             return self.model.lora
         return None
+
+    @property
+    def served_scorers(self) -> list[str]:
+        """The names of the scorers the run serves itself (no url), sorted: scorer `index` of
+        the placement plan and the supervision policy is this list's."""
+        return sorted(name for name, scorer in self.scorers.items() if scorer.served)
 
     @property
     def user_code(self) -> dict[str, str]:

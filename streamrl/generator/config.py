@@ -183,6 +183,12 @@ class GeneratorConfig(Section):
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="The reward function and its sandbox."
     )
+    teacher: str | None = Field(
+        None,
+        description="On-policy distillation: the scorer (a name in `scorers`, task generate) "
+        "whose log-probs of every sampled token the records carry (algorithm.opd trains on "
+        "them). Its tokenizer must be the policy's. null (default): no teacher.",
+    )
     env: EnvConfig = Field(
         default_factory=EnvConfig,
         description="The environment episodes run in: single-turn (default) or multi-turn "

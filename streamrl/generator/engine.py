@@ -66,6 +66,7 @@ __all__ = [
     "WeightReloadExtension",
     "WeightSource",
     "configure_cpu_environment",
+    "cpu_environment",
     "generator_seed",
     "request_seed",
     "use_cuda",
@@ -100,19 +101,29 @@ def request_seed(engine_seed: int, request: int, group_size: int) -> int:
     return (engine_seed + request * group_size) % SEED_MODULUS
 
 
-def configure_cpu_environment(
+def cpu_environment(
     kv_cache_gib: int, cores: str | None = None, *, engine_process: bool = False
-) -> None:
-    """Set vLLM's CPU-backend environment (before vllm is imported): KV-cache size, OpenMP
-    thread binding to the cores this process may use, and whether the engine core runs in a
-    process of its own (`engine_process`) or in this one."""
+) -> dict[str, str]:
+    """vLLM's CPU-backend environment: KV-cache size, OpenMP thread binding (the placement's
+    `VLLM_CPU_OMP_THREADS_BIND` when set, else `cores`, else the cores this process may use),
+    and whether the engine core runs in a process of its own (`engine_process`)."""
     if cores is None:
         allowed = sorted(os.sched_getaffinity(0))
         cores = ",".join(str(c) for c in allowed)
-    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0",
+    }
+
+
+def configure_cpu_environment(
+    kv_cache_gib: int, cores: str | None = None, *, engine_process: bool = False
+) -> None:
+    """Set vLLM's CPU-backend environment in this process (before vllm is imported):
+    `cpu_environment`'s."""
+    os.environ.update(cpu_environment(kv_cache_gib, cores, engine_process=engine_process))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
+from typing import Literal
 
 from storage.control.requests import stop_requested
 from storage.fs import Location
@@ -49,6 +51,8 @@ from streamrl.generator.progress import PromptLedger
 from streamrl.generator.records import GeneratorStats, GroupRecords
 from streamrl.generator.rollouts import EpisodeDriver, Rollout
 from streamrl.rewards import Scores
+from streamrl.scorers.client import ScorerCallError
+from streamrl.scorers.teacher import Teacher, TeacherScores
 
 __all__ = ["BrokenRewardError", "GeneratorLoop"]
 
@@ -79,16 +83,18 @@ class GeneratorLoop:
         generator_id: str,
         ledger: PromptLedger | None = None,
         before_commit: Callable[[], object] | None = None,
+        teacher: Teacher | None = None,
     ) -> None:
         """`runner`: the environment's (`generator.env`), open. `before_commit` runs before
         every commit and raises when this generator may no longer write (its index was taken
-        over: `streamrl.generator.index.GeneratorIndex.check`)."""
+        over: `streamrl.generator.index.GeneratorIndex.check`). `teacher`: the run's
+        (`generator.teacher`), its client open."""
         self.config = config
         self.run_location = run
         self.engine = engine
         self.prompts = prompts
         self.runner = runner
-        self.episodes = EpisodeDriver(config, engine, runner)
+        self.episodes = EpisodeDriver(config, engine, runner, teacher)
         self.writer = writer
         self.weights = WeightStore(run)
         self.weight_source = WeightSource.of(run, config.weights)
@@ -171,8 +177,11 @@ class GeneratorLoop:
             self.ledger.collected(rollout.key)
             scored = [f.result() for f in rollout.scores]
             scores = Scores([s.reward for s in scored], [s.failure for s in scored])
-            if not self._dropped_for_failures(scores):
-                self.writer.append(self.records.group(rollout, scored))
+            if self._dropped_for_failures(scores):
+                continue
+            taught = self._teacher_scores(rollout)
+            if taught is not False:
+                self.writer.append(self.records.group(rollout, scored, taught))
         while self.episodes.dropped:  # dropped on purpose: as good as collected
             self.ledger.collected(self.episodes.dropped.pop())
 
@@ -205,6 +214,30 @@ class GeneratorLoop:
             errors=scores.errors, timeouts=scores.timeouts, dropped_groups=int(drop)
         )
         return drop
+
+    def _teacher_scores(self, rollout: Rollout) -> TeacherScores | Literal[False] | None:
+        """The group's teacher log-probs; None without a teacher; False when the teacher
+        failed: the group is left out (nothing stands in for log-probs) and counted as a
+        failed reward call."""
+        if rollout.teacher is None:
+            return None
+        if not rollout.teacher.done():  # on stop, past the drain's wait
+            rollout.teacher.cancel()
+        try:
+            return rollout.teacher.result(timeout=0)
+        except (ScorerCallError, CancelledError, TimeoutError) as exc:
+            timeout = isinstance(exc, ScorerCallError) and exc.failure == "timeout"
+            self.stats.reward_errors += int(not timeout)
+            self.stats.reward_timeouts += int(timeout)
+            self.stats.dropped_groups += 1
+            self.writer.count_reward_failures(
+                errors=int(not timeout), timeouts=int(timeout), dropped_groups=1
+            )
+            log.warning(
+                "generator %s: group %s left out: the teacher could not score it (%s)",
+                self.generator_id, rollout.prompt.prompt_id, exc or type(exc).__name__,
+            )  # fmt: skip
+            return False
 
     def _flush(self) -> None:
         """Commit the open segment, then record the prompts it covers as committed."""

@@ -19,6 +19,7 @@ from storage.stream.writer import StreamWriter
 from streamrl.config.run import RunConfig
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.generator.records import GeneratorStats
+from streamrl.scorers.teacher import Teacher
 
 __all__ = ["build_generator", "run_generator"]
 
@@ -108,6 +109,7 @@ def _build(
         engine = stack.enter_context(
             Engine(model_path, config.model, cfg, seed=seed, adapter=config.served_adapter)
         )
+        teacher = stack.enter_context(_teacher(config, run, model_path))
         weights, seconds = Advance(None), 0.0
         if policy_version != 0:
             weight_source = WeightSource.of(run, config.weights)
@@ -134,9 +136,37 @@ def _build(
             generator_id=generator_id,
             ledger=PromptLedger(prompts, run=run, progress=progress),
             before_commit=before_commit,
+            teacher=teacher,
         )
         loop.skip_unusable_weights(weights)
         yield loop
+
+
+@contextlib.contextmanager
+def _teacher(config: RunConfig, run: Location, model_path: str) -> Iterator[Teacher | None]:
+    """The run's teacher with its client open, or None. An external teacher's tokenizer is
+    checked against the policy's here (a served one's by its own process, before it starts)."""
+    from streamrl.scorers.client import ScorerClient
+    from streamrl.scorers.teacher import Teacher
+    from streamrl.scorers.tokenizers import TokenizerMismatchError, tokenizer_difference
+
+    name = config.generator.teacher
+    if name is None:
+        yield None
+        return
+    scorer = config.scorers[name]
+    if not scorer.served and scorer.tokenizer is not None:
+        policy = config.model.tokenizer or model_path
+        difference = tokenizer_difference(
+            policy, scorer.tokenizer, trust_remote_code=config.model.trust_remote_code
+        )
+        if difference is not None:
+            raise TokenizerMismatchError(
+                f"the teacher (scorers.{name}, tokenizer {scorer.tokenizer}) does not share the "
+                f"policy's tokenizer: {difference}; distil from a teacher of the same tokenizer"
+            )
+    with ScorerClient(name, scorer, run) as client:
+        yield Teacher(client)
 
 
 def run_generator(

@@ -24,6 +24,7 @@ from streamrl.algorithms.shaping import (
 from streamrl.config.run import RunConfig
 from streamrl.envs.runner import Scored
 from streamrl.generator.rollouts import Rollout
+from streamrl.scorers.teacher import TeacherScores
 
 __all__ = ["GeneratorStats", "GroupRecords"]
 
@@ -62,11 +63,14 @@ class GroupRecords:
     def __init__(self, config: RunConfig, generator_id: str, stats: GeneratorStats) -> None:
         self.config, self.generator_id, self.stats = config, generator_id, stats
 
-    def group(self, rollout: Rollout, scored: list[Scored]) -> ScoredGroup:
+    def group(
+        self, rollout: Rollout, scored: list[Scored], teacher: TeacherScores | None = None
+    ) -> ScoredGroup:
         """A finished group as its record: each episode's transcript, score and statistics,
-        rewards shaped (`algorithm`), counted in `stats`. The multi-turn fields are left None
-        where they hold their single-turn values (one turn, no environment token, one weight
-        version, no turn reward), so a single-turn group is stored as one."""
+        rewards shaped (`algorithm`), the teacher's log-probs when it has them, counted in
+        `stats`. The multi-turn fields are left None where they hold their single-turn values
+        (one turn, no environment token, one weight version, no turn reward), so a single-turn
+        group is stored as one."""
         arrays = [t.arrays() for t in rollout.transcripts]
         tokens, masks, versions = (
             [a[0] for a in arrays],
@@ -136,6 +140,8 @@ class GroupRecords:
             tool_errors=np.array([e.tool_errors for e in episodes], dtype=np.int32),
             env_seconds=np.array([e.env_s for e in episodes], dtype=np.float32),
             wait_seconds=rollout.wait_seconds(),
+            teacher_logprobs=teacher.logprobs if teacher is not None else None,
+            teacher_seconds=teacher.seconds if teacher is not None else None,
         )
 
 

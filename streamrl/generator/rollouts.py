@@ -21,7 +21,9 @@ scored groups (`Rollout`s whose every episode ended and was scored). Per prompt:
    not fit `observation_max_tokens` even with its messages emptied (`max_tokens`), or when an
    environment call failed (`env_error`, `timeout`);
 4. once all G have ended, each is scored by the environment (`score`: by default the reward
-   function, in isolated workers); the group's responses' sampled lengths then go to the rule.
+   function, in isolated workers) and, with a teacher (`generator.teacher`), the group's exact
+   token histories are sent to it for its log-probs (`streamrl.scorers.teacher`); the group's
+   responses' sampled lengths then go to the rule.
 
 A group waits for its slowest episode; the budgets above bound it, and the time each episode's
 result waited is recorded (`Transcript.ended_at` → the record's `wait_seconds`). Nothing here
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -43,12 +45,14 @@ from streamrl.envs.base import Task
 from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored
 from streamrl.generator.chat import ChatRenderer
 from streamrl.generator.engine import Completion, Engine, FinishedGroup
+from streamrl.scorers.teacher import Teacher, TeacherScores
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EpisodeDriver", "PromptTooLongError", "Rollout", "Transcript"]
 
 MAX_TOO_LONG_IN_A_ROW = 32
+DRAIN_TEACHER_S = 10.0  # on stop, how long the groups ended wait for the teacher's log-probs
 
 
 class PromptTooLongError(RuntimeError):
@@ -120,6 +124,7 @@ class Rollout:
     transcripts: list[Transcript] = field(default_factory=list)
     last_eos: list[bool] = field(default_factory=list)
     scores: list[Future[Scored]] = field(default_factory=list)
+    teacher: Future[TeacherScores] | None = None  # with a teacher, once the episodes ended
 
     @property
     def ended(self) -> bool:
@@ -127,7 +132,8 @@ class Rollout:
 
     @property
     def scored(self) -> bool:
-        return bool(self.scores) and all(f.done() for f in self.scores)
+        taught = self.teacher is None or self.teacher.done()
+        return bool(self.scores) and all(f.done() for f in self.scores) and taught
 
     @property
     def policy_version(self) -> int:
@@ -152,14 +158,17 @@ class Rollout:
 
 class EpisodeDriver:
     """Drives one generator's rollouts (module docstring). `group_sizes`: the rule giving each
-    group's G, fed every group whose episodes have ended (before its scores come back)."""
+    group's G, fed every group whose episodes have ended (before its scores come back).
+    `teacher`: the run's teacher, when it distils."""
 
-    def __init__(self, config: RunConfig, engine: Engine, runner: EnvRunner) -> None:
+    def __init__(
+        self, config: RunConfig, engine: Engine, runner: EnvRunner, teacher: Teacher | None = None
+    ) -> None:
         self.env = config.generator.env
         self.group_sizes = config.generator.group_size_rule()
         self.turn_max_tokens = self.env.turn_max_tokens or config.generator.max_tokens
         self.max_episode_tokens = self.env.max_episode_tokens or config.model.max_model_len
-        self.engine, self.runner = engine, runner
+        self.engine, self.runner, self.teacher = engine, runner, teacher
         self.renderer = (
             ChatRenderer(engine.tokenizer, config.model.path) if self.env.multi_turn else None
         )
@@ -208,13 +217,19 @@ class EpisodeDriver:
         for rollout in self._rollouts:
             if rollout.ended and not rollout.scores:
                 rollout.scores = [self.runner.score(e) for e in rollout.episodes]
+                if self.teacher is not None:
+                    arrays = [t.arrays() for t in rollout.transcripts]
+                    rollout.teacher = self.teacher.score(
+                        rollout.prompt_ids, [a[0] for a in arrays], [a[2] for a in arrays]
+                    )
                 # Its lengths are known now: the next group's G need not wait for its scores.
                 self.group_sizes.observe(rollout.sampled_lengths())
         return self._take_scored()
 
     def drain(self) -> list[Rollout]:
         """On stop (the engine's requests already aborted): the groups whose episodes have all
-        ended, once scored; every other group in flight is dropped."""
+        ended, once scored (by the teacher within `DRAIN_TEACHER_S`); every other group in
+        flight is dropped."""
         self._resets.clear()
         self._first.clear()
         self._next.clear()
@@ -223,6 +238,8 @@ class EpisodeDriver:
         for rollout in self._rollouts:
             for future in rollout.scores:
                 future.result()
+        # The teacher is a server that may be down: what it has not scored by then is dropped.
+        wait([r.teacher for r in self._rollouts if r.teacher is not None], DRAIN_TEACHER_S)
         return self._take_scored()
 
     def _take_scored(self) -> list[Rollout]:

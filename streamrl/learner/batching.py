@@ -98,9 +98,10 @@ class BatchCollector:
     (`batch_tokens`) until those that passed hold `batch_tokens` response tokens.
 
     Every consumed group that was read is first checked against the model (token ids <
-    `vocab_size`, prompt + response ≤ `max_seq_len`); a mismatch raises
-    `IncompatibleGroupError` (a stream written for another model is a user error, not data to
-    skip). `totals` counts every batch so far: keep it in the learner state and pass it back on
+    `vocab_size`, prompt + response ≤ `max_seq_len`) and, with `needs_teacher` (on-policy
+    distillation), for its teacher log-probs; a mismatch raises `IncompatibleGroupError` (a
+    stream written for another model or without a teacher is a user error, not data to skip).
+    `totals` counts every batch so far: keep it in the learner state and pass it back on
     resume. `oldest_usable(version)` is the staleness rule as a bound, for the stream reader.
     `pending_accepted`: the groups accepted for the batch being collected, or collected and not
     yet trained on (the owner sets it back to 0 once their step is done); another thread may
@@ -113,6 +114,7 @@ class BatchCollector:
     max_seq_len: int
     totals: FilterCounts = field(default_factory=FilterCounts)
     batch_tokens: int | None = None
+    needs_teacher: bool = False
     pending_accepted: int = field(default=0, init=False)
 
     def oldest_usable(self, current_version: int) -> int:
@@ -182,6 +184,12 @@ class BatchCollector:
             raise IncompatibleGroupError(
                 f"{where} holds token id {int(tokens.max())} outside the model's vocabulary "
                 f"[0, {self.vocab_size}); {hint}"
+            )
+        if self.needs_teacher and group.teacher_logprobs is None:
+            raise IncompatibleGroupError(
+                f"{where} carries no teacher log-probs, but algorithm.opd (on-policy "
+                "distillation) trains on them: give the generators a teacher "
+                "(generator.teacher), or set algorithm.opd=null"
             )
         longest = len(pieces[0]) + max(len(p) for p in pieces[1:])
         if longest > self.max_seq_len:

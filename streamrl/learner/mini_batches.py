@@ -36,7 +36,9 @@ class TrainBatch:
     log-probs are `logprobs[logprob_start[i] : logprob_start[i] + L]` (`logprobs: [ΣL] f32`),
     and `sampled` (`[ΣL] bool`, the same layout) tells the tokens the policy sampled (True)
     from environment tokens of a multi-turn response (False: in the sequence, never scored).
-    L counts both. `past`: the earlier rewards of the groups' prompts that temporal groups pool
+    L counts both. `teacher_logprobs` (`[ΣL] f32`, the layout of `logprobs`): a teacher's
+    log-probs of the response tokens (on-policy distillation), or None when no group carries
+    them. `past`: the earlier rewards of the groups' prompts that temporal groups pool
     (`streamrl.learner.reward_history`), empty otherwise.
     """
 
@@ -54,6 +56,7 @@ class TrainBatch:
     logprobs: Tensor
     logprob_start: Tensor
     sampled: Tensor
+    teacher_logprobs: Tensor | None = None
     past: PastRewards = field(default_factory=PastRewards)
 
     @classmethod
@@ -76,6 +79,12 @@ class TrainBatch:
         pieces = [part for i, r in enumerate(responses) for part in (prompts[group_index[i]], r)]
         logprobs = [np.asarray(lp) for g in groups for lp in g.behaviour_logprobs]
         sampled = [m for g in groups for m in g.effective_loss_masks]
+        taught = [g.teacher_logprobs is not None for g in groups]
+        if any(taught) and not all(taught):
+            raise ValueError(
+                "a batch mixes groups with and without teacher log-probs; the batch collector "
+                "lets only groups a teacher scored through when algorithm.opd is on"
+            )
 
         def flat(arrays: list[np.ndarray], dtype: type) -> Tensor:
             joined = np.concatenate(arrays) if arrays else np.zeros(0)
@@ -101,6 +110,11 @@ class TrainBatch:
             logprobs=flat(logprobs, np.float32),
             logprob_start=torch.from_numpy(np.cumsum(response_length) - response_length),
             sampled=flat(sampled, np.bool_),
+            teacher_logprobs=(
+                flat([np.asarray(lp) for g in groups for lp in g.teacher_logprobs], np.float32)
+                if groups and all(taught)
+                else None
+            ),
             past=past or PastRewards(),
         )
 
@@ -166,6 +180,8 @@ class MicroBatch:
                                           importance weights, entropy, KL and step metrics
     behaviour_logprobs  `[n, T−1] f32`    generator log-prob of targets[:, j] at response
                                           targets (0 at environment tokens), else 0
+    teacher_logprobs    `[n, T−1] f32 | None`  the teacher's, laid out alike (on-policy
+                                          distillation), or None: no teacher scored them
     sample_index        `[n]      int64`  row in the TrainBatch (gather advantages with it)
     group_index         `[n]      int64`  group in the batch
     rewards             `[n]      f32`    the response's reward
@@ -191,6 +207,7 @@ class MicroBatch:
     fresh: Tensor
     num_tokens: int
     block_mask: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
     is_dummy: bool = False
 
     @classmethod
@@ -371,6 +388,10 @@ def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) 
     at = batch.logprob_start[rows, None] + j - (P - 1)  # index into the flat log-probs
     behaviour_logprobs = torch.zeros(response_mask.shape)
     behaviour_logprobs[response_mask] = batch.logprobs[at[response_mask]]
+    teacher_logprobs = None
+    if batch.teacher_logprobs is not None:
+        teacher_logprobs = torch.zeros(response_mask.shape)
+        teacher_logprobs[response_mask] = batch.teacher_logprobs[at[response_mask]]
     sampled_mask = torch.zeros_like(response_mask)
     sampled_mask[response_mask] = batch.sampled[at[response_mask]]
     loss_mask = sampled_mask & ~batch.truncated[rows, None] if overlong_filter else sampled_mask
@@ -389,6 +410,7 @@ def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) 
         sampled_mask=sampled_mask,
         loss_mask=loss_mask,
         behaviour_logprobs=behaviour_logprobs,
+        teacher_logprobs=teacher_logprobs,
         sample_index=rows,
         group_index=batch.group_index[rows],
         rewards=batch.rewards[rows],

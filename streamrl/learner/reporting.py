@@ -297,6 +297,8 @@ class MetricsReporter:
                 metrics.get("rollout/tool_calls_mean", 0.0),
             )
             agent = f" turns {turns:.2f} tools {calls:.2f}" if turns > 1 or calls > 0 else ""
+            if "opd/reverse_kl" in metrics:  # on-policy distillation: the student's gap
+                agent += f" rkl {metrics['opd/reverse_kl']:.4f}"
             log.info(
                 "step %d/%d: reward %+.3f acc %.3f len %.0f%s loss %.4f staleness %.2f "
                 "%.0f tok/s %.0fs v%d",

@@ -1,14 +1,16 @@
 """The scoring pass of a learner step: no gradient, before any update, over this rank's
 micro-batches.
 
-It computes what the losses compare against: proximal log-probs when several updates share
-the batch (with one, logp_prox = logp_θ.detach(): ratio 1, same gradient, no extra forward
-pass); reference log-probs when the algorithm has a KL term; the critic's values V_old when it
-has a value model (and the frozen pre-trained critic's V_pre, which weighted value integration
-blends into the values of the policy's GAE). From them, the algorithm's token advantages
-`[n, T−1]` for every micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`):
-per response on the whole batch, per token in each micro-batch, then normalised over every
-micro-batch of every rank (REINFORCE++ whitens there). When the off-policy correction
+It computes what the losses compare against: proximal log-probs when several updates share the
+batch (with one, logp_prox = logp_θ.detach(): ratio 1, same gradient, no extra forward pass);
+reference log-probs when the algorithm has a KL term; the critic's values V_old when it has a
+value model (and the frozen pre-trained critic's V_pre, which weighted value integration blends
+into the values of the policy's GAE). From them, the algorithm's token advantages `[n, T−1]`
+for every micro-batch, in its three stages (`streamrl.algorithms.base.AlgorithmBase`): per
+response on the whole batch, per token in each micro-batch, then normalised over every micro-
+batch of every rank (REINFORCE++ whitens there). With on-policy distillation (`algorithm.opd`)
+the teacher's per-token return is added after that normalisation, never whitened with the
+outcome advantages (`streamrl.algorithms.distillation`). When the off-policy correction
 normalises its weights, their mean over each mini-batch's kept loss tokens on every rank (one
 all-reduce for all mini-batches), from the proximal log-probs it then always computes.
 
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from streamrl.algorithms.base import Responses
 from streamrl.algorithms.config import AlgorithmConfig
+from streamrl.algorithms.distillation import opd_metric_sums
 from streamrl.algorithms.kl import kl_estimate
 from streamrl.learner.forward import token_scores, values
 from streamrl.learner.mini_batches import MicroBatch
@@ -98,7 +101,8 @@ def score_batch(
     """The scoring pass over this rank's micro-batches (`micros[mini][j]`, on the device).
 
     Returns their `MicroTargets` in the same layout and the scoring metrics (`actor/ref_kl`,
-    the behaviour policy's KL to the reference, when there is one)."""
+    the behaviour policy's KL to the reference, when there is one; `opd/reverse_kl` and
+    `opd/teacher_logp_mean` with on-policy distillation)."""
     responses = responses.to(topology.device)
     outcomes = algorithm.response_outcomes(responses)  # [N], on the whole batch
     kl_cfg = algorithm.reference_kl
@@ -145,16 +149,34 @@ def score_batch(
     if correction is not None:  # Σw / count per mini-batch, over every rank
         sums = topology.all_reduce_sum(weight_sums).tolist()
         means = [total / count if count > 0 else 1.0 for total, count in sums]
+    opd = algorithm.opd
+    opd_sums = torch.zeros(3, dtype=torch.float64, device=topology.device)
+
+    def with_teacher(advantages: Tensor, micro: MicroBatch) -> Tensor:
+        if opd is None or micro.is_dummy:
+            return advantages
+        assert micro.teacher_logprobs is not None  # the batch collector checked every group
+        teacher, behaviour = micro.teacher_logprobs, micro.behaviour_logprobs
+        opd_sums.add_(opd_metric_sums(teacher, behaviour, micro.loss_mask).to(opd_sums.device))
+        return opd.advantages(advantages, teacher, behaviour, micro.loss_mask)
+
     scored = [
         [
-            replace(t, advantages=_reweighted(algorithm, next(normalised), m, responses),
-                    weight_mean=mean)
+            replace(
+                t,
+                advantages=_reweighted(algorithm, with_teacher(next(normalised), m), m, responses),
+                weight_mean=mean,
+            )
             for t, m in zip(row, mini, strict=True)
         ]
         for row, mini, mean in zip(scored, micros, means, strict=True)
-    ]  # fmt: skip
+    ]
 
     metrics = {}
+    if opd is not None:
+        gap, teacher_logp, tokens = topology.all_reduce_sum(opd_sums).tolist()
+        metrics["opd/reverse_kl"] = gap / max(tokens, 1.0)
+        metrics["opd/teacher_logp_mean"] = teacher_logp / max(tokens, 1.0)
     if reference is not None:
         tokens = sum(m.num_tokens for mini in micros for m in mini)
         totals = topology.all_reduce_sum(torch.stack([kl_sum, kl_sum.new_tensor(tokens)]))

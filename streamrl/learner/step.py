@@ -115,7 +115,14 @@ def _check_models(models: StepModels, algorithm: AlgorithmConfig, train_policy: 
 
 
 def _check_batch(batch: TrainBatch, algorithm: AlgorithmConfig) -> None:
-    """The algorithm can train on every group of the batch (multi-turn groups)."""
+    """The algorithm can train on every group of the batch (multi-turn groups, teacher
+    log-probs for on-policy distillation)."""
+    if algorithm.opd is not None and batch.teacher_logprobs is None:
+        raise ValueError(
+            "algorithm.opd (on-policy distillation) trains on teacher log-probs, but this "
+            "batch's groups carry none: give the generators a teacher (generator.teacher), or "
+            "set algorithm.opd=null"
+        )
     reason = algorithm.multi_turn_refusal
     if reason is None:
         return

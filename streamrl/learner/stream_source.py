@@ -80,6 +80,7 @@ class StreamSource:
             max_seq_len=config.model.max_model_len,
             totals=state.totals,
             batch_tokens=cfg.batch_tokens,
+            needs_teacher=config.algorithm.opd is not None,
         )
         # Evaluated by the reader's prefetch thread ahead of the collector's own check: exact
         # because the learner's version never decreases (see storage.stream.reader).

@@ -7,17 +7,22 @@ GPU torch sees) — between the run's processes, and refuses a plan that does no
 error naming the numbers. `place_alone` places one process on a machine of its own (a flow run
 on a work pool).
 
+The served scorers (`scorers.<name>` without a url: vLLM servers of a teacher, reward model or
+judge) are engines too, one process each, named `scorer-<name>`.
+
 Defaults (every choice can be pinned in the config: `learner.gpus`, `learner.cpu_cores`,
-`generator.cpu_cores`, `eval.cpu_cores`; GPUs per engine are `generator.tensor_parallel_size`):
+`generator.cpu_cores`, `eval.cpu_cores`, `scorers.<name>.cpu_cores`; GPUs per engine are
+`generator.tensor_parallel_size`, a scorer's its own `tensor_parallel_size`):
 
 - GPUs: the learner takes one per rank (the first `learner.nproc_per_node`, or `learner.gpus`),
-  then each generator and the evaluator take `tensor_parallel_size` each, in order. A component
-  on CPU (`device: cpu`, or `auto` with no GPU visible) gets none: `CUDA_VISIBLE_DEVICES=""`.
+  then each generator, the evaluator and each scorer take their tensor-parallel size, in order.
+  A component on CPU (`device: cpu`, or `auto` with no GPU visible) gets none:
+  `CUDA_VISIBLE_DEVICES=""`.
 - Cores: explicit core lists first, then explicit counts (the lowest free cores), then the
   automatic components share what is left: the learner half (at least one core), the
-  generators and the evaluator equal disjoint blocks of the rest. With fewer free cores than
-  automatic engines (2 cores, 2 generators) engines share cores round-robin, marked `shared`;
-  explicit settings that do not fit are refused instead.
+  generators, the evaluator and the scorers equal disjoint blocks of the rest. With fewer
+  free cores than automatic engines (2 cores, 2 generators) engines share cores round-robin,
+  marked `shared`; explicit settings that do not fit are refused instead.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from streamrl.placement.records import Component, PlacementPlan, ProcessPlacemen
 if TYPE_CHECKING:
     from streamrl.config.run import RunConfig
 
-__all__ = ["PlacementError", "place_alone", "plan_placement"]
+__all__ = ["PlacementError", "place_alone", "plan_placement", "scorer_process_name"]
 
 
 def plan_placement(
@@ -44,9 +49,9 @@ def plan_placement(
     cpus: Sequence[int] | None = None,
     gpus: Sequence[str] | None = None,
 ) -> PlacementPlan:
-    """Place the learner, `generators` generators (default `generator.count`) and, when
-    `evaluator` and `eval.every_versions` > 0, the evaluator on this machine's `cpus` (default:
-    this process's affinity) and `gpus` (default: `visible_gpus()`).
+    """Place the learner, `generators` generators (default `generator.count`), when
+    `evaluator` and `eval.every_versions` > 0 the evaluator, and the served scorers on this
+    machine's `cpus` (default: this process's affinity) and `gpus` (default: `visible_gpus()`).
 
     Raises `PlacementError` naming the numbers when the processes do not fit, or when the run
     is placed on work pools (`placement.mode=pools`)."""
@@ -55,7 +60,10 @@ def plan_placement(
     gpus = list(visible_gpus() if gpus is None else gpus)
     count = config.generator.count if generators is None else generators
     with_eval = evaluator and config.eval.every_versions > 0
-    names = ["learner", *(f"gen{i}" for i in range(count)), *(["eval"] if with_eval else [])]
+    scorers = [scorer_process_name(name) for name in config.served_scorers]
+    names = [
+        "learner", *(f"gen{i}" for i in range(count)), *(["eval"] if with_eval else []), *scorers
+    ]  # fmt: skip
     gpu_of = _place_gpus(config, count, with_eval, gpus)
     core_of, shared = _place_cores(config, count, with_eval, cpus)
     ranks = config.learner.nproc_per_node
@@ -81,7 +89,13 @@ def plan_placement(
         learner=process("learner", "learner"),
         generators=tuple(process(f"gen{i}", "generator", i) for i in range(count)),
         evaluator=process("eval", "evaluator") if with_eval else None,
+        scorers=tuple(process(name, "scorer", i) for i, name in enumerate(scorers)),
     )
+
+
+def scorer_process_name(name: str) -> str:
+    """The process (and log file) name of served scorer `name`."""
+    return f"scorer-{name}"
 
 
 def place_alone(
@@ -93,22 +107,31 @@ def place_alone(
     gpus: Sequence[str] | None = None,
 ) -> ProcessPlacement:
     """One process of a run on a machine of its own — a flow run on a work pool: a learner
-    node, generator `index` or the evaluator. It takes every core of this process's affinity
-    (`cpus`; the learner: `learner.cpu_cores` of them when set) and, on CUDA, the first
-    `learner.nproc_per_node` (learner) or `tensor_parallel_size` (engines) visible GPUs.
-    Raises `PlacementError` when there are fewer."""
+    node, generator `index`, the evaluator or served scorer `index`. It takes every core of
+    this process's affinity (`cpus`; the learner: `learner.cpu_cores` of them when set) and, on
+    CUDA, the first `learner.nproc_per_node` (learner) or `tensor_parallel_size` (engines)
+    visible GPUs. Raises `PlacementError` when there are fewer."""
     cpus = sorted(set(machine_cpus() if cpus is None else cpus))
     gpus = list(visible_gpus() if gpus is None else gpus)
     ranks = config.learner.nproc_per_node if component == "learner" else 1
     if component == "learner":
         field, device, wanted = "learner.nproc_per_node", config.learner.device, ranks
         cpus = _own_learner_cores(config.learner.cpu_cores, cpus)
+    elif component == "scorer":
+        scorer_name = config.served_scorers[index]
+        scorer = config.scorers[scorer_name]
+        field = f"scorers.{scorer_name}.tensor_parallel_size"
+        device, wanted = scorer.device, scorer.tensor_parallel_size
     else:
         field, device = "generator.tensor_parallel_size", config.generator.device
         wanted = config.generator.tensor_parallel_size
-    name = {"learner": "learner", "generator": f"gen{index}", "evaluator": "eval"}[component]
+    if component == "scorer":
+        name = scorer_process_name(config.served_scorers[index])
+    else:
+        name = {"learner": "learner", "generator": f"gen{index}", "evaluator": "eval"}[component]
+    device_field = field.rsplit(".", 1)[0] + ".device"
     mine: list[str] = []
-    if _on_cuda(device, gpus, "learner.device" if component == "learner" else "generator.device"):
+    if _on_cuda(device, gpus, "learner.device" if component == "learner" else device_field):
         if len(gpus) < wanted:
             raise PlacementError(
                 f"{name} needs {wanted} GPUs ({field}) but this machine exposes {len(gpus)}"
@@ -162,6 +185,11 @@ def _place_gpus(
     engines = [f"gen{i}" for i in range(count)] + (["eval"] if with_eval else [])
     learner_on = _on_cuda(learner.device, gpus, "learner.device")
     engines_on = bool(engines) and _on_cuda(config.generator.device, gpus, "generator.device")
+    scorers = {  # a served scorer on CUDA: its process name → its GPU count
+        scorer_process_name(name): config.scorers[name].tensor_parallel_size
+        for name in config.served_scorers
+        if _on_cuda(config.scorers[name].device, gpus, f"scorers.{name}.device")
+    }
     if not learner_on and learner.gpus is not None:
         raise PlacementError(
             f"learner.gpus={learner.gpus} but the learner runs on CPU here (learner.device="
@@ -177,11 +205,15 @@ def _place_gpus(
     if engines_on and with_eval:
         parts.append(f"evaluator {tp} GPU{'s' if tp > 1 else ''}")
         total += tp
+    for name, n in scorers.items():
+        parts.append(f"{name} {n} GPU{'s' if n > 1 else ''}")
+        total += n
     if total > len(gpus):
         raise PlacementError(
             f"{' + '.join(parts)} = {total} GPUs, this machine has {len(gpus)}; lower "
-            "generator.count, generator.tensor_parallel_size or learner.nproc_per_node, or run "
-            "the generators on CPU (generator.device=cpu)"
+            "generator.count, generator.tensor_parallel_size, learner.nproc_per_node or a "
+            "scorer's tensor_parallel_size, or run the generators or scorers on CPU "
+            "(generator.device=cpu, scorers.<name>.device=cpu)"
         )
     free = list(range(len(gpus)))
     placed: dict[str, list[int]] = {}
@@ -198,6 +230,8 @@ def _place_gpus(
     if engines_on:
         for name in engines:
             placed[name], free = free[:tp], free[tp:]
+    for name, n in scorers.items():
+        placed[name], free = free[:n], free[n:]
     return {name: [gpus[i] for i in at] for name, at in placed.items()}
 
 
@@ -225,6 +259,9 @@ def _place_cores(
     ]
     if with_eval:
         claims.append(_Claim("evaluator", "eval.cpu_cores", config.eval.cpu_cores, ["eval"]))
+    for name in config.served_scorers:
+        field, process = f"scorers.{name}.cpu_cores", scorer_process_name(name)
+        claims.append(_Claim(process, field, config.scorers[name].cpu_cores, [process]))
     claims = [c for c in claims if c.members]
     given = _explicit_cores(claims, cpus)
     placed: dict[str, list[int]] = {}

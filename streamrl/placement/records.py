@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 PLACEMENT_FILE = ("control", "placement.json")
-Component = Literal["learner", "generator", "evaluator"]
+Component = Literal["learner", "generator", "evaluator", "scorer"]
 
 # OpenMP threads that wait for work sleep instead of spinning on a core another process needs
 # (libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT, Intel's runtime KMP_BLOCKTIME).
@@ -106,20 +106,24 @@ class PlacementPlan(_Record):
     learner: ProcessPlacement
     generators: tuple[ProcessPlacement, ...]
     evaluator: ProcessPlacement | None = None
+    scorers: tuple[ProcessPlacement, ...] = ()  # the served scorers, `RunConfig.served_scorers`
 
     @property
     def processes(self) -> list[ProcessPlacement]:
         evaluator = [self.evaluator] if self.evaluator is not None else []
-        return [self.learner, *self.generators, *evaluator]
+        return [self.learner, *self.generators, *evaluator, *self.scorers]
 
     def placement_of(self, component: Component, index: int = 0) -> ProcessPlacement:
-        """The placement of the learner, generator `index` or the evaluator."""
+        """The placement of the learner, generator `index`, the evaluator or served scorer
+        `index`."""
         if component == "learner":
             return self.learner
         if component == "generator" and 0 <= index < len(self.generators):
             return self.generators[index]
         if component == "evaluator" and self.evaluator is not None:
             return self.evaluator
+        if component == "scorer" and 0 <= index < len(self.scorers):
+            return self.scorers[index]
         raise KeyError(f"the plan has no {component} {index}")
 
     def env_for(self, component: Component, index: int = 0) -> dict[str, str]:
@@ -134,12 +138,12 @@ class PlacementPlan(_Record):
         lines = [
             f"placement: {len(self.machine_cpus)} cores ({format_cores(self.machine_cpus)}), "
             f"GPUs: {gpus}",
-            f"  {'process':<10} {'cores':<14} {'threads':>7}  gpus",
+            f"  {'process':<16} {'cores':<14} {'threads':>7}  gpus",
         ]
         for p in self.processes:
             name = f"{p.name}×{p.ranks}" if p.ranks > 1 else p.name
             cores = format_cores(p.cpus) + (" shared" if p.shared else "")
-            lines.append(f"  {name:<10} {cores:<14} {p.threads:>7}  {','.join(p.gpus) or 'cpu'}")
+            lines.append(f"  {name:<16} {cores:<14} {p.threads:>7}  {','.join(p.gpus) or 'cpu'}")
         return "\n".join(lines)
 
     def to_json(self) -> str:

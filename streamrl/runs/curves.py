@@ -70,6 +70,19 @@ CHARTS = (
         (("actor/clip_frac", "clipped fraction"), ("actor/gate_weight_mean", "SAPO gate weight")),
         "{:.3f}",
     ),
+    Chart(
+        "distillation: reverse KL to the teacher",
+        (("opd/reverse_kl", "per token"),),
+        "{:.4f}",
+    ),
+    Chart(
+        "teacher log-prob and time",
+        (
+            ("opd/teacher_logp_mean", "log-prob per token"),
+            ("rollout/teacher_s_per_group", "s/group"),
+        ),
+        "{:.3f}",
+    ),
     Chart("gradient norm", (("actor/grad_norm", "before clipping"),)),
     Chart("KL to the reference", (("actor/ref_kl", "KL"),), "{:.4f}"),
     Chart(

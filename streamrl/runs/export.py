@@ -74,8 +74,8 @@ def export_version(
     `WeightVersionNotFoundError` (a `StorageError`) for a run without weights or an unknown
     version (the message lists the available ones), `StorageError` when `run` holds no run.
     """
-    from streamrl.models import resolve_model_path
     from streamrl.config.stored import load_run_config
+    from streamrl.models import resolve_model_path
 
     out = Path(out_dir).expanduser().absolute()
     if dtype is not None and dtype not in _DTYPES:

@@ -40,16 +40,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from storage.checkpoints.dcp import CheckpointStore, LearnerState
-from storage.control.requests import stop_requested
-from storage.fs import Location, StorageError
 from storage.control.lease import lives
 from storage.control.manifest import open_run
+from storage.control.requests import stop_requested
+from storage.fs import Location, StorageError
 from storage.stream.records import CommitRecord, Cursor
 from storage.stream.writer import quarantined, read_log
 from storage.weights.versions import WeightStore
+from streamrl.config.stored import read_current_config
 from streamrl.evaluation.records import read_eval_records
 from streamrl.learner.reporting import latest_metrics
-from streamrl.config.stored import read_current_config
 
 __all__ = [
     "FINISHED",
@@ -311,7 +311,8 @@ def read_stream(run: Location, *, since: StreamStatus | None = None) -> StreamSt
 
 
 def _with_lives(run: Location, generator: GeneratorStatus) -> GeneratorStatus:
-    """`generator` with its restarts and resumes, from its index lease (`storage.control.lease.lives`)."""
+    """`generator` with its restarts and resumes, from its index lease
+    (`storage.control.lease.lives`)."""
     counted = lives(run.child("generators", generator.writer_id))
     if counted is None:  # not a `streamrl generator` index: its commits' incarnations tell
         return generator

@@ -47,6 +47,8 @@ _METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner ro
         ("actor/pg_loss", "pg_loss", "{:.4f}"),
         ("actor/clip_frac", "clipped", "{:.3f}"),  # per the policy loss: tokens or responses
         ("actor/gate_weight_mean", "gate", "{:.3f}"),  # SAPO's
+        ("opd/reverse_kl", "reverse KL", "{:.4f}"),  # on-policy distillation's, to the teacher
+        ("rollout/teacher_s_per_group", "teacher", "{:.2f}s/group"),
         ("perf/learner_tokens_per_s", "tokens/s", "{:.0f}"),
         ("perf/step_s", "step", "{:.2f}s"),
     ),

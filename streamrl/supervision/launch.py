@@ -37,6 +37,7 @@ __all__ = [
     "generator_command",
     "learner_command",
     "run_process",
+    "scorer_command",
 ]
 
 
@@ -79,6 +80,11 @@ def generator_command(config: RunConfig, index: int, *, take_over: bool = False)
     takes the index at once instead of waiting for that process's lease to lapse)."""
     argv = [*_python(), "generator", "--run", config.storage.run_uri, "--index", str(index)]
     return [*argv, "--take-over"] if take_over else argv
+
+
+def scorer_command(config: RunConfig, name: str) -> list[str]:
+    """Served scorer `name` (`streamrl scorer`: vLLM's server for it)."""
+    return [*_python(), "scorer", "--run", config.storage.run_uri, "--name", name]
 
 
 def evaluator_command(config: RunConfig) -> list[str]:

@@ -26,6 +26,9 @@ The rules:
   is not. One that failed as a restart would fail again (`deterministic`: the user code its
   configuration names cannot be resolved, `USER_CODE_EXIT_CODE`) aborts the run at once,
   its cause as the reason. `TargetGenerators` scales out (new indexes) or in (the newest stop).
+- **Scorers** (servers of the run's teacher, reward models, judges): restarted like the
+  evaluator while `scorer_retries` last; they serve the others, so they end last: once the
+  run is finishing and only scorers are left, they are cancelled.
 - **Finishing**: nothing is restarted or scaled; the others flush; what still runs
   `finish_grace_s` after the learner completed is cancelled. `done` then.
 - **Aborting**: a budget spent, or `Interrupted`: the run stops; later events are ignored.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from storage.control.lease import DISPLACED
@@ -103,8 +106,8 @@ class Unit:
     new learner attempt runs new units (the same names, the next `attempt`)."""
 
     kind: Kind
-    name: str  # learner (learner-node<k> of several nodes), gen<i>, eval
-    index: int = 0  # the generator's index; the learner node's rank
+    name: str  # learner (learner-node<k> of several nodes), gen<i>, eval, scorer-<name>
+    index: int = 0  # the generator's index; the learner node's rank; the scorer's
     attempt: int = 0  # the learner attempt it belongs to (1, 2, …); 0 for the others
 
 
@@ -229,7 +232,8 @@ Action = Start | ScaleOut | StopGenerator | Cancel | Finish | Abort
 
 class SupervisionPolicy:
     """The restart rules (module docstring) for one supervisor's units: a learner of
-    `learner_nodes` nodes (0: none), generators `generators`, the evaluator when `evaluator`.
+    `learner_nodes` nodes (0: none), generators `generators`, the evaluator when `evaluator`,
+    and the served scorers named `scorers` (process names; a scorer's index is its position).
 
     `start()` gives the first `Start` actions; then `handle(event)` consumes each `Event` as it
     happens and returns the `Action`s it calls for, in order. It owns every restart budget, the
@@ -246,6 +250,8 @@ class SupervisionPolicy:
         generator_retries: int = 0,
         generator_window_s: float = math.inf,
         evaluator_retries: int = 0,
+        scorers: Sequence[str] = (),
+        scorer_retries: int = 0,
         finish_grace_s: float = FINISH_GRACE_S,
         fence_after_s: float = FENCE_AFTER_S,
     ) -> None:
@@ -264,7 +270,11 @@ class SupervisionPolicy:
         self._attempt_failed_at = 0.0
         self._awaited: set[Unit] = set()  # the failed attempt's nodes that the next one awaits
         self._leftovers_cancelled = False
+        self._scorers_cancelled = False
         self._first: list[Start] = []
+        for index, name in enumerate(scorers):  # first: the others call them
+            self.budgets[name] = RestartBudget(scorer_retries)
+            self._first.append(Start((self._live(Unit("scorer", name, index)),)))
         if learner_nodes:
             self._first.append(Start(self._learner_attempt()))
         self._first += [Start((self.add_generator(index),)) for index in generators]
@@ -273,7 +283,8 @@ class SupervisionPolicy:
             self._first.append(Start((self._live(Unit("evaluator", "eval")),)))
 
     def start(self) -> list[Start]:
-        """The first starts: the learner's first attempt, each generator, the evaluator."""
+        """The first starts: each scorer, the learner's first attempt, each generator, the
+        evaluator."""
         return list(self._first)
 
     def add_generator(self, index: int) -> Unit:
@@ -291,7 +302,8 @@ class SupervisionPolicy:
         return self.finish_deadline is not None and (not self.live or self._leftovers_cancelled)
 
     def restarts(self) -> dict[str, int]:
-        """Restarts so far by name: "learner" (attempts after the first), gen<i>, eval."""
+        """Restarts so far by name: "learner" (attempts after the first), gen<i>, eval,
+        scorer-<name>."""
         learner = {"learner": self.learner_attempts.total} if self.learner_nodes else {}
         return learner | {name: budget.total for name, budget in self.budgets.items()}
 
@@ -301,13 +313,24 @@ class SupervisionPolicy:
             return []
         match event:
             case Ended():
-                return self._ended(event)
+                actions = self._ended(event)
             case Tick(at=at):
-                return self._tick(at)
+                actions = self._tick(at)
             case TargetGenerators(count=count):
-                return self._target(count)
+                actions = self._target(count)
             case Interrupted(reason=reason):
                 return self._abort(reason)
+        return actions + self._scorers_done()
+
+    def _scorers_done(self) -> list[Action]:
+        """Once the run is finishing and only scorers are left, nothing will call them."""
+        if self.finish_deadline is None or self.aborted or self._leftovers_cancelled:
+            return []
+        scorers = {u for u in self.live if u.kind == "scorer"}
+        if not scorers or scorers != self.live or self._scorers_cancelled:
+            return []
+        self._scorers_cancelled = True
+        return [Cancel(_ordered(scorers), "the run finished: nothing left to score for")]
 
     # -- rules ------------------------------------------------------------------------------
 

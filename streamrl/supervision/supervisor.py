@@ -29,6 +29,7 @@ from streamrl.placement import (
     ProcessPlacement,
     place_alone,
     plan_placement,
+    scorer_process_name,
     write_placement,
 )
 from streamrl.supervision.launch import (
@@ -37,6 +38,7 @@ from streamrl.supervision.launch import (
     generator_command,
     learner_command,
     run_process,
+    scorer_command,
 )
 from streamrl.supervision.output import RESTART_NOTICE, ComponentLogs
 from streamrl.supervision.policy import (
@@ -155,19 +157,15 @@ class Supervisor:
             learner_nodes=1,
             generators=range(len(plan.generators)),
             evaluator=plan.evaluator is not None,
+            scorers=[p.name for p in plan.scorers],
             learner_retries=learner_restarts,
             generator_retries=max_restarts,
             evaluator_retries=1,
+            scorer_retries=max_restarts,
         )
 
         def component(unit: Unit) -> Component:
-            if unit.kind == "learner":
-                placement = plan.learner
-            elif unit.kind == "generator":
-                placement = plan.generators[unit.index]
-            else:
-                placement = plan.evaluator
-            return Component(unit, _command(config, unit), placement)
+            return Component(unit, _command(config, unit), plan.placement_of(unit.kind, unit.index))
 
         components = [component(unit) for start in policy.start() for unit in start.units]
         return cls(config, policy, components, plan=plan, on_line=on_line, owner=owner)
@@ -193,9 +191,11 @@ class Supervisor:
             learner_nodes=int(kind == "learner"),
             generators=[index] if kind == "generator" else [],
             evaluator=kind == "evaluator",
+            scorers=[scorer_process_name(config.served_scorers[index])] if kind == "scorer" else [],
             learner_retries=max_restarts,
             generator_retries=max_restarts,
             evaluator_retries=max_restarts,
+            scorer_retries=max_restarts,
         )
         (unit,) = policy.live
         argv = _command(config, unit, node, take_over=take_over)
@@ -306,7 +306,8 @@ class Supervisor:
         code = component.exit_code
         # Under torchrun a rank's exit code is lost; the learner's own line says it too.
         said = any(DISPLACED in line for line in component.tail)
-        displaced = component.unit.kind != "evaluator" and (code == NOT_HOLDER_EXIT_CODE or said)
+        holds_a_lease = component.unit.kind in ("learner", "generator")
+        displaced = holds_a_lease and (code == NOT_HOLDER_EXIT_CODE or said)
         cause = f"exit code {code}"
         deterministic = code == USER_CODE_EXIT_CODE
         if deterministic:  # its error line says what to change
@@ -379,6 +380,8 @@ def _command(
         return learner_command(config, node, take_over=take_over)
     if unit.kind == "generator":
         return generator_command(config, unit.index, take_over=take_over)
+    if unit.kind == "scorer":
+        return scorer_command(config, config.served_scorers[unit.index])
     return evaluator_command(config)
 
 

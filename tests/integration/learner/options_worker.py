@@ -95,6 +95,17 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         "sapo",
         ("algorithm.correction.veto=0.45", "algorithm.correction.is_normalize=true"),
     ),
+    # On-policy distillation (the teacher's log-probs are the batch's own plus other noise):
+    # beside DAPO's outcome advantage with a discounted return, pure, and under GSPO-token.
+    "opd-dapo": (
+        "dapo",
+        ("algorithm.opd.lambda_opd=0.5", "algorithm.opd.gamma=0.9", "generator.teacher=teacher"),
+    ),
+    "opd-pure": ("opd", ()),
+    "opd-gspo_token": (
+        "gspo",
+        ("algorithm.opd.lambda_rl=0.5", "algorithm.policy_loss.kind=gspo_token"),
+    ),
     # The framework guide's advantage variants, and their presets as they are.
     "grpo-as-is": ("grpo", ("algorithm.kl=null",)),
     "dapo-as-is": ("dapo", ()),
@@ -157,6 +168,7 @@ def config_for(option: str):
             f"generator.max_tokens={MAX_TOKENS}",
             "learner.batch_groups=4",
             "learner.mini_batch_groups=2",
+            "scorers.teacher.model=tiny-qwen2",  # for the options that distil (opd-*)
             *overrides,
         ],
     )
@@ -164,8 +176,9 @@ def config_for(option: str):
 
 def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
     """Four groups of random tokens of `GROUP_SIZES` responses whose behaviour log-probs are
-    `policy`'s own plus N(0, 0.4²) noise; groups 0 and 2 generated at `VERSION` (fresh); the
-    prompts' earlier rewards `PAST`."""
+    `policy`'s own plus N(0, 0.4²) noise and whose teacher log-probs (on-policy distillation)
+    are its own plus other N(0, 0.4²) noise, at most 0; groups 0 and 2 generated at `VERSION`
+    (fresh); the prompts' earlier rewards `PAST`."""
     rng = np.random.default_rng(11)
     vocab = policy.config.vocab_size
     groups = [
@@ -195,7 +208,10 @@ def behaviour_batch(policy: torch.nn.Module) -> TrainBatch:
     at = batch.logprob_start[sample] + j - (batch.prompt_length[sample] - 1)
     noise = torch.from_numpy(np.random.default_rng(12).normal(0.0, 0.4, len(at))).float()
     logprobs[at] = own[rows, j] + noise
-    return replace(batch, logprobs=logprobs)
+    teacher = torch.zeros_like(logprobs)
+    noise = torch.from_numpy(np.random.default_rng(13).normal(0.0, 0.4, len(at))).float()
+    teacher[at] = (own[rows, j] + noise).clamp(max=0.0)
+    return replace(batch, logprobs=logprobs, teacher_logprobs=teacher)
 
 
 def one_update(option: str, *, budget: int, topology: Topology) -> tuple[list, dict]:

@@ -83,6 +83,8 @@ def test_the_correction_acts_and_its_metrics_are_logged(one_rank):
         ("gspo_token-vapo", "vapo-as-is"),
         ("sapo-veto-normalised", "grpo-as-is"),
         ("cispo-band", "grpo-as-is"),
+        ("opd-dapo", "dapo-as-is"),
+        ("opd-pure", "grpo-as-is"),
     ],
 )
 def test_a_variant_changes_the_update(one_rank, variant, as_is):

@@ -439,6 +439,10 @@ def test_cli_documents_every_field() -> None:
                 assert f"[{name}.{tag}]" in result.stdout
                 for sub in member.model_fields:
                     assert f"{name}.{tag}.{sub} = " in result.stdout
+        elif name == "scorers":  # sections by name
+            assert "[scorers.<name>]" in result.stdout
+            assert "scorers.<name>.model = (required)" in result.stdout
+            assert "scorers.<name>.unavailable_s = 600.0" in result.stdout
         else:
             for sub in field.annotation.model_fields:  # type: ignore[union-attr]
                 assert f"{name}.{sub} = " in result.stdout

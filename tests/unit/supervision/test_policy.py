@@ -262,3 +262,50 @@ def test_an_interrupted_run_aborts_and_restarts_nothing_after(retries):
     backend = FakeBackend(SupervisionPolicy(generators=[0], generator_retries=retries))
     assert backend.feed(Interrupted("Ctrl-C")) == [Abort("Ctrl-C")]
     assert backend.end(next(iter(backend.running))) == []
+
+
+# -- served scorers ---------------------------------------------------------------------------
+
+
+def _with_scorer(retries: int = 1) -> FakeBackend:
+    return FakeBackend(
+        SupervisionPolicy(
+            learner_nodes=1, generators=[0], scorers=["scorer-teacher"], scorer_retries=retries
+        )
+    )
+
+
+def _unit(backend: FakeBackend, kind: str) -> Unit:
+    return next(u for u in backend.running if u.kind == kind)
+
+
+def test_scorers_start_first_and_a_failed_one_is_restarted_within_its_budget():
+    backend = _with_scorer(retries=1)
+    assert [u.name for u in backend.starts()[0].units] == ["scorer-teacher"]
+    scorer = _unit(backend, "scorer")
+    (restart,) = backend.end(scorer, at=1.0)
+    assert isinstance(restart, Start)
+    assert restart.units == (scorer,)
+    assert backend.policy.restarts()["scorer-teacher"] == 1
+    (abort,) = backend.end(scorer, at=2.0)
+    assert isinstance(abort, Abort)
+    assert "scorer-teacher failed for good" in abort.reason
+
+
+def test_a_scorer_that_cannot_run_aborts_the_run_at_once():
+    backend = _with_scorer(retries=3)
+    (abort,) = backend.end(_unit(backend, "scorer"), deterministic=True)
+    assert isinstance(abort, Abort)
+    assert NOT_RESTARTED in abort.reason
+
+
+def test_scorers_serve_until_nothing_else_runs_once_the_learner_completed():
+    backend = _with_scorer()
+    scorer, generator = _unit(backend, "scorer"), _unit(backend, "generator")
+    actions = backend.end(_unit(backend, "learner"), at=10.0, completed=True)
+    assert [type(a) for a in actions] == [Finish]  # the generator still flushes: keep serving
+    (cancel,) = backend.end(generator, at=12.0, completed=True)
+    assert cancel == Cancel((scorer,), "the run finished: nothing left to score for")
+    assert not backend.policy.done
+    assert backend.end(scorer, at=13.0) == []  # cancelled: not restarted
+    assert backend.policy.done

@@ -87,8 +87,8 @@ def test_a_format_1_segment_decodes_as_single_turn_groups():
 def test_an_unknown_format_or_a_segment_without_its_arrays_is_corrupt():
     objects = encode_segment(_groups())
     root = json.loads(objects["zarr.json"])
-    root["attributes"]["format_version"] = 4
-    with pytest.raises(CorruptSegmentError, match="unknown segment format 4"):
+    root["attributes"]["format_version"] = 5
+    with pytest.raises(CorruptSegmentError, match="unknown segment format 5"):
         decode_segment({**objects, "zarr.json": json.dumps(root).encode()})
     root["attributes"]["format_version"] = 3
     del root["attributes"]["crc32"]["wait_seconds"]

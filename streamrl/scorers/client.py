@@ -1,0 +1,222 @@
+"""Calling a scorer: JSON requests to its OpenAI-compatible endpoint, off the caller's thread.
+
+`ScorerClient.post(path, body)` returns a `concurrent.futures.Future` at once; the request runs
+on the client's own event loop (one thread), at most `max_concurrency` at a time, through the
+OpenAI SDK's client, which owns the timeouts (`timeout_s`) and the retries of a request that
+failed on a reachable server (`retries`: timeouts, 408/409/429/5xx, with backoff and
+Retry-After). What the SDK gives up on fails the call — `ScorerCallError`, its `failure`
+"timeout" or "error" — and the caller counts it (`generator.reward.on_error`); nothing fails
+silently.
+
+An unreachable server is not a failed call but one starting or restarting (the supervisor
+restarts a served scorer that died): the call waits, looking up the server's address again
+(a served scorer publishes it in the run's storage, `storage.control.endpoints`, and a restart
+may move it), up to `unavailable_s`, then fails. Waiting calls keep their groups in flight, so
+the generator's bound on groups in flight holds sampling back meanwhile instead of piling up
+work.
+
+Credentials: an external endpoint's key is read from the environment variable the config
+names (`key_env`), when the client opens; it lives only in this process's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Literal, TypeVar
+
+import openai
+
+from storage.control.endpoints import Endpoint, read_endpoint
+from storage.fs import Location
+from streamrl.scorers.config import ScorerConfig
+
+__all__ = ["ScorerCallError", "ScorerClient", "scorer_endpoint_name"]
+
+log = logging.getLogger(__name__)
+logging.getLogger("openai").setLevel(logging.WARNING)  # its debug lines carry request options
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+_T = TypeVar("_T")
+UNAVAILABLE_POLL_S = (0.5, 10.0)  # backoff while a server is unreachable: first, longest
+
+
+class ScorerCallError(RuntimeError):
+    """A scorer call that failed for good: `failure` "timeout" (the server did not answer in
+    time, after the retries, or stayed unreachable) or "error" (it answered with an error, or
+    with something the caller could not use)."""
+
+    def __init__(self, message: str, failure: Literal["timeout", "error"] = "error") -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+def scorer_endpoint_name(name: str) -> str:
+    """The endpoint record a served scorer publishes (`storage.control.endpoints`)."""
+    return f"scorer-{name}"
+
+
+class ScorerClient:
+    """One generator's connection to scorer `name` (module docstring). Use as a context
+    manager, or `open()` / `close()`."""
+
+    def __init__(self, name: str, config: ScorerConfig, run: Location | None) -> None:
+        if config.served and run is None:
+            raise ValueError(f"scorer {name!r} is served by the run: its client needs the run")
+        self.name, self.config, self.run = name, config, run
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._client: openai.AsyncOpenAI | None = None
+        self._address: str | None = None
+        self._api_key = "EMPTY"  # a vLLM server the run starts takes no key
+
+    @property
+    def model(self) -> str:
+        """The model name requests carry: the served scorer's own name, or the external
+        endpoint's model."""
+        return self.name if self.config.served else self.config.model
+
+    def open(self) -> ScorerClient:
+        if self._loop is not None:
+            return self
+        env = self.config.key_env
+        if env is not None:
+            key = os.environ.get(env)
+            if not key:
+                raise ValueError(
+                    f"scorers.{self.name}.key_env={env}, but that environment variable is "
+                    "not set in this process; set it where the generators run (for work pools: "
+                    "the worker's environment or the job's secret)"
+                )
+            self._api_key = key
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"scorer-{self.name}", daemon=True
+        )
+        self._thread.start()
+        self._slots = asyncio.run_coroutine_threadsafe(self._make_slots(), self._loop).result()
+        return self
+
+    async def _make_slots(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self.config.max_concurrency)
+
+    def __enter__(self) -> ScorerClient:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel the calls in flight (their futures fail) and stop the loop."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        loop.close()
+
+    async def _shutdown(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def post(
+        self, path: str, body: dict[str, Any], read: Callable[[Any], _T] = lambda answer: answer
+    ) -> Future[_T]:
+        """POST `body` (JSON) to `path` under the scorer's base URL (…/v1); a future of
+        `read(the JSON answer)`, or of a `ScorerCallError` — also when `read` finds the answer
+        unusable (raises ValueError, KeyError, TypeError or IndexError)."""
+        if self._loop is None:
+            raise RuntimeError(f"the client of scorer {self.name!r} is not open")
+        return asyncio.run_coroutine_threadsafe(self._post(path, body, read), self._loop)
+
+    async def _post(self, path: str, body: dict[str, Any], read: Callable[[Any], _T]) -> _T:
+        assert self._slots is not None
+        async with self._slots:
+            answer = await self._call(path, body)
+        try:
+            return read(answer)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise ScorerCallError(
+                f"scorer {self.name!r} answered {path} with something unusable: {_brief(str(exc))}"
+            ) from exc
+
+    async def _call(self, path: str, body: dict[str, Any]) -> Any:
+        give_up = time.monotonic() + self.config.unavailable_s
+        pause = UNAVAILABLE_POLL_S[0]
+        while True:
+            client = self._current_client()
+            if client is not None:
+                try:
+                    return await client.post(path, cast_to=object, body=body)
+                except openai.APITimeoutError as exc:
+                    raise ScorerCallError(
+                        f"scorer {self.name!r} did not answer {path} within "
+                        f"timeout_s={self.config.timeout_s:g} ({self.config.retries} retries)",
+                        "timeout",
+                    ) from exc
+                except openai.APIStatusError as exc:
+                    raise ScorerCallError(
+                        f"scorer {self.name!r} answered {path} with HTTP {exc.status_code}: "
+                        f"{_brief(exc.message)}"
+                    ) from exc
+                except openai.APIConnectionError:
+                    self._forget(client)  # unreachable: look the address up again below
+            if time.monotonic() >= give_up:
+                raise ScorerCallError(
+                    f"scorer {self.name!r} was unreachable for unavailable_s="
+                    f"{self.config.unavailable_s:g}s ({self._where()})",
+                    "timeout",
+                )
+            await asyncio.sleep(min(pause, max(0.0, give_up - time.monotonic())))
+            pause = min(2 * pause, UNAVAILABLE_POLL_S[1])
+
+    def _current_client(self) -> openai.AsyncOpenAI | None:
+        """The SDK client for the scorer's address now (None: a served scorer that has not
+        published one yet), rebuilt when the address moved."""
+        address = self._resolve()
+        if address is None:
+            return None
+        if self._client is None or address != self._address:
+            self._client = openai.AsyncOpenAI(
+                base_url=address,
+                api_key=self._api_key,
+                timeout=self.config.timeout_s,
+                max_retries=self.config.retries,
+            )
+            self._address = address
+        return self._client
+
+    def _forget(self, client: openai.AsyncOpenAI) -> None:
+        if self._client is client:
+            self._client, self._address = None, None
+
+    def _resolve(self) -> str | None:
+        if not self.config.served:
+            return self.config.url
+        assert self.run is not None
+        endpoint: Endpoint | None = read_endpoint(self.run, scorer_endpoint_name(self.name))
+        return endpoint.url if endpoint is not None else None
+
+    def _where(self) -> str:
+        if not self.config.served:
+            return f"url {self.config.url}"
+        return f"served by the run: see logs/{scorer_endpoint_name(self.name)}.log"
+
+
+def _brief(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "…"
