@@ -24,7 +24,7 @@ LEARNING_MD = HERE / "LEARNING.md"
 FIGURE = HERE / "learning.png"
 BEGIN_MARK = "<!-- study results: written by benchmarks/learning_report.py -->"
 END_MARK = "<!-- end of study results -->"
-ARM_ORDER = ("grpo", "dr_grpo", "dapo", "vapo", "dapo_sync", "gspo", "cispo", "sapo")
+ARM_ORDER = ("grpo", "dr_grpo", "dapo", "vapo", "dapo_sync", "gspo", "cispo", "sapo", "opd")
 ARM_LABELS = {
     "grpo": "GRPO",
     "dr_grpo": "Dr. GRPO",
@@ -34,6 +34,7 @@ ARM_LABELS = {
     "gspo": "GSPO",
     "cispo": "CISPO",
     "sapo": "SAPO",
+    "opd": "OPD",
 }
 GREEDY, LENGTH = "val/acc_greedy", "val/response_len_mean"
 
@@ -227,7 +228,38 @@ def goals(arms: dict[str, Arm], bases: dict[int, dict], seeds_wanted: int = 3) -
         lines.append(ordering_goal(arms["dapo"], arms["grpo"], verdict))
     if "dapo" in arms and "dapo_sync" in arms:
         lines += sync_goal(arms["dapo"], arms["dapo_sync"], verdict)
+    if "opd" in arms and "dapo" in arms:
+        lines += opd_goal(arms["opd"], arms["dapo"], verdict)
     return [*lines, ""]
+
+
+def opd_goal(opd: Arm, dapo: Arm, verdict: Callable) -> list[str]:
+    """On-policy distillation reaches DAPO's last-step held-out accuracy (its mean, on both
+    metrics) by an evaluated step at most a third of DAPO's steps; and the student's reverse KL
+    to the teacher falls (the mean of its first 4 steps against its last 4, per run)."""
+    last = max(dapo.steps)
+    early = [s for s in opd.steps if 0 < s <= last / 3]
+    numbers, reached = [], []
+    for name, metric in METRICS:
+        target = spread(dapo.values(last, metric))[0]
+        at = next((s for s in early if spread(opd.values(s, metric))[0] >= target), None)
+        reached.append(at is not None)
+        shown = at if at is not None else max(early, default=0)
+        numbers.append(f"{name}: DAPO step {last} {target:.3f}, OPD step {shown} "
+                       f"{fmt(opd.values(shown, metric))}")  # fmt: skip
+    seeds = min(len(opd.seeds), len(dapo.seeds))
+    kl = [
+        (statistics.fmean(v[:4]), statistics.fmean(v[-4:]))
+        for c in opd.cells
+        if len(v := [s["opd/reverse_kl"] for s in c["steps"] if "opd/reverse_kl" in s]) >= 8
+    ]
+    falls = bool(kl) and all(b < a for a, b in kl)
+    return [
+        f"- OPD reaches DAPO's step-{last} held-out accuracy within a third of its steps: "
+        f"{verdict(all(reached), seeds)} — {'; '.join(numbers)}",
+        f"- OPD's reverse KL to the teacher falls: {verdict(falls, len(kl))} — first 4 steps → "
+        f"last 4, per run: {', '.join(f'{a:.4f} → {b:.4f}' for a, b in kl) or 'not recorded'}",
+    ]
 
 
 def ordering_goal(dapo: Arm, grpo: Arm, verdict: Callable) -> str:

@@ -57,7 +57,11 @@ ARMS: dict[str, tuple[str, list[str]]] = {  # arm: (algorithm preset, extra over
     "gspo": ("gspo", []),
     "cispo": ("cispo", []),
     "sapo": ("sapo", []),
+    # On-policy distillation from the study's teacher (`make_teacher`): the demo model after a
+    # DAPO run of the study's length, served by the run on its own (shared) core.
+    "opd": ("opd", ["scorers.teacher.model={teacher}", "scorers.teacher.dtype=float32"]),
 }
+TEACHER_SEED = 1000  # the teacher's DAPO run: a seed no cell uses
 STARTED = "study-started.json"  # in the run folder: when the cell's run was first launched
 
 
@@ -75,8 +79,41 @@ def run_overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
         f"weights.keep_versions={args.steps + 1}",  # every version, for the evaluation after
         "eval.every_versions=0",
         "logging.wandb_mode=disabled",
-        *ARMS[arm][1],
+        *(o.format(teacher=teacher_dir(args)) for o in ARMS[arm][1]),
     ]
+
+
+def teacher_dir(args: argparse.Namespace) -> Path:
+    """Where the study's teacher is exported (`make_teacher`)."""
+    return Path(args.workdir).resolve() / "teacher"
+
+
+def make_teacher(args: argparse.Namespace) -> Path:
+    """The teacher of the `opd` arm, made once: DAPO from the base model for `--steps` steps
+    (seed `TEACHER_SEED`), its last version exported in float32, its held-out accuracy recorded
+    in `benchmarks/learning/teacher.json`."""
+    out = teacher_dir(args)
+    record = CELLS_DIR / "teacher.json"
+    if (out / "config.json").exists() and record.exists():
+        return out
+    run_dir = Path(args.workdir).resolve() / "teacher-run"
+    print(f"teacher: DAPO for {args.steps} steps in {run_dir}", flush=True)
+    if not (run_dir / "metrics" / "learner.jsonl").exists() or (
+        learner_summary(run_dir)["steps"][-1]["step"] != args.steps
+    ):
+        train(args, "dapo", TEACHER_SEED, run_dir)
+    evaluation = evaluate_versions(args, run_dir, [args.steps])
+    argv = [*STREAMRL, "export", str(run_dir), "--version", str(args.steps), "--out", str(out),
+            "--overwrite", "--dtype", "float32"]  # fmt: skip
+    with (run_dir.parent / "teacher.export.out").open("w") as log:
+        if run_child(argv, log) != 0:
+            raise SystemExit(f"exporting the teacher failed; see {log.name}")
+    record.write_text(json.dumps({
+        "command": shlex.join(["streamrl", "run", "--preset", "dapo", "--preset", SIZE,
+                               *run_overrides(args, "dapo", TEACHER_SEED, run_dir)]),
+        "evaluation": evaluation[0],
+    }, indent=1) + "\n")  # fmt: skip
+    return out
 
 
 def train(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
@@ -165,7 +202,9 @@ def learner_summary(run_dir: Path) -> dict[str, Any]:
             "stream/accepted", "stream/dropped_stale", "stream/dropped_zero_var",
             "rollout/acc", "rollout/response_len_mean", "rollout/truncated_frac",
             "generators/paused_s_total", "critic/explained_var", "stream/staleness_mean",
-            "actor/entropy", "actor/ref_kl")  # fmt: skip
+            "actor/entropy", "actor/ref_kl", "actor/clip_frac", "actor/gate_weight_mean",
+            "actor/is_weight_mean", "opd/reverse_kl", "opd/teacher_logp_mean",
+            "rollout/teacher_s_per_group")  # fmt: skip
     records = read_metrics(open_location(str(run_dir)))
     pretrain = [r for r in records if "value_pretrain_step" in r]  # VAPO's critic-only steps
     return {
@@ -249,6 +288,8 @@ def main() -> None:
         unknown = sorted(set(arms) - set(ARMS))
         if unknown:
             parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+        if "opd" in arms:
+            make_teacher(args)
         for seed in seeds:  # seed-major: every arm has a seed early
             for arm in arms:
                 run_cell(args, arm, seed)

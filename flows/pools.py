@@ -68,6 +68,8 @@ from streamrl.config.run import RunConfig
 from streamrl.config.stored import open_run_location
 from streamrl.generator.index import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
+from streamrl.placement import scorer_process_name
+from streamrl.scorers.config import ScorerConfig
 from streamrl.supervision.policy import (
     NOT_RESTARTED,
     Abort,
@@ -93,18 +95,25 @@ __all__ = ["PoolError", "PoolSupervisor", "job_variables"]
 log = logging.getLogger(__name__)
 
 # The flow each kind of process runs as (flows/learner.py, flows/generator.py, flows/evaluator.py).
-FLOWS: dict[Kind, str] = {"learner": "learner", "generator": "generator", "evaluator": "evaluator"}
+FLOWS: dict[Kind, str] = {
+    "learner": "learner",
+    "generator": "generator",
+    "evaluator": "evaluator",
+    "scorer": "scorer",
+}
 # `prefect deploy -n` names a deployment of deploy/prefect.yaml by its entrypoint's function
 # (the deployment is then `<flow>/default`).
 _ENTRYPOINTS: dict[Kind, str] = {
     "learner": "learner_node",
     "generator": "join_run",
     "evaluator": "evaluate_run",
+    "scorer": "serve_scorer",
 }
 _POOL_FIELDS: dict[Kind, str] = {
     "learner": "placement.learner_pool",
     "generator": "placement.generator_pool",
     "evaluator": "placement.eval_pool",
+    "scorer": "placement.scorer_pool",
 }
 _NOT_STARTED = {StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED}
 
@@ -143,12 +152,17 @@ class Child:
 _FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 
 
-def job_variables(config: RunConfig, kind: Kind, declared: set[str]) -> dict[str, Any]:
-    """The job variables a flow run of `kind` gets on a pool whose template declares
-    `declared`: `gpu_count` (the learner's ranks per node, or an engine's GPUs; 0 on CPU),
-    `image` and `env` from `placement`. Variables the pool does not declare are left out."""
+def job_variables(
+    config: RunConfig, kind: Kind, declared: set[str], scorer: ScorerConfig | None = None
+) -> dict[str, Any]:
+    """The job variables a flow run of `kind` (of `scorer`, for a scorer) gets on a pool whose
+    template declares `declared`: `gpu_count` (the learner's ranks per node, or an engine's
+    GPUs; 0 on CPU), `image` and `env` from `placement`. Variables the pool does not declare
+    are left out."""
     if kind == "learner":
         gpus = 0 if config.learner.device == "cpu" else config.learner.nproc_per_node
+    elif scorer is not None:
+        gpus = 0 if scorer.device == "cpu" else scorer.tensor_parallel_size
     else:
         gpus = 0 if config.generator.device == "cpu" else config.generator.tensor_parallel_size
     wanted: dict[str, Any] = {"gpu_count": gpus}
@@ -196,10 +210,12 @@ class PoolSupervisor:
             learner_nodes=config.learner.nnodes,
             generators=range(generators),
             evaluator=self.with_eval,
+            scorers=[scorer_process_name(name) for name in config.served_scorers],
             learner_retries=learner_retries,
             generator_retries=generator_retries,
             generator_window_s=config.placement.retry_window_s,
             evaluator_retries=1,
+            scorer_retries=generator_retries,
         )
         self.children: list[Child] = []
         self.failure: str | None = None
@@ -217,6 +233,8 @@ class PoolSupervisor:
         }
         if self.with_eval:
             pools["evaluator"] = placement.evaluator_pool
+        if self.config.served_scorers:
+            pools["scorer"] = placement.scorers_pool
         self.targets = {kind: self._target(kind, pool) for kind, pool in pools.items()}
         reserve_generator_indexes(self.run, self.generators, "streamrl flow (pools)")
         set_requested_generators(self.run, self.generators)
@@ -260,7 +278,7 @@ class PoolSupervisor:
 
     def _parameters(self, unit: Unit, take_over: bool) -> dict[str, Any]:
         """What the flow run of `unit` is called with (flows/learner.py, flows/generator.py,
-        flows/evaluator.py)."""
+        flows/evaluator.py, flows/scorer.py)."""
         run_uri = self.config.storage.run_uri
         if unit.kind == "learner":
             attempt = f"{self.rendezvous}-{unit.attempt}"
@@ -268,11 +286,16 @@ class PoolSupervisor:
                     "take_over": take_over}  # fmt: skip
         if unit.kind == "generator":  # its replacement is ours: the flow run restarts nothing
             return {"run_uri": run_uri, "index": unit.index, "retries": 0}
+        if unit.kind == "scorer":
+            return {"run_uri": run_uri, "index": unit.index}
         return {"run_uri": run_uri}
 
     def _launch(self, unit: Unit, parameters: dict[str, Any]) -> None:
         target = self.targets[unit.kind]
-        variables = job_variables(self.config, unit.kind, target.declared)
+        scorer = None
+        if unit.kind == "scorer":
+            scorer = self.config.scorers[self.config.served_scorers[unit.index]]
+        variables = job_variables(self.config, unit.kind, target.declared, scorer)
         flow_run = run_deployment(
             target.deployment_id,
             parameters=parameters,

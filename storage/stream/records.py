@@ -132,9 +132,10 @@ class RolloutSums:
         `/tool_errors_mean`, `/env_s_mean`, `/wait_s_mean`: means over responses;
         `/finish_<reason>_frac` for each finish reason seen; with turn rewards,
         `/turn<i>_reward_mean` over the episodes that reached turn i and `/turns_to_full_mean`
-        over the episodes with a turn rewarded 1; `/reward_<term>_mean` for each reward term,
-        over all responses (one without the term counts 0); `/teacher_s_per_group` over the
-        groups a teacher scored, when any."""
+        over the episodes with a turn rewarded 1; `/teacher_s_per_group` over the groups a
+        teacher scored, when any. Each reward term's mean R_k over all responses (one without
+        the term counts 0) is `reward/<term>_mean` (docs/algorithms.md's name) for the prefix
+        `rollout`, `reward_accepted/<term>_mean` for `rollout_accepted`."""
         n = max(self.responses, 1)
         return {
             f"{prefix}/reward_mean": self.reward / n,
@@ -164,7 +165,7 @@ class RolloutSums:
                 else {}
             ),
             **{
-                f"{prefix}/reward_{name}_mean": total / n
+                f"{prefix.replace('rollout', 'reward', 1)}/{name}_mean": total / n
                 for name, total in sorted(self.reward_terms.items())
             },
             **(

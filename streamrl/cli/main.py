@@ -67,12 +67,13 @@ examples:
 Serves one of the run's scorers (scorers.NAME without a url: a teacher, reward model or judge)
 with vLLM's OpenAI-compatible server, and publishes its address in the run's storage once it
 answers; `streamrl run` and the flows start it themselves. Exits with the server's code; a
-teacher whose tokenizer is not the policy's exits with code 4 (a restart would fail the same
-way).
+model that is not there, or a teacher whose tokenizer is not the policy's, exits with code 4 (a
+restart would fail the same way).
 """
 
 
 def _cmd_scorer(args: argparse.Namespace) -> int:
+    from streamrl.models import ModelPathError
     from streamrl.scorers.serve import serve_scorer
     from streamrl.scorers.tokenizers import TokenizerMismatchError
     from streamrl.supervision.policy import USER_CODE_EXIT_CODE
@@ -81,8 +82,8 @@ def _cmd_scorer(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         return serve_scorer(args.run, args.name, stop)
-    except TokenizerMismatchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (TokenizerMismatchError, ModelPathError) as exc:  # a restart would fail the same way
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line: the cause
         return USER_CODE_EXIT_CODE
 
 

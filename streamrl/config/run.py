@@ -262,6 +262,26 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _reward_terms_name_their_scorers(self) -> RunConfig:
+        for name, term in self.generator.reward.models.items():
+            where = f"generator.reward.models.{name}.scorer"
+            scorer = self.scorers.get(term.scorer)
+            if scorer is None:
+                known = ", ".join(sorted(self.scorers)) or "none"
+                raise ValueError(
+                    f"{where}={term.scorer} names no scorer (scorers: {known}); add "
+                    f"scorers.{term.scorer}.model=PATH (served by the run) or "
+                    f"scorers.{term.scorer}.url=URL"
+                )
+            wanted = "classify" if term.kind == "reward_model" else "generate"
+            if scorer.task != wanted:
+                raise ValueError(
+                    f"{where}={term.scorer} is a {scorer.task} scorer, but a {term.kind} term "
+                    f"needs task {wanted}: set scorers.{term.scorer}.task={wanted}"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _several_nodes_need_pools(self) -> RunConfig:
         if self.learner.nnodes > 1 and isinstance(self.placement, LocalPlacement):
             raise ValueError(

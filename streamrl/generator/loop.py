@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import CancelledError
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
 from typing import Literal
 
 from storage.control.requests import stop_requested
@@ -50,9 +50,11 @@ from streamrl.generator.flow_control import FlowGate
 from streamrl.generator.progress import PromptLedger
 from streamrl.generator.records import GeneratorStats, GroupRecords
 from streamrl.generator.rollouts import EpisodeDriver, Rollout
+from streamrl.isolation.pool import Failure
 from streamrl.rewards import Scores
 from streamrl.scorers.client import ScorerCallError
 from streamrl.scorers.teacher import Teacher, TeacherScores
+from streamrl.scorers.terms import ModelTermScorer, TermScores
 
 __all__ = ["BrokenRewardError", "GeneratorLoop"]
 
@@ -84,17 +86,19 @@ class GeneratorLoop:
         ledger: PromptLedger | None = None,
         before_commit: Callable[[], object] | None = None,
         teacher: Teacher | None = None,
+        terms: Sequence[ModelTermScorer] = (),
     ) -> None:
         """`runner`: the environment's (`generator.env`), open. `before_commit` runs before
         every commit and raises when this generator may no longer write (its index was taken
         over: `streamrl.generator.index.GeneratorIndex.check`). `teacher`: the run's
-        (`generator.teacher`), its client open."""
+        (`generator.teacher`), `terms`: the reward's model terms (`generator.reward.models`),
+        their clients open."""
         self.config = config
         self.run_location = run
         self.engine = engine
         self.prompts = prompts
         self.runner = runner
-        self.episodes = EpisodeDriver(config, engine, runner, teacher)
+        self.episodes = EpisodeDriver(config, engine, runner, teacher, terms)
         self.writer = writer
         self.weights = WeightStore(run)
         self.weight_source = WeightSource.of(run, config.weights)
@@ -176,12 +180,16 @@ class GeneratorLoop:
         for rollout in rollouts:
             self.ledger.collected(rollout.key)
             scored = [f.result() for f in rollout.scores]
-            scores = Scores([s.reward for s in scored], [s.failure for s in scored])
-            if self._dropped_for_failures(scores):
+            terms = {name: _term_scores(futures) for name, futures in rollout.terms.items()}
+            failures = [
+                s.failure or next((t.failures[i] for t in terms.values() if t.failures[i]), None)
+                for i, s in enumerate(scored)
+            ]
+            if self._dropped_for_failures(Scores([s.reward for s in scored], failures)):
                 continue
             taught = self._teacher_scores(rollout)
             if taught is not False:
-                self.writer.append(self.records.group(rollout, scored, taught))
+                self.writer.append(self.records.group(rollout, scored, taught, terms or None))
         while self.episodes.dropped:  # dropped on purpose: as good as collected
             self.ledger.collected(self.episodes.dropped.pop())
 
@@ -197,6 +205,8 @@ class GeneratorLoop:
             what = f"the reward function {reward.fn!r}"
             if env.multi_turn:
                 what = f"the environment {env.fn!r} (or its reward {reward.fn!r})"
+            if reward.models:
+                what += f" or a model reward term ({', '.join(reward.models)}: their scorers' logs)"
             raise BrokenRewardError(
                 f"generator {self.generator_id}: {what} failed on every response of the last "
                 f"{self._failed_in_a_row} groups ({self.stats.reward_errors + scores.errors} "
@@ -321,3 +331,20 @@ class GeneratorLoop:
             s.paused_s,
         )
         self._next_log = time.monotonic() + 30.0
+
+
+def _term_scores(futures: list[Future[float]]) -> TermScores:
+    """A model term's values for a group (0.0 where its call failed) and its failures."""
+    values: list[float] = []
+    failures: list[Failure | None] = []
+    for future in futures:
+        if not future.done():  # on stop, past the drain's wait
+            future.cancel()
+        try:
+            values.append(future.result(timeout=0))
+            failures.append(None)
+        except (ScorerCallError, CancelledError, TimeoutError) as exc:
+            values.append(0.0)
+            failures.append(exc.failure if isinstance(exc, ScorerCallError) else "timeout")
+            log.warning("a model reward term failed on a response: %s", exc or type(exc).__name__)
+    return TermScores(values, failures)

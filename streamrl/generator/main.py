@@ -20,6 +20,7 @@ from streamrl.config.run import RunConfig
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.generator.records import GeneratorStats
 from streamrl.scorers.teacher import Teacher
+from streamrl.scorers.terms import ModelTermScorer
 
 __all__ = ["build_generator", "run_generator"]
 
@@ -109,7 +110,7 @@ def _build(
         engine = stack.enter_context(
             Engine(model_path, config.model, cfg, seed=seed, adapter=config.served_adapter)
         )
-        teacher = stack.enter_context(_teacher(config, run, model_path))
+        teacher, terms = _scorers(config, run, model_path, stack)
         weights, seconds = Advance(None), 0.0
         if policy_version != 0:
             weight_source = WeightSource.of(run, config.weights)
@@ -137,36 +138,53 @@ def _build(
             ledger=PromptLedger(prompts, run=run, progress=progress),
             before_commit=before_commit,
             teacher=teacher,
+            terms=terms,
         )
         loop.skip_unusable_weights(weights)
         yield loop
 
 
-@contextlib.contextmanager
-def _teacher(config: RunConfig, run: Location, model_path: str) -> Iterator[Teacher | None]:
-    """The run's teacher with its client open, or None. An external teacher's tokenizer is
-    checked against the policy's here (a served one's by its own process, before it starts)."""
+def _scorers(
+    config: RunConfig, run: Location, model_path: str, stack: contextlib.ExitStack
+) -> tuple[Teacher | None, list[ModelTermScorer]]:
+    """The run's teacher and the reward's model terms, one open client per scorer they name
+    (closed by `stack`). An external teacher's tokenizer is checked against the policy's here
+    (a served one's by its own process, before it starts)."""
     from streamrl.scorers.client import ScorerClient
-    from streamrl.scorers.teacher import Teacher
+
+    clients: dict[str, ScorerClient] = {}
+
+    def client(name: str) -> ScorerClient:
+        if name not in clients:
+            clients[name] = stack.enter_context(ScorerClient(name, config.scorers[name], run))
+        return clients[name]
+
+    teacher = None
+    if (name := config.generator.teacher) is not None:
+        _check_external_teacher(config, name, model_path)
+        teacher = Teacher(client(name))
+    terms = [
+        ModelTermScorer(term_name, term, client(term.scorer))
+        for term_name, term in config.generator.reward.models.items()
+    ]
+    return teacher, terms
+
+
+def _check_external_teacher(config: RunConfig, name: str, model_path: str) -> None:
     from streamrl.scorers.tokenizers import TokenizerMismatchError, tokenizer_difference
 
-    name = config.generator.teacher
-    if name is None:
-        yield None
-        return
     scorer = config.scorers[name]
-    if not scorer.served and scorer.tokenizer is not None:
-        policy = config.model.tokenizer or model_path
-        difference = tokenizer_difference(
-            policy, scorer.tokenizer, trust_remote_code=config.model.trust_remote_code
+    if scorer.served or scorer.tokenizer is None:
+        return
+    policy = config.model.tokenizer or model_path
+    difference = tokenizer_difference(
+        policy, scorer.tokenizer, trust_remote_code=config.model.trust_remote_code
+    )
+    if difference is not None:
+        raise TokenizerMismatchError(
+            f"the teacher (scorers.{name}, tokenizer {scorer.tokenizer}) does not share the "
+            f"policy's tokenizer: {difference}; distil from a teacher of the same tokenizer"
         )
-        if difference is not None:
-            raise TokenizerMismatchError(
-                f"the teacher (scorers.{name}, tokenizer {scorer.tokenizer}) does not share the "
-                f"policy's tokenizer: {difference}; distil from a teacher of the same tokenizer"
-            )
-    with ScorerClient(name, scorer, run) as client:
-        yield Teacher(client)
 
 
 def run_generator(

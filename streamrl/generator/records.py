@@ -1,6 +1,7 @@
 """A generator's stream records: a finished rollout as a `ScoredGroup`, its rewards shaped.
 
-The raw verifier scores become rule rewards (`algorithm.reward_scale`), shaped by length when
+The raw verifier scores become rule rewards (`algorithm.reward_scale`), weighed with the
+reward's model terms when it has any (R = Σ_k c_k·R_k, each R_k stored), shaped by length when
 the algorithm asks: DAPO's overlong penalty (`algorithm.overlong.shaping`) or the framework
 guide's adaptive length penalty (`algorithm.length_penalty`), both over sampled tokens only
 (`loss_masks` for multi-turn groups). The raw scores are stored unshaped: dynamic sampling
@@ -25,6 +26,7 @@ from streamrl.config.run import RunConfig
 from streamrl.envs.runner import Scored
 from streamrl.generator.rollouts import Rollout
 from streamrl.scorers.teacher import TeacherScores
+from streamrl.scorers.terms import TermScores
 
 __all__ = ["GeneratorStats", "GroupRecords"]
 
@@ -64,10 +66,15 @@ class GroupRecords:
         self.config, self.generator_id, self.stats = config, generator_id, stats
 
     def group(
-        self, rollout: Rollout, scored: list[Scored], teacher: TeacherScores | None = None
+        self,
+        rollout: Rollout,
+        scored: list[Scored],
+        teacher: TeacherScores | None = None,
+        terms: dict[str, TermScores] | None = None,
     ) -> ScoredGroup:
         """A finished group as its record: each episode's transcript, score and statistics,
-        rewards shaped (`algorithm`), the teacher's log-probs when it has them, counted in
+        rewards combined from their terms (`terms`: the model terms' scores, when the reward
+        has any) and shaped (`algorithm`), the teacher's log-probs when it has them, counted in
         `stats`. The multi-turn fields are left None where they hold their single-turn values
         (one turn, no environment token, one weight version, no turn reward), so a single-turn
         group is stored as one."""
@@ -87,8 +94,8 @@ class GroupRecords:
         truncated = np.array([s.finish_reason == "max_tokens" for s in scored])
 
         algorithm = self.config.algorithm
-        raw = torch.tensor([s.reward for s in scored], dtype=torch.float32)
-        rewards = scale_rule_reward(raw, algorithm.reward_scale)
+        rule = torch.tensor([s.reward for s in scored], dtype=torch.float32)
+        rewards, raw, reward_terms = self._combined(rule, terms)
         lengths = torch.tensor([len(t) for t in tokens])
         if algorithm.overlong.shaping:
             rewards = rewards + overlong_penalty(
@@ -142,7 +149,28 @@ class GroupRecords:
             wait_seconds=rollout.wait_seconds(),
             teacher_logprobs=teacher.logprobs if teacher is not None else None,
             teacher_seconds=teacher.seconds if teacher is not None else None,
+            reward_terms=reward_terms,
         )
+
+    def _combined(
+        self, rule: torch.Tensor, terms: dict[str, TermScores] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray] | None]:
+        """(R = Σ_k c_k·R_k before shaping, the raw score of the correctness term, each term's
+        R_k to store — None for the rule alone). The rule term's R is the rule reward
+        (`algorithm.reward_scale`) of its raw score; its raw score is correctness unless
+        `generator.reward.correctness` names a model term."""
+        reward = self.config.generator.reward
+        rule_reward = scale_rule_reward(rule, self.config.algorithm.reward_scale)
+        if not terms:
+            return rule_reward, rule, None
+        values = {reward.rule_term: rule_reward}
+        values |= {name: torch.tensor(t.values, dtype=torch.float32) for name, t in terms.items()}
+        total = reward.weight * rule_reward
+        for name, term in reward.models.items():
+            total = total + term.weight * values[name]
+        correct = reward.correctness_term
+        raw = rule if correct == reward.rule_term else values[correct]
+        return total, raw, {name: v.numpy() for name, v in values.items()}
 
 
 def _turn_rewards(rewards: tuple[float | None, ...], turns: int) -> np.ndarray:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
@@ -46,13 +47,14 @@ from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored
 from streamrl.generator.chat import ChatRenderer
 from streamrl.generator.engine import Completion, Engine, FinishedGroup
 from streamrl.scorers.teacher import Teacher, TeacherScores
+from streamrl.scorers.terms import ModelTermScorer, TermInput
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EpisodeDriver", "PromptTooLongError", "Rollout", "Transcript"]
 
 MAX_TOO_LONG_IN_A_ROW = 32
-DRAIN_TEACHER_S = 10.0  # on stop, how long the groups ended wait for the teacher's log-probs
+DRAIN_SCORERS_S = 10.0  # on stop, how long the groups ended wait for their models' scores
 
 
 class PromptTooLongError(RuntimeError):
@@ -125,6 +127,7 @@ class Rollout:
     last_eos: list[bool] = field(default_factory=list)
     scores: list[Future[Scored]] = field(default_factory=list)
     teacher: Future[TeacherScores] | None = None  # with a teacher, once the episodes ended
+    terms: dict[str, list[Future[float]]] = field(default_factory=dict)  # model reward terms
 
     @property
     def ended(self) -> bool:
@@ -132,8 +135,12 @@ class Rollout:
 
     @property
     def scored(self) -> bool:
-        taught = self.teacher is None or self.teacher.done()
-        return bool(self.scores) and all(f.done() for f in self.scores) and taught
+        return bool(self.scores) and all(f.done() for f in self.calls())
+
+    def calls(self) -> list[Future]:
+        """Every scoring call of the group: its rewards, its teacher, its model terms."""
+        teacher = [self.teacher] if self.teacher is not None else []
+        return [*self.scores, *teacher, *(f for futures in self.terms.values() for f in futures)]
 
     @property
     def policy_version(self) -> int:
@@ -159,16 +166,21 @@ class Rollout:
 class EpisodeDriver:
     """Drives one generator's rollouts (module docstring). `group_sizes`: the rule giving each
     group's G, fed every group whose episodes have ended (before its scores come back).
-    `teacher`: the run's teacher, when it distils."""
+    `teacher`: the run's teacher, when it distils; `terms`: the reward's model terms."""
 
     def __init__(
-        self, config: RunConfig, engine: Engine, runner: EnvRunner, teacher: Teacher | None = None
+        self,
+        config: RunConfig,
+        engine: Engine,
+        runner: EnvRunner,
+        teacher: Teacher | None = None,
+        terms: Sequence[ModelTermScorer] = (),
     ) -> None:
         self.env = config.generator.env
         self.group_sizes = config.generator.group_size_rule()
         self.turn_max_tokens = self.env.turn_max_tokens or config.generator.max_tokens
         self.max_episode_tokens = self.env.max_episode_tokens or config.model.max_model_len
-        self.engine, self.runner, self.teacher = engine, runner, teacher
+        self.engine, self.runner, self.teacher, self.terms = engine, runner, teacher, terms
         self.renderer = (
             ChatRenderer(engine.tokenizer, config.model.path) if self.env.multi_turn else None
         )
@@ -222,14 +234,18 @@ class EpisodeDriver:
                     rollout.teacher = self.teacher.score(
                         rollout.prompt_ids, [a[0] for a in arrays], [a[2] for a in arrays]
                     )
+                for term in self.terms:
+                    rollout.terms[term.name] = [
+                        term.score(_term_input(rollout.prompt, e.final)) for e in rollout.episodes
+                    ]
                 # Its lengths are known now: the next group's G need not wait for its scores.
                 self.group_sizes.observe(rollout.sampled_lengths())
         return self._take_scored()
 
     def drain(self) -> list[Rollout]:
         """On stop (the engine's requests already aborted): the groups whose episodes have all
-        ended, once scored (by the teacher within `DRAIN_TEACHER_S`); every other group in
-        flight is dropped."""
+        ended, once scored (by the models that score within `DRAIN_SCORERS_S`); every other
+        group in flight is dropped."""
         self._resets.clear()
         self._first.clear()
         self._next.clear()
@@ -238,8 +254,9 @@ class EpisodeDriver:
         for rollout in self._rollouts:
             for future in rollout.scores:
                 future.result()
-        # The teacher is a server that may be down: what it has not scored by then is dropped.
-        wait([r.teacher for r in self._rollouts if r.teacher is not None], DRAIN_TEACHER_S)
+        # Models that score are servers that may be down: what they have not scored by then is
+        # dropped.
+        wait([f for r in self._rollouts for f in r.calls()], DRAIN_SCORERS_S)
         return self._take_scored()
 
     def _take_scored(self) -> list[Rollout]:
@@ -352,3 +369,9 @@ class EpisodeDriver:
     def _turn_budget(self, used: int) -> int:
         """Tokens the next turn may sample, with `used` tokens of the episode already used."""
         return max(1, min(self.turn_max_tokens, self.max_episode_tokens - used))
+
+
+def _term_input(prompt: Prompt, response: str) -> TermInput:
+    """What a model reward term sees of a response to `prompt`."""
+    asked = next((m["content"] for m in reversed(prompt.messages) if m.get("role") == "user"), None)
+    return TermInput(tuple(prompt.messages), asked or prompt.text, response, prompt.ground_truth)

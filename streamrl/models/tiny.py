@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHATML_TEMPLATE", "build_qwen2_5_0_5b_shape", "build_tiny_qwen2", "build_tokenizer"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "build_qwen2_5_0_5b_shape",
+    "build_tiny_qwen2",
+    "build_tiny_reward_model",
+    "build_tokenizer",
+]
 
 VOCAB_SIZE = 1024
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds exactly this one when it
@@ -101,6 +107,36 @@ def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
         max_position_embeddings=2048,
         rope_theta=10000.0,
     )
+
+
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny sequence classifier (a reward model: one logit) to `out_dir`: the tiny
+    model's shape and tokenizer with a seeded random score head (N(0, 1), so scores are O(1)),
+    float32. It scores nothing meaningful; it is what tests serve as a reward model."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        num_labels=1,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+        torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.config.architectures = ["Qwen2ForSequenceClassification"]
+    return save_model_dir(model, tokenizer, Path(out_dir))
 
 
 def build_qwen2_5_0_5b_shape(out_dir: str | Path, seed: int = 0) -> Path:

@@ -80,6 +80,12 @@ class PoolsPlacement(Section):
     eval_pool: str | None = Field(
         None, description="Work pool of the evaluator's flow run; null: generator_pool."
     )
+    scorer_pool: str | None = Field(
+        None,
+        description="Work pool of the served scorers' flow runs (scorers.<name> without a url: "
+        "a teacher, reward model or judge), one flow run each; null: generator_pool. The "
+        "generators' machines must reach a scorer's machine by its host name.",
+    )
     image: str | None = Field(
         None,
         description="Container image passed to every flow run as the `image` job variable "
@@ -108,6 +114,11 @@ class PoolsPlacement(Section):
         "control/fleet.json) may start; a larger request is refused by `streamrl scale` and "
         "capped at this by the supervising flow.",
     )
+
+    @property
+    def scorers_pool(self) -> str:
+        """Where the served scorers' flow runs go."""
+        return self.scorer_pool or self.generator_pool
 
     @property
     def evaluator_pool(self) -> str:

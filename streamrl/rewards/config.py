@@ -7,13 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from storage.stream.scored_group import REWARD_TERM_NAME
 from streamrl.config.base import MAX_WAIT_S, Section
 from streamrl.data.rows import DatasetError
 from streamrl.rewards.code.cases import TestSpecError, read_tests
 from streamrl.rewards.code.config import CodeRewardConfig
 from streamrl.rewards.registry import RewardSpec, check_reward_name
+from streamrl.scorers.terms import ModelTerm
 
 __all__ = [
     "RewardConfig",
@@ -21,7 +23,8 @@ __all__ = [
 
 
 class RewardConfig(Section):
-    """The verifiable reward function a generator scores responses with."""
+    """The reward a generator scores responses with: the verifiable rule (`fn`) and, when
+    `models` names any, terms scored by models, R = weight·R_rule + Σ c_k·R_k."""
 
     fn: str = Field(
         "math",
@@ -71,6 +74,64 @@ class RewardConfig(Section):
         default_factory=CodeRewardConfig,
         description="The code reward's settings (fn: code): tests, layout, limits.",
     )
+    weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="c of the rule term (fn) in R = Σ_k c_k·R_k when `models` add terms; 0 "
+        "logs it (accuracy) without training on it.",
+    )
+    models: dict[str, ModelTerm] = Field(
+        default_factory=dict,
+        description="Reward terms scored by models, by term name: kind reward_model (a "
+        "sequence classifier's score) or judge (an LLM's verdict on a rubric), each naming a "
+        "scorer (scorers.<name>) and its weight c_k. Each term is logged as reward/<name>_mean.",
+    )
+    correctness: str | None = Field(
+        None,
+        description="The term whose raw score says a response is correct (≥ 1): accuracy and "
+        "dynamic sampling read it. null: the rule term (fn).",
+    )
+
+    @property
+    def rule_term(self) -> str:
+        """The rule term's name: `fn` when it is a registered name, else 'rule'."""
+        return self.fn if REWARD_TERM_NAME.match(self.fn) else "rule"
+
+    @property
+    def correctness_term(self) -> str:
+        return self.correctness or self.rule_term
+
+    @field_validator("models")
+    @classmethod
+    def _term_names(cls, value: dict[str, ModelTerm]) -> dict[str, ModelTerm]:
+        for name in value:
+            if not REWARD_TERM_NAME.match(name) or name == "rule":
+                raise ValueError(
+                    f"reward term name {name!r} must be lower-case letters, digits and _, "
+                    "starting with a letter (and not 'rule'): it names the metric "
+                    f"reward/{name}_mean"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _terms_are_distinct_and_correctness_is_one(self) -> RewardConfig:
+        if self.rule_term in self.models:
+            raise ValueError(
+                f"generator.reward.models.{self.rule_term} has the rule term's name "
+                f"(generator.reward.fn={self.fn}); rename the model term"
+            )
+        terms = [self.rule_term, *self.models]
+        if self.correctness is not None and self.correctness not in terms:
+            raise ValueError(
+                f"generator.reward.correctness={self.correctness} names no term; the terms are "
+                f"{', '.join(terms)}"
+            )
+        if not self.models and self.weight != 1.0:
+            raise ValueError(
+                "generator.reward.weight weighs the rule term against model terms "
+                "(generator.reward.models), and there are none; remove it"
+            )
+        return self
 
     @field_validator("fn")
     @classmethod

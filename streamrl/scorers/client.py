@@ -136,9 +136,10 @@ class ScorerClient:
     def post(
         self, path: str, body: dict[str, Any], read: Callable[[Any], _T] = lambda answer: answer
     ) -> Future[_T]:
-        """POST `body` (JSON) to `path` under the scorer's base URL (…/v1); a future of
-        `read(the JSON answer)`, or of a `ScorerCallError` — also when `read` finds the answer
-        unusable (raises ValueError, KeyError, TypeError or IndexError)."""
+        """POST `body` (JSON) to `path` under the scorer's base URL (…/v1; a path starting with
+        '/' under the server's root); a future of `read(the JSON answer)`, or of a
+        `ScorerCallError` — also when `read` finds the answer unusable (raises ValueError,
+        KeyError, TypeError or IndexError)."""
         if self._loop is None:
             raise RuntimeError(f"the client of scorer {self.name!r} is not open")
         return asyncio.run_coroutine_threadsafe(self._post(path, body, read), self._loop)
@@ -161,7 +162,7 @@ class ScorerClient:
             client = self._current_client()
             if client is not None:
                 try:
-                    return await client.post(path, cast_to=object, body=body)
+                    return await client.post(self._url(path), cast_to=object, body=body)
                 except openai.APITimeoutError as exc:
                     raise ScorerCallError(
                         f"scorer {self.name!r} did not answer {path} within "
@@ -199,6 +200,15 @@ class ScorerClient:
             )
             self._address = address
         return self._client
+
+    def _url(self, path: str) -> str:
+        """`path` under the base URL (…/v1), or, starting with '/', under the server's root
+        (vLLM's `/classify`)."""
+        if not path.startswith("/"):
+            return path
+        assert self._address is not None
+        root = self._address.removesuffix("/").removesuffix("/v1")
+        return root + path
 
     def _forget(self, client: openai.AsyncOpenAI) -> None:
         if self._client is client:

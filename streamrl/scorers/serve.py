@@ -38,7 +38,7 @@ from streamrl.config.run import RunConfig
 from streamrl.config.stored import open_existing_run
 from streamrl.generator.engine import cpu_environment, use_cuda
 from streamrl.isolation.lifetime import dying_with_parent
-from streamrl.models import resolve_model_path
+from streamrl.models import ModelPathError, resolve_model_path
 from streamrl.scorers.client import scorer_endpoint_name
 from streamrl.scorers.config import ScorerConfig
 from streamrl.scorers.tokenizers import TokenizerMismatchError, tokenizer_difference
@@ -130,7 +130,10 @@ def serve_scorer(run_uri: str, name: str, stop: threading.Event | None = None) -
         known = ", ".join(config.served_scorers) or "none"
         raise ValueError(f"the run serves no scorer {name!r} (served scorers: {known})")
     scorer = config.scorers[name]
-    model_dir = resolve_model_path(scorer.model)
+    try:
+        model_dir = resolve_model_path(scorer.model)
+    except ModelPathError as exc:
+        raise ModelPathError(exc.problems[0], source=f"scorers.{name}.model") from None
     _check_teacher(config, name, model_dir)
     local = config.placement.runs_here
     bind = "127.0.0.1" if local else "0.0.0.0"

@@ -104,7 +104,11 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "opd-pure": ("opd", ()),
     "opd-gspo_token": (
         "gspo",
-        ("algorithm.opd.lambda_rl=0.5", "algorithm.policy_loss.kind=gspo_token"),
+        (
+            "algorithm.opd.lambda_rl=0.5",
+            "algorithm.policy_loss.kind=gspo_token",
+            "generator.teacher=teacher",
+        ),
     ),
     # The framework guide's advantage variants, and their presets as they are.
     "grpo-as-is": ("grpo", ("algorithm.kl=null",)),

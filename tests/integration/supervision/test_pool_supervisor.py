@@ -41,7 +41,11 @@ def client():
         client.create_work_pool(
             WorkPoolCreate(name="k8s-gpu", type="kubernetes", base_job_template=K8S_TEMPLATE)
         )
-        for flow, pool in (("learner", "k8s-gpu"), ("generator", "generators")):
+        for flow, pool in (
+            ("learner", "k8s-gpu"),
+            ("generator", "generators"),
+            ("scorer", "k8s-gpu"),
+        ):
             client.create_deployment(
                 client.create_flow_from_name(flow), "default", work_pool_name=pool
             )
@@ -289,3 +293,39 @@ def test_a_pool_without_the_deployment_is_refused_with_the_command_that_adds_it(
     with pytest.raises(PoolError, match=refused):
         fleet.start()
     assert fleet.children == []
+
+
+def test_a_served_scorer_runs_on_its_pool_is_replaced_when_lost_and_ends_last(client, tmp_path):
+    """A teacher the run serves: its own flow run on placement.scorer_pool with its GPUs, the
+    learner's index-free parameters; replaced when its node is lost; cancelled once the
+    learner completed and the generators have flushed (nothing left to score for)."""
+    teacher = (
+        "algorithm.opd.lambda_rl=1.0", "generator.teacher=teacher",
+        "scorers.teacher.model=tiny-qwen2", "scorers.teacher.device=cuda",
+        "scorers.teacher.tensor_parallel_size=2", "placement.scorer_pool=k8s-gpu",
+    )  # fmt: skip
+    fleet, _ = _fleet(client, tmp_path, *teacher, generators=1)
+    fleet.start()
+    assert [c.name for c in fleet.children] == ["scorer-teacher", "learner", "gen0"]
+    scorer = client.read_flow_run(_named(fleet, "scorer-teacher").flow_run_id)
+    assert scorer.parameters == {"run_uri": str(tmp_path / "run"), "index": 0}
+    assert scorer.job_variables == {"gpu_count": 2, "env": {"STREAMRL_TEST": "yes"}}
+
+    _set(client, _named(fleet, "scorer-teacher"), Crashed(message="node lost"))
+    fleet.poll()
+    assert fleet.restarts() == {"scorer-teacher": 1}
+    replacement = _named(fleet, "scorer-teacher")
+    assert replacement.flow_run_id != scorer.id
+
+    request_stop(fleet.run, "learner reached its steps")
+    _set(client, _named(fleet, "learner"), Completed())
+    _set(client, replacement, Running())
+    assert not fleet.poll()  # gen0 still flushes: the teacher keeps serving
+    assert client.read_flow_run(replacement.flow_run_id).state.type == StateType.RUNNING
+    _set(client, _named(fleet, "gen0"), Completed())
+    fleet.poll()
+    assert client.read_flow_run(replacement.flow_run_id).state.type in (
+        StateType.CANCELLING,
+        StateType.CANCELLED,
+    )
+    assert fleet.restarts() == {"scorer-teacher": 1}

@@ -103,3 +103,23 @@ def test_a_metric_only_some_cells_recorded_says_over_how_many() -> None:
         step["actor/entropy"] = 2.0 - step["step"] / 10  # 1.9, 1.8, ... 1.2 at step 8
     assert grpo.run_means("actor/entropy", last=2) == [pytest.approx(1.25)]
     assert recorded(grpo, grpo.run_means("actor/entropy", last=2)) == "1.25 (1 of 3)"
+
+
+def test_opd_reaches_dapo_only_when_an_early_step_matches_dapos_last_on_both_metrics() -> None:
+    dapo = arm("dapo", [{8: (0.85, 0.5), 32: (0.95, 0.9)}] * 3)
+    fast = arm("opd", [{8: (0.96, 0.91), 32: (0.97, 0.95)}] * 3)
+    for cell_ in fast.cells:  # the reverse KL falls in every run
+        for record in cell_["steps"]:
+            record["opd/reverse_kl"] = 1.0 / record["step"]
+    found = report(dapo, fast)
+    line = found["OPD reaches DAPO's step-32 held-out accuracy within a third of its steps"]
+    assert line.startswith(" met")
+    assert "greedy: DAPO step 32 0.950, OPD step 8 0.960" in line
+    assert found["OPD's reverse KL to the teacher falls"].startswith(" met")
+
+    slow = arm("opd", [{8: (0.96, 0.80), 32: (0.97, 0.95)}] * 3)  # pass@1 gets there at 32 only
+    line = report(dapo, slow)[
+        "OPD reaches DAPO's step-32 held-out accuracy within a third of its steps"
+    ]
+    assert line.startswith(" not met")
+    assert "not recorded" in report(dapo, slow)["OPD's reverse KL to the teacher falls"]

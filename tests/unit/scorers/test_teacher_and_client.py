@@ -134,3 +134,20 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_its_server_starts(tm
     assert "its tokenizer is not the policy's: the policy's vocabulary has" in refused.stderr
     assert "vllm" not in refused.stderr.lower()  # refused before the server started
     assert time.monotonic() - started < 120
+
+
+def test_a_served_scorer_whose_model_is_not_there_is_refused_naming_the_field(tmp_path):
+    run_dir = tmp_path / "run"
+    config = load_config(
+        ["opd", "tiny-cpu"],
+        overrides=[f"storage.run_uri={run_dir}", f"scorers.teacher.model={tmp_path / 'nothing'}"],
+    )
+    prepare_run(config)
+    refused = subprocess.run(
+        [sys.executable, "-m", "streamrl", "scorer", "--run", str(run_dir), "--name", "teacher"],
+        cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == USER_CODE_EXIT_CODE, refused.stderr[-2000:]
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error: ")]
+    assert "invalid scorers.teacher.model" in line
+    assert "does not exist" in line

@@ -284,7 +284,9 @@ def test_rollout_sums_sum_reward_terms_and_teacher_time_and_merge_them():
     assert (sums.teacher_groups, sums.teacher_s) == (2, pytest.approx(a.teacher_seconds))
     responses = a.group_size + b.group_size
     metrics = sums.metrics("rollout")
-    assert metrics["rollout/reward_math_mean"] == pytest.approx(math_sum / responses)
+    assert metrics["reward/math_mean"] == pytest.approx(math_sum / responses)
+    accepted = sums.metrics("rollout_accepted")
+    assert accepted["reward_accepted/math_mean"] == pytest.approx(math_sum / responses)
     assert metrics["rollout/teacher_s_per_group"] == pytest.approx(a.teacher_seconds / 2)
 
     merged = RolloutSums.of([a])
@@ -294,7 +296,7 @@ def test_rollout_sums_sum_reward_terms_and_teacher_time_and_merge_them():
 
     plain = _with(a, teacher_logprobs=None, teacher_seconds=None, reward_terms=None)
     metrics = RolloutSums.of([plain]).metrics("rollout")
-    scoring = {k for k in metrics if "teacher" in k or k.startswith("rollout/reward_")}
+    scoring = {k for k in metrics if "teacher" in k or k.startswith(("rollout/reward", "reward/"))}
     assert scoring == {"rollout/reward_mean"}
 
 
