@@ -6,7 +6,14 @@ weight update from the weight store.
     .venv/bin/python -m benchmarks.generator_bench --preset smollm2-cpu --preset code \
         --reward code --reward math --rounds 2 --groups 48
 
+    taskset -c 1 .venv/bin/python -m benchmarks.generator_bench --preset smollm2-cpu \
+        --teacher smollm2-135m-instruct --teacher-cores 0 --rounds 2 --groups 48
+
 `--preset` may be given several times (a size preset, then a task preset such as `code`).
+`--teacher MODEL` compares the loop without and with a teacher (on-policy distillation: every
+finished group's token histories scored by the teacher, served by `streamrl scorer` on
+`--teacher-cores`, its own), in turns as `--reward` does, and then measures the teacher's own
+scoring throughput: the last run's groups sent to it all at once, their tokens per second.
 `--reward` (repeatable) runs the loop once per reward and round, the rewards taking turns (every
 other round in reverse order, so a drift of the machine's speed cancels) on
 the same engine, prompts and sampling settings, so what differs is only the scoring:
@@ -24,24 +31,32 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from storage.control.endpoints import read_endpoint
 from storage.fs import open_location
 from storage.stream.writer import StreamReader, StreamWriter
 from storage.weights.publish import WeightWriter
 from streamrl.config.loading import load_config
 from streamrl.config.run import RunConfig
+from streamrl.config.stored import prepare_run
 from streamrl.data import PromptSource
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.generator.records import GeneratorStats
 from streamrl.models import resolve_model_path
+from streamrl.scorers.client import ScorerClient
+from streamrl.scorers.teacher import Teacher
 
 
 def main() -> None:
@@ -59,6 +74,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
+    parser.add_argument("--teacher", metavar="MODEL", help="compare without and with a teacher")
+    parser.add_argument(
+        "--teacher-cores", default="0", help="the teacher server's cores (taskset list)"
     )
     args = parser.parse_args()
 
@@ -80,6 +99,9 @@ def main() -> None:
 
     if args.reward:
         _compare_rewards(config, engine, source, args.reward, args.rounds, args.groups)
+        return
+    if args.teacher:
+        _compare_teacher(config, engine, source, args)
         return
 
     from vllm.inputs import TokensPrompt
@@ -169,6 +191,7 @@ def _run_loop(
     run,
     seconds: float | None = None,
     groups: int | None = None,
+    teacher: Teacher | None = None,
 ) -> LoopRun:
     """`GeneratorLoop` committing to `run`, for `seconds`, or until `groups` groups are
     written. Its steady state: the groups finished after the first one, over the time between
@@ -183,6 +206,7 @@ def _run_loop(
             runner=runner,
             writer=StreamWriter(run, "gen0"),
             generator_id="gen0",
+            teacher=teacher,
         )
         stop = threading.Event()
         if seconds is not None:
@@ -249,13 +273,72 @@ def _compare_rewards(
                 f"reward mean {run.stats.reward_sum / max(run.stats.responses, 1):.3f}"
             )
 
+    _table(runs, groups, rewards[0])
+
+
+def _compare_teacher(
+    config: RunConfig, engine: Engine, source: PromptSource, args: argparse.Namespace
+) -> None:
+    """The loop without and with a served teacher, in turns (module docstring); one table, then
+    the teacher's scoring throughput."""
+    with tempfile.TemporaryDirectory() as tmp:
+        taught = load_config(
+            ["dapo", *(args.preset or ["smollm2-cpu"])],
+            overrides=[
+                "generator.flow_control=off", *args.set, f"storage.run_uri={tmp}/teacher-run",
+                "algorithm.opd.lambda_rl=1.0", "generator.teacher=teacher",
+                f"scorers.teacher.model={args.teacher}", "scorers.teacher.dtype=float32",
+            ],
+        )  # fmt: skip
+        taught, run = prepare_run(taught)
+        server = subprocess.Popen(
+            ["taskset", "-c", args.teacher_cores, sys.executable, "-m", "streamrl", "scorer",
+             "--run", str(run.uri), "--name", "teacher"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            _wait_for_endpoint(run, server)
+            with ScorerClient("teacher", taught.scorers["teacher"], run) as client:
+                teacher = Teacher(client)
+                variants = {"without teacher": None, "with teacher": teacher}
+
+                def measure(name: str) -> LoopRun:
+                    with tempfile.TemporaryDirectory() as out:
+                        return _run_loop(
+                            taught if variants[name] else config, engine, source,
+                            open_location(out), groups=args.groups, teacher=variants[name],
+                        )  # fmt: skip
+
+                measure("with teacher")  # warms the engine and the teacher up
+                runs: dict[str, list[LoopRun]] = {name: [] for name in variants}
+                for round_ in range(args.rounds):
+                    names = list(variants) if round_ % 2 == 0 else list(variants)[::-1]
+                    for name in names:
+                        runs[name].append(measure(name))
+                        last = runs[name][-1]
+                        print(f"round {round_ + 1}, {name}: {last.first_tokens / last.first_s:.1f} "
+                              "tokens/s")  # fmt: skip
+                _table(runs, args.groups, "without teacher")
+                _teacher_throughput(teacher, source, args.groups, taught.generator.group_size)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=60)
+
+
+def _wait_for_endpoint(run, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 900
+    while read_endpoint(run, "scorer-teacher") is None:
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the teacher's server did not come up (run `streamrl scorer` alone)")
+        time.sleep(0.5)
+
+
+def _table(runs: dict[str, list[LoopRun]], groups: int, baseline: str) -> None:
     def rate(done: list[LoopRun]) -> float:
         return sum(r.first_tokens for r in done) / sum(r.first_s for r in done)
 
-    first = rate(runs[rewards[0]])
-    print(
-        f"\n| reward | groups | tokens | seconds | tokens/s | per round | ratio to {rewards[0]} |"
-    )
+    first = rate(runs[baseline])
+    print(f"\n| run | groups | tokens | seconds | tokens/s | per round | ratio to {baseline} |")
     print("|---|---|---|---|---|---|---|")
     for name, done in runs.items():
         per_round = ", ".join(f"{r.first_tokens / r.first_s:.1f}" for r in done)
@@ -264,6 +347,27 @@ def _compare_rewards(
             f"{sum(r.first_s for r in done):.1f} | {rate(done):.1f} | {per_round} | "
             f"{rate(done) / first:.3f} |"
         )
+
+
+def _teacher_throughput(teacher: Teacher, source: PromptSource, groups: int, size: int) -> None:
+    """Groups of `size` copies of prompt + a 64-token continuation, all sent at once: the
+    tokens the teacher scores per second (prefill), and each group's latency."""
+    rng = np.random.default_rng(0)
+    prompts = source.prompts[:groups]
+    responses = [[rng.integers(0, 1000, 64, dtype=np.int32) for _ in range(size)] for _ in prompts]
+    masks = [[np.ones(64, np.uint8)] * size for _ in prompts]
+    started = time.perf_counter()
+    futures = [
+        teacher.score(p.token_ids, r, m) for p, r, m in zip(prompts, responses, masks, strict=True)
+    ]
+    latencies = [f.result().seconds for f in futures]
+    elapsed = time.perf_counter() - started
+    tokens = sum((len(p.token_ids) + 64) * size for p in prompts)
+    print(
+        f"\nteacher scoring throughput: {groups} groups × {size} sequences, {tokens} tokens in "
+        f"{elapsed:.1f}s = {tokens / elapsed:.0f} tokens/s ({groups / elapsed:.2f} groups/s); "
+        f"per-group latency median {np.median(latencies):.2f}s"
+    )
 
 
 def _changed(tensor: torch.Tensor, fraction: float) -> torch.Tensor:

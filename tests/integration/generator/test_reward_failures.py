@@ -345,3 +345,76 @@ def test_a_generator_survives_rewards_that_hog_memory_return_inf_or_read_credent
     assert (errors, timeouts) == (G * dropped, 0)
     for failure in ("MemoryError", "returned inf", "KeyError: 'AWS_SECRET_ACCESS_KEY'"):
         assert failure in caplog.text
+
+
+def _teacher_config(unavailable_s: float):
+    """Distillation from a teacher nothing answers for (an endpoint on a closed port)."""
+    return _config(
+        "drop_group",
+        "math",
+        "generator.prompts_in_flight=2",
+        "generator.flow_control=off",  # no learner: nothing to pace against
+        "algorithm.opd.lambda_rl=1.0",
+        "generator.teacher=teacher",
+        "scorers.teacher.url=http://127.0.0.1:9/v1",
+        "scorers.teacher.model=teacher",
+        f"scorers.teacher.tokenizer={resolve_model_path('tiny-qwen2')}",
+        f"scorers.teacher.unavailable_s={unavailable_s}",
+    )
+
+
+def _teacher_loop(config: RunConfig, run_dir: Path, engine: Engine, stack) -> GeneratorLoop:
+    from streamrl.scorers.client import ScorerClient
+    from streamrl.scorers.teacher import Teacher
+
+    run = open_location(str(run_dir))
+    create_run(run, config.model_dump(mode="json"))
+    runner = stack.enter_context(
+        EnvRunner.from_config(config.generator.env, config.generator.reward, None)
+    )
+    client = stack.enter_context(ScorerClient("teacher", config.scorers["teacher"], run))
+    return GeneratorLoop(
+        config=config,
+        run=run,
+        engine=engine,
+        prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
+        runner=runner,
+        writer=StreamWriter(run, "gen0"),
+        generator_id="gen0",
+        teacher=Teacher(client),
+    )
+
+
+def test_a_dead_teacher_holds_sampling_back_and_its_groups_are_counted_not_trained_on(
+    tmp_path, engine
+):
+    """While the teacher cannot be reached its groups wait (up to `unavailable_s`), so the
+    loop stops sampling once twice `prompts_in_flight` groups wait, instead of piling up work;
+    past `unavailable_s` each such group is left out and counted as a failed call."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        loop = _teacher_loop(_teacher_config(600.0), tmp_path / "waits", engine, stack)
+        try:
+            deadline = time.monotonic() + 120
+            while loop.episodes.groups_scoring < 4 and time.monotonic() < deadline:
+                loop.step()
+            for _ in range(20):  # the loop goes on stepping: nothing new is admitted
+                loop.step()
+            assert loop.episodes.groups_in_flight == 4
+            assert engine.num_in_flight == 0
+            assert loop.stats.groups == 0
+        finally:
+            engine.abort_all()
+
+    with contextlib.ExitStack() as stack:
+        loop = _teacher_loop(_teacher_config(1.0), tmp_path / "fails", engine, stack)
+        try:
+            deadline = time.monotonic() + 120
+            while loop.stats.dropped_groups < 2 and time.monotonic() < deadline:
+                loop.step()
+            assert loop.stats.dropped_groups >= 2
+            assert loop.stats.reward_timeouts == loop.stats.dropped_groups  # unreachable
+            assert loop.stats.groups == 0  # nothing without teacher log-probs is written
+        finally:
+            engine.abort_all()
