@@ -73,6 +73,7 @@ class ScorerClient:
         self._thread: threading.Thread | None = None
         self._slots: asyncio.Semaphore | None = None
         self._client: openai.AsyncOpenAI | None = None
+        self._retired: list[openai.AsyncOpenAI] = []  # clients of addresses that stopped answering
         self._address: str | None = None
         self._api_key = "EMPTY"  # a vLLM server the run starts takes no key
 
@@ -129,9 +130,9 @@ class ScorerClient:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        for client in [*self._retired, *([self._client] if self._client else [])]:
+            await client.close()
+        self._client, self._retired = None, []
 
     def post(
         self, path: str, body: dict[str, Any], read: Callable[[Any], _T] = lambda answer: answer
@@ -175,7 +176,12 @@ class ScorerClient:
                         f"{_brief(exc.message)}"
                     ) from exc
                 except openai.APIConnectionError:
-                    self._forget(client)  # unreachable: look the address up again below
+                    await self._forget(client)  # unreachable: look the address up again
+                except openai.OpenAIError as exc:  # anything else the SDK could not use
+                    raise ScorerCallError(
+                        f"scorer {self.name!r} failed on {path}: {type(exc).__name__}: "
+                        f"{_brief(str(exc))}"
+                    ) from exc
             if time.monotonic() >= give_up:
                 raise ScorerCallError(
                     f"scorer {self.name!r} was unreachable for unavailable_s="
@@ -186,8 +192,11 @@ class ScorerClient:
             pause = min(2 * pause, UNAVAILABLE_POLL_S[1])
 
     def _current_client(self) -> openai.AsyncOpenAI | None:
-        """The SDK client for the scorer's address now (None: a served scorer that has not
-        published one yet), rebuilt when the address moved."""
+        """The SDK client for the scorer's address (None: a served scorer that has not
+        published one yet). The address is looked up once, and again after the server could
+        not be reached (`_forget`): a restarted server may have moved."""
+        if self._client is not None:
+            return self._client
         address = self._resolve()
         if address is None:
             return None
@@ -210,15 +219,22 @@ class ScorerClient:
         root = self._address.removesuffix("/").removesuffix("/v1")
         return root + path
 
-    def _forget(self, client: openai.AsyncOpenAI) -> None:
+    async def _forget(self, client: openai.AsyncOpenAI) -> None:
+        """Look the address up again for the next call. The client is closed only at
+        shutdown: calls still in flight on it end by themselves (with a connection error)."""
         if self._client is client:
             self._client, self._address = None, None
+            self._retired.append(client)
 
     def _resolve(self) -> str | None:
         if not self.config.served:
             return self.config.url
         assert self.run is not None
-        endpoint: Endpoint | None = read_endpoint(self.run, scorer_endpoint_name(self.name))
+        try:
+            endpoint: Endpoint | None = read_endpoint(self.run, scorer_endpoint_name(self.name))
+        except Exception as exc:  # storage unreachable (any backend's error): try again later
+            log.warning("scorer %s: could not read its address (%r); retrying", self.name, exc)
+            return None
         return endpoint.url if endpoint is not None else None
 
     def _where(self) -> str:
