@@ -68,8 +68,7 @@ from streamrl.config.run import RunConfig
 from streamrl.config.stored import open_run_location
 from streamrl.generator.index import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
-from streamrl.placement import scorer_process_name
-from streamrl.scorers.config import ScorerConfig
+from streamrl.scorers.config import ScorerConfig, scorer_process_name
 from streamrl.supervision.policy import (
     NOT_RESTARTED,
     Abort,

@@ -23,6 +23,7 @@ from streamrl.isolation.user_code import check_user_code, modules_not_found
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
 from streamrl.scorers.config import ScorerConfig
+from streamrl.scorers.terms import JudgeTerm, RewardModelTerm
 
 __all__ = ["add_commands", "add_config_args", "config_from"]
 
@@ -146,6 +147,8 @@ def _cmd_fields(args: argparse.Namespace) -> int:
         else:
             sections[name] = field.annotation  # type: ignore[assignment]
     sections["generator.reward"] = RewardConfig
+    sections["generator.reward.models.<name>.reward_model"] = RewardModelTerm
+    sections["generator.reward.models.<name>.judge"] = JudgeTerm
     sections["generator.env"] = EnvConfig
     sections["model.critic"] = CriticConfig
     sections.update({f"algorithm.policy_loss.{k}": v for k, v in POLICY_LOSSES.items()})

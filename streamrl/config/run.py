@@ -259,6 +259,26 @@ class RunConfig(Section):
                 f"generator.teacher={teacher} is a {scorer.task} scorer; a teacher gives "
                 f"log-probs, so scorers.{teacher}.task must be generate"
             )
+        needed = self.model.max_model_len + 1
+        if scorer.max_model_len is not None and scorer.max_model_len < needed:
+            raise ValueError(
+                f"scorers.{teacher}.max_model_len={scorer.max_model_len} cannot hold a whole "
+                f"sequence (model.max_model_len={self.model.max_model_len}) and the token a "
+                f"completion samples; set it ≥ {needed} or leave it null"
+            )
+        if self.generator.temperature != 1.0:
+            raise ValueError(
+                f"on-policy distillation compares the policy's sampling distribution with the "
+                f"teacher's own, but generator.temperature={self.generator.temperature} tempers "
+                "the behaviour log-probs the teacher's are set against; set "
+                "generator.temperature=1.0"
+            )
+        if opd.lambda_rl == 0.0 and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.opd.lambda_rl=0 distils only, but dynamic sampling drops the groups "
+                "whose rewards are all equal, which still carry the teacher's signal; set "
+                "algorithm.dynamic_sampling=false (or give the reward a weight, lambda_rl > 0)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -279,6 +299,17 @@ class RunConfig(Section):
                     f"{where}={term.scorer} is a {scorer.task} scorer, but a {term.kind} term "
                     f"needs task {wanted}: set scorers.{term.scorer}.task={wanted}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _served_scorers_are_used(self) -> RunConfig:
+        used = {self.generator.teacher} | {t.scorer for t in self.generator.reward.models.values()}
+        idle = [name for name in self.served_scorers if name not in used]
+        if idle:
+            raise ValueError(
+                f"scorers {', '.join(idle)} would be served (cores, GPUs) but nothing uses "
+                "them: name them in generator.teacher or generator.reward.models, or remove them"
+            )
         return self
 
     @model_validator(mode="after")
@@ -378,6 +409,15 @@ class RunConfig(Section):
         if self.model.lora is not None and self.weights.lora_publish == "adapter":
             return self.model.lora
         return None
+
+    def scorer_context(self, name: str) -> int | None:
+        """The context length served scorer `name` is started with (vLLM --max-model-len):
+        its own setting, else model.max_model_len + 1 for the teacher (whole sequences plus
+        the one token a completion samples), else None (the model's own)."""
+        configured = self.scorers[name].max_model_len
+        if configured is not None or name != self.generator.teacher:
+            return configured
+        return self.model.max_model_len + 1
 
     @property
     def served_scorers(self) -> list[str]:

@@ -110,6 +110,7 @@ class GeneratorLoop:
         self._next_key = 0
         self._corrupt_versions: set[int] = set()
         self._failed_in_a_row = 0  # groups whose every reward call failed
+        self._teacher_failed_in_a_row = 0  # groups the teacher could not score
         self._next_poll = 0.0
         self._stop = threading.Event()
         self._gate = FlowGate(
@@ -231,11 +232,20 @@ class GeneratorLoop:
         failed reward call."""
         if rollout.teacher is None:
             return None
-        if not rollout.teacher.done():  # on stop, past the drain's wait
-            rollout.teacher.cancel()
         try:
-            return rollout.teacher.result(timeout=0)
-        except (ScorerCallError, CancelledError, TimeoutError) as exc:
+            scores = rollout.teacher.result()
+            self._teacher_failed_in_a_row = 0
+            return scores
+        except (ScorerCallError, CancelledError) as exc:
+            self._teacher_failed_in_a_row += 1
+            if self._teacher_failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
+                name = self.config.generator.teacher
+                raise BrokenRewardError(
+                    f"generator {self.generator_id}: the teacher (scorers.{name}) failed on the "
+                    f"last {self._teacher_failed_in_a_row} groups, the latest: {exc}. Its log "
+                    f"is logs/scorer-{name}.log when the run serves it; fix it or its "
+                    f"scorers.{name} settings (timeout_s, unavailable_s, url)"
+                ) from exc
             timeout = isinstance(exc, ScorerCallError) and exc.failure == "timeout"
             self.stats.reward_errors += int(not timeout)
             self.stats.reward_timeouts += int(timeout)
@@ -338,12 +348,10 @@ def _term_scores(futures: list[Future[float]]) -> TermScores:
     values: list[float] = []
     failures: list[Failure | None] = []
     for future in futures:
-        if not future.done():  # on stop, past the drain's wait
-            future.cancel()
         try:
-            values.append(future.result(timeout=0))
+            values.append(future.result())
             failures.append(None)
-        except (ScorerCallError, CancelledError, TimeoutError) as exc:
+        except (ScorerCallError, CancelledError) as exc:
             values.append(0.0)
             failures.append(exc.failure if isinstance(exc, ScorerCallError) else "timeout")
             log.warning("a model reward term failed on a response: %s", exc or type(exc).__name__)

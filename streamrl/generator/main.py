@@ -151,6 +151,7 @@ def _scorers(
     (closed by `stack`). An external teacher's tokenizer is checked against the policy's here
     (a served one's by its own process, before it starts)."""
     from streamrl.scorers.client import ScorerClient
+    from streamrl.scorers.tokenizers import check_teacher_tokenizer
 
     clients: dict[str, ScorerClient] = {}
 
@@ -161,30 +162,20 @@ def _scorers(
 
     teacher = None
     if (name := config.generator.teacher) is not None:
-        _check_external_teacher(config, name, model_path)
+        scorer = config.scorers[name]
+        if not scorer.served and scorer.tokenizer is not None:  # served: its process checks
+            check_teacher_tokenizer(
+                name,
+                config.model.tokenizer or model_path,
+                scorer.tokenizer,
+                trust_remote_code=config.model.trust_remote_code,
+            )
         teacher = Teacher(client(name))
     terms = [
         ModelTermScorer(term_name, term, client(term.scorer))
         for term_name, term in config.generator.reward.models.items()
     ]
     return teacher, terms
-
-
-def _check_external_teacher(config: RunConfig, name: str, model_path: str) -> None:
-    from streamrl.scorers.tokenizers import TokenizerMismatchError, tokenizer_difference
-
-    scorer = config.scorers[name]
-    if scorer.served or scorer.tokenizer is None:
-        return
-    policy = config.model.tokenizer or model_path
-    difference = tokenizer_difference(
-        policy, scorer.tokenizer, trust_remote_code=config.model.trust_remote_code
-    )
-    if difference is not None:
-        raise TokenizerMismatchError(
-            f"the teacher (scorers.{name}, tokenizer {scorer.tokenizer}) does not share the "
-            f"policy's tokenizer: {difference}; distil from a teacher of the same tokenizer"
-        )
 
 
 def run_generator(

@@ -17,7 +17,7 @@ from streamrl.placement.config import (
     PoolsPlacement,
 )
 from streamrl.placement.cores import machine_cpus, visible_gpus
-from streamrl.placement.planner import place_alone, plan_placement, scorer_process_name
+from streamrl.placement.planner import place_alone, plan_placement
 from streamrl.placement.records import (
     PLACED_VARIABLES,
     PLACEMENT_FILE,
@@ -46,7 +46,6 @@ __all__ = [
     "place_alone",
     "plan_placement",
     "read_placement",
-    "scorer_process_name",
     "visible_gpus",
     "write_placement",
 ]

@@ -34,11 +34,12 @@ from streamrl.config.base import format_cores
 from streamrl.placement.config import PlacementError
 from streamrl.placement.cores import machine_cpus, visible_gpus
 from streamrl.placement.records import Component, PlacementPlan, ProcessPlacement
+from streamrl.scorers.config import scorer_process_name
 
 if TYPE_CHECKING:
     from streamrl.config.run import RunConfig
 
-__all__ = ["PlacementError", "place_alone", "plan_placement", "scorer_process_name"]
+__all__ = ["PlacementError", "place_alone", "plan_placement"]
 
 
 def plan_placement(
@@ -91,11 +92,6 @@ def plan_placement(
         evaluator=process("eval", "evaluator") if with_eval else None,
         scorers=tuple(process(name, "scorer", i) for i, name in enumerate(scorers)),
     )
-
-
-def scorer_process_name(name: str) -> str:
-    """The process (and log file) name of served scorer `name`."""
-    return f"scorer-{name}"
 
 
 def place_alone(

@@ -95,7 +95,7 @@ class RewardConfig(Section):
     @property
     def rule_term(self) -> str:
         """The rule term's name: `fn` when it is a registered name, else 'rule'."""
-        return self.fn if REWARD_TERM_NAME.match(self.fn) else "rule"
+        return self.fn if REWARD_TERM_NAME.fullmatch(self.fn) else "rule"
 
     @property
     def correctness_term(self) -> str:
@@ -105,7 +105,7 @@ class RewardConfig(Section):
     @classmethod
     def _term_names(cls, value: dict[str, ModelTerm]) -> dict[str, ModelTerm]:
         for name in value:
-            if not REWARD_TERM_NAME.match(name) or name == "rule":
+            if not REWARD_TERM_NAME.fullmatch(name) or name == "rule":
                 raise ValueError(
                     f"reward term name {name!r} must be lower-case letters, digits and _, "
                     "starting with a letter (and not 'rule'): it names the metric "

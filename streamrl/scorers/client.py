@@ -11,9 +11,11 @@ silently.
 An unreachable server is not a failed call but one starting or restarting (the supervisor
 restarts a served scorer that died): the call waits, looking up the server's address again
 (a served scorer publishes it in the run's storage, `storage.control.endpoints`, and a restart
-may move it), up to `unavailable_s`, then fails. Waiting calls keep their groups in flight, so
-the generator's bound on groups in flight holds sampling back meanwhile instead of piling up
-work.
+may move it), then fails once the server has been unreachable for `unavailable_s` — every
+call waiting then, whenever it was submitted, so a dead scorer surfaces within `unavailable_s`
+and not once per queued call. A waiting call holds no concurrency slot. Waiting calls keep
+their groups in flight, so the generator's bound on groups in flight holds sampling back
+meanwhile instead of piling up work.
 
 Credentials: an external endpoint's key is read from the environment variable the config
 names (`key_env`), when the client opens; it lives only in this process's memory.
@@ -34,9 +36,9 @@ import openai
 
 from storage.control.endpoints import Endpoint, read_endpoint
 from storage.fs import Location
-from streamrl.scorers.config import ScorerConfig
+from streamrl.scorers.config import ScorerConfig, scorer_process_name
 
-__all__ = ["ScorerCallError", "ScorerClient", "scorer_endpoint_name"]
+__all__ = ["ScorerCallError", "ScorerClient"]
 
 log = logging.getLogger(__name__)
 logging.getLogger("openai").setLevel(logging.WARNING)  # its debug lines carry request options
@@ -56,11 +58,6 @@ class ScorerCallError(RuntimeError):
         self.failure = failure
 
 
-def scorer_endpoint_name(name: str) -> str:
-    """The endpoint record a served scorer publishes (`storage.control.endpoints`)."""
-    return f"scorer-{name}"
-
-
 class ScorerClient:
     """One generator's connection to scorer `name` (module docstring). Use as a context
     manager, or `open()` / `close()`."""
@@ -75,6 +72,8 @@ class ScorerClient:
         self._client: openai.AsyncOpenAI | None = None
         self._retired: list[openai.AsyncOpenAI] = []  # clients of addresses that stopped answering
         self._address: str | None = None
+        self._is_stale = False  # the server stopped answering at `_address`
+        self._unreachable_since: float | None = None  # since when no call reached it
         self._api_key = "EMPTY"  # a vLLM server the run starts takes no key
 
     @property
@@ -114,15 +113,19 @@ class ScorerClient:
         self.close()
 
     def close(self) -> None:
-        """Cancel the calls in flight (their futures fail) and stop the loop."""
+        """Cancel the calls in flight (their futures fail) and stop the loop; never raises."""
         loop, self._loop = self._loop, None
         if loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=30)
+        except Exception as exc:  # a call that would not end: the loop stops anyway
+            log.warning("scorer %s: its client did not shut down cleanly (%r)", self.name, exc)
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        loop.close()
+        if not loop.is_running():
+            loop.close()
 
     async def _shutdown(self) -> None:
         current = asyncio.current_task()
@@ -139,31 +142,39 @@ class ScorerClient:
     ) -> Future[_T]:
         """POST `body` (JSON) to `path` under the scorer's base URL (…/v1; a path starting with
         '/' under the server's root); a future of `read(the JSON answer)`, or of a
-        `ScorerCallError` — also when `read` finds the answer unusable (raises ValueError,
-        KeyError, TypeError or IndexError)."""
+        `ScorerCallError` — also when `read` finds the answer unusable (raises)."""
         if self._loop is None:
             raise RuntimeError(f"the client of scorer {self.name!r} is not open")
-        return asyncio.run_coroutine_threadsafe(self._post(path, body, read), self._loop)
+        give_up = time.monotonic() + self.config.unavailable_s
+        return asyncio.run_coroutine_threadsafe(self._post(path, body, read, give_up), self._loop)
 
-    async def _post(self, path: str, body: dict[str, Any], read: Callable[[Any], _T]) -> _T:
-        assert self._slots is not None
-        async with self._slots:
-            answer = await self._call(path, body)
+    async def _post(
+        self, path: str, body: dict[str, Any], read: Callable[[Any], _T], give_up: float
+    ) -> _T:
+        answer = await self._call(path, body, give_up)
         try:
             return read(answer)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except Exception as exc:
             raise ScorerCallError(
-                f"scorer {self.name!r} answered {path} with something unusable: {_brief(str(exc))}"
+                f"scorer {self.name!r} answered {path} with something unusable: "
+                f"{_brief(f'{type(exc).__name__}: {exc}')}"
             ) from exc
 
-    async def _call(self, path: str, body: dict[str, Any]) -> Any:
-        give_up = time.monotonic() + self.config.unavailable_s
+    async def _call(self, path: str, body: dict[str, Any], give_up: float) -> Any:
+        """The answer to one request. A request holds one of `max_concurrency` slots while it
+        is sent, never while it waits for an unreachable server; every waiting call fails once
+        the server has been unreachable for `unavailable_s` (or this call has waited as long
+        since it was submitted)."""
+        assert self._slots is not None
         pause = UNAVAILABLE_POLL_S[0]
         while True:
-            client = self._current_client()
+            client = await self._current_client()
             if client is not None:
                 try:
-                    return await client.post(self._url(path), cast_to=object, body=body)
+                    async with self._slots:
+                        answer = await client.post(self._url(path), cast_to=object, body=body)
+                    self._unreachable_since = None
+                    return answer
                 except openai.APITimeoutError as exc:
                     raise ScorerCallError(
                         f"scorer {self.name!r} did not answer {path} within "
@@ -176,39 +187,51 @@ class ScorerClient:
                         f"{_brief(exc.message)}"
                     ) from exc
                 except openai.APIConnectionError:
-                    await self._forget(client)  # unreachable: look the address up again
+                    self._stale(client)  # unreachable: look the address up again
                 except openai.OpenAIError as exc:  # anything else the SDK could not use
                     raise ScorerCallError(
                         f"scorer {self.name!r} failed on {path}: {type(exc).__name__}: "
                         f"{_brief(str(exc))}"
                     ) from exc
-            if time.monotonic() >= give_up:
+            now = time.monotonic()
+            if self._unreachable_since is None:
+                self._unreachable_since = now
+            if now >= min(give_up, self._unreachable_since + self.config.unavailable_s):
                 raise ScorerCallError(
                     f"scorer {self.name!r} was unreachable for unavailable_s="
                     f"{self.config.unavailable_s:g}s ({self._where()})",
                     "timeout",
                 )
-            await asyncio.sleep(min(pause, max(0.0, give_up - time.monotonic())))
+            await asyncio.sleep(min(pause, max(0.0, give_up - now)))
             pause = min(2 * pause, UNAVAILABLE_POLL_S[1])
 
-    def _current_client(self) -> openai.AsyncOpenAI | None:
+    async def _current_client(self) -> openai.AsyncOpenAI | None:
         """The SDK client for the scorer's address (None: a served scorer that has not
         published one yet). The address is looked up once, and again after the server could
-        not be reached (`_forget`): a restarted server may have moved."""
-        if self._client is not None:
+        not be reached (`_stale`), off the loop (it may read remote storage): a restarted
+        server may have moved; an unmoved one keeps its client."""
+        if self._client is not None and not self._is_stale:
             return self._client
-        address = self._resolve()
+        address = await asyncio.to_thread(self._resolve)
         if address is None:
             return None
-        if self._client is None or address != self._address:
-            self._client = openai.AsyncOpenAI(
-                base_url=address,
-                api_key=self._api_key,
-                timeout=self.config.timeout_s,
-                max_retries=self.config.retries,
-            )
-            self._address = address
+        if self._client is not None and address == self._address:
+            self._is_stale = False
+            return self._client
+        if self._client is not None:
+            self._retired.append(self._client)  # closed at shutdown: calls may still be on it
+        self._client = openai.AsyncOpenAI(
+            base_url=address,
+            api_key=self._api_key,
+            timeout=self.config.timeout_s,
+            max_retries=self.config.retries,
+        )
+        self._address, self._is_stale = address, False
         return self._client
+
+    def _stale(self, client: openai.AsyncOpenAI) -> None:
+        if self._client is client:
+            self._is_stale = True
 
     def _url(self, path: str) -> str:
         """`path` under the base URL (…/v1), or, starting with '/', under the server's root
@@ -219,19 +242,12 @@ class ScorerClient:
         root = self._address.removesuffix("/").removesuffix("/v1")
         return root + path
 
-    async def _forget(self, client: openai.AsyncOpenAI) -> None:
-        """Look the address up again for the next call. The client is closed only at
-        shutdown: calls still in flight on it end by themselves (with a connection error)."""
-        if self._client is client:
-            self._client, self._address = None, None
-            self._retired.append(client)
-
     def _resolve(self) -> str | None:
         if not self.config.served:
             return self.config.url
         assert self.run is not None
         try:
-            endpoint: Endpoint | None = read_endpoint(self.run, scorer_endpoint_name(self.name))
+            endpoint: Endpoint | None = read_endpoint(self.run, scorer_process_name(self.name))
         except Exception as exc:  # storage unreachable (any backend's error): try again later
             log.warning("scorer %s: could not read its address (%r); retrying", self.name, exc)
             return None
@@ -240,7 +256,7 @@ class ScorerClient:
     def _where(self) -> str:
         if not self.config.served:
             return f"url {self.config.url}"
-        return f"served by the run: see logs/{scorer_endpoint_name(self.name)}.log"
+        return f"served by the run: see logs/{scorer_process_name(self.name)}.log"
 
 
 def _brief(text: str, limit: int = 300) -> str:

@@ -23,10 +23,16 @@ from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, CoreSetting, Section
 
-__all__ = ["SCORER_NAME", "ScorerConfig", "check_scorer_name"]
+__all__ = ["SCORER_NAME", "ScorerConfig", "check_scorer_name", "scorer_process_name"]
 
 SCORER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def scorer_process_name(name: str) -> str:
+    """Served scorer `name` as a process of the run: its placement, its supervision unit, its
+    log file (logs/<this>.log) and its endpoint record (storage.control.endpoints)."""
+    return f"scorer-{name}"
 
 
 def check_scorer_name(name: str) -> str:
@@ -80,7 +86,7 @@ class ScorerConfig(Section):
         "generator.reward.on_error).",
     )
     unavailable_s: float = Field(
-        600.0,
+        900.0,
         ge=0.0,
         le=MAX_WAIT_S,
         description="How long a call waits for an unreachable server (starting, restarting "
@@ -98,8 +104,10 @@ class ScorerConfig(Section):
         None,
         gt=0,
         le=MAX_SEQUENCE_TOKENS,
-        description="Served: the longest sequence (vLLM --max-model-len); null: "
-        "model.max_model_len + 1 (a teacher scores whole sequences, then samples one token).",
+        description="Served: the longest sequence (vLLM --max-model-len); null: for the "
+        "teacher model.max_model_len + 1 (it scores whole sequences, then samples one token), "
+        "for a judge or reward model the model's own (its rubric, the question and the "
+        "response must fit).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Served: auto picks CUDA when available, else vLLM's CPU build."
@@ -107,7 +115,7 @@ class ScorerConfig(Section):
     cpu_cores: CoreSetting = Field(
         None,
         description="Served: this scorer's CPU cores, a count or a core list such as '6-7'; "
-        "null: one core (see streamrl.placement).",
+        "null: a share of what the learner leaves, as a generator's (see streamrl.placement).",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, le=1024, description="Served: GPUs of this scorer's engine (CUDA)."

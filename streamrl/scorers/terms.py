@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 import string
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -48,6 +49,7 @@ DEFAULT_JUDGE_TEMPLATE = (
     "<score>N</score>."
 )
 PLACEHOLDERS = frozenset({"prompt", "response", "ground_truth"})
+Request = tuple[str, dict[str, Any], Callable[[Any], float]]  # path, body, how to read the answer
 
 
 class RewardModelTerm(Section):
@@ -63,6 +65,26 @@ class RewardModelTerm(Section):
     clip: float | None = Field(
         None, gt=0.0, description="Clip R to [−clip, clip]; null: no clipping."
     )
+
+    def request(self, item: TermInput, model: str) -> Request:
+        """vLLM's /classify of the conversation (the server renders it with the model's chat
+        template), read as R = scale·(raw logit − shift), clipped."""
+        messages = [*item.messages] or [{"role": "user", "content": item.prompt}]
+        body = {
+            "model": model,
+            "messages": [*messages, {"role": "assistant", "content": item.response}],
+            "use_activation": False,  # the raw logit (vLLM applies a sigmoid by default)
+        }
+
+        def read(answer: Any) -> float:
+            (entry,) = answer["data"]
+            score = float(entry["probs"][0])
+            if not math.isfinite(score):
+                raise ValueError(f"the reward model's score {score} is not finite")
+            value = self.scale * (score - self.shift)
+            return value if self.clip is None else max(-self.clip, min(self.clip, value))
+
+        return "/classify", body, read
 
 
 class JudgeTerm(Section):
@@ -117,6 +139,13 @@ class JudgeTerm(Section):
             )
         if "response" not in names:
             raise ValueError("template must show the judge the response: add {response}")
+        try:
+            value.format(prompt="", response="", ground_truth="")
+        except (ValueError, IndexError, KeyError) as exc:
+            raise ValueError(
+                f"template cannot be filled in ({exc}); use plain placeholders such as "
+                "{response}, without format specs"
+            ) from None
         return value
 
     @field_validator("score_pattern")
@@ -140,7 +169,50 @@ class JudgeTerm(Section):
             float(self.min_score).is_integer() and float(self.max_score).is_integer()
         ):
             raise ValueError("answer=score_only needs an integer scale (min_score, max_score)")
+        default_pattern = type(self).model_fields["score_pattern"].default
+        if self.answer == "score_only" and self.score_pattern != default_pattern:
+            raise ValueError(
+                "answer=score_only makes the judge answer <score>N</score>, which a custom "
+                "score_pattern would not read; leave score_pattern at its default"
+            )
         return self
+
+    def request(self, item: TermInput, model: str) -> Request:
+        """A chat completion of the rubric, read as the last score `score_pattern` finds in
+        the answer, on the scale, mapped to [0, 1]."""
+        rubric = self.template.format(
+            prompt=item.prompt, response=item.response, ground_truth=item.ground_truth
+        )
+        messages = [{"role": "user", "content": rubric}]
+        if self.system is not None:
+            messages.insert(0, {"role": "system", "content": self.system})
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "temperature": self.temperature,
+        }
+        if self.answer == "score_only":  # the choices bound the answer's length
+            scale = range(int(self.min_score), int(self.max_score) + 1)
+            body["structured_outputs"] = {"choice": [f"<score>{n}</score>" for n in scale]}
+        else:
+            body["max_tokens"] = self.max_tokens
+        pattern = re.compile(self.score_pattern)
+
+        def read(answer: Any) -> float:
+            text = answer["choices"][0]["message"]["content"] or ""
+            found = pattern.findall(text)
+            if not found:
+                raise ValueError(f"the judge's answer has no score: {_tail(text)!r}")
+            last = found[-1]
+            score = float(last[0] if isinstance(last, tuple) else last)
+            if not self.min_score <= score <= self.max_score:
+                raise ValueError(
+                    f"the judge's score {score:g} is off its scale "
+                    f"[{self.min_score:g}, {self.max_score:g}]"
+                )
+            return (score - self.min_score) / (self.max_score - self.min_score)
+
+        return "chat/completions", body, read
 
 
 ModelTerm = Annotated[RewardModelTerm | JudgeTerm, Field(discriminator="kind")]
@@ -170,66 +242,10 @@ class ModelTermScorer:
 
     def __init__(self, name: str, term: RewardModelTerm | JudgeTerm, client: ScorerClient):
         self.name, self.term, self.client = name, term, client
-        if isinstance(term, JudgeTerm):
-            self._pattern = re.compile(term.score_pattern)
 
     def score(self, item: TermInput) -> Future[float]:
         """R for one response; the future fails with `ScorerCallError` when the call does."""
-        if isinstance(self.term, RewardModelTerm):
-            return self._reward_model(item, self.term)
-        return self._judge(item, self.term)
-
-    def _reward_model(self, item: TermInput, term: RewardModelTerm) -> Future[float]:
-        messages = [*item.messages] or [{"role": "user", "content": item.prompt}]
-        body = {
-            "model": self.client.model,
-            "messages": [*messages, {"role": "assistant", "content": item.response}],
-            "use_activation": False,  # the raw logit (vLLM applies a sigmoid by default)
-        }
-
-        def read(answer: Any) -> float:
-            (entry,) = answer["data"]
-            score = float(entry["probs"][0])
-            if not math.isfinite(score):
-                raise ValueError(f"the reward model's score {score} is not finite")
-            value = term.scale * (score - term.shift)
-            return value if term.clip is None else max(-term.clip, min(term.clip, value))
-
-        return self.client.post("/classify", body, read)
-
-    def _judge(self, item: TermInput, term: JudgeTerm) -> Future[float]:
-        rubric = term.template.format(
-            prompt=item.prompt, response=item.response, ground_truth=item.ground_truth
-        )
-        messages = [{"role": "user", "content": rubric}]
-        if term.system is not None:
-            messages.insert(0, {"role": "system", "content": term.system})
-        body: dict[str, Any] = {
-            "model": self.client.model,
-            "messages": messages,
-            "temperature": term.temperature,
-        }
-        if term.answer == "score_only":  # the choices bound the answer's length
-            scale = range(int(term.min_score), int(term.max_score) + 1)
-            body["structured_outputs"] = {"choice": [f"<score>{n}</score>" for n in scale]}
-        else:
-            body["max_tokens"] = term.max_tokens
-
-        def read(answer: Any) -> float:
-            text = answer["choices"][0]["message"]["content"] or ""
-            found = self._pattern.findall(text)
-            if not found:
-                raise ValueError(f"the judge's answer has no score: {_tail(text)!r}")
-            last = found[-1]
-            score = float(last[0] if isinstance(last, tuple) else last)
-            if not term.min_score <= score <= term.max_score:
-                raise ValueError(
-                    f"the judge's score {score:g} is off its scale "
-                    f"[{term.min_score:g}, {term.max_score:g}]"
-                )
-            return (score - term.min_score) / (term.max_score - term.min_score)
-
-        return self.client.post("chat/completions", body, read)
+        return self.client.post(*self.term.request(item, self.client.model))
 
 
 def _tail(text: str, limit: int = 120) -> str:

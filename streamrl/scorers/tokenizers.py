@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TokenizerMismatchError", "tokenizer_difference"]
+__all__ = ["TokenizerMismatchError", "check_teacher_tokenizer", "tokenizer_difference"]
 
 _SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -45,3 +45,23 @@ def tokenizer_difference(
                 f"{getattr(b, field, None)} for the teacher"
             )
     return None
+
+
+def check_teacher_tokenizer(
+    name: str, policy: str, teacher: str, *, trust_remote_code: bool = False
+) -> None:
+    """Raise `TokenizerMismatchError` unless the tokenizer in `teacher` (scorer `name`, the
+    run's teacher) is the one in `policy` — naming the first difference, or why it could not
+    be loaded. Either way a restart would fail the same way."""
+    try:
+        difference = tokenizer_difference(policy, teacher, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise TokenizerMismatchError(
+            f"the teacher's tokenizer ({teacher}, scorers.{name}) cannot be loaded: {exc}"
+        ) from None
+    if difference is not None:
+        raise TokenizerMismatchError(
+            f"scorer {name!r} is the run's teacher (generator.teacher), but its tokenizer is not "
+            f"the policy's: {difference}. On-policy distillation reads the teacher's log-probs "
+            "at the policy's token ids; distil from a teacher of the same tokenizer family"
+        )

@@ -345,7 +345,9 @@ class SupervisionPolicy:
             return self._learner_node_ended(event)
         if event.displaced:  # another generator holds its index: that one serves it
             return []
-        if event.completed or asked or event.stop_requested or self.finish_deadline is not None:
+        # A scorer serves until it is stopped: one that ends by itself has failed.
+        completed = event.completed and unit.kind != "scorer"
+        if completed or asked or event.stop_requested or self.finish_deadline is not None:
             return []
         if event.deterministic:
             budget = self.budgets[unit.name]

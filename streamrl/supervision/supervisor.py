@@ -29,9 +29,9 @@ from streamrl.placement import (
     ProcessPlacement,
     place_alone,
     plan_placement,
-    scorer_process_name,
     write_placement,
 )
+from streamrl.scorers.config import scorer_process_name
 from streamrl.supervision.launch import (
     STOP_GRACE_S,
     evaluator_command,

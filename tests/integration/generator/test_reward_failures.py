@@ -347,6 +347,12 @@ def test_a_generator_survives_rewards_that_hog_memory_return_inf_or_read_credent
         assert failure in caplog.text
 
 
+def _step_for(loop: GeneratorLoop, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        loop.step()
+
+
 def _teacher_config(unavailable_s: float):
     """Distillation from a teacher nothing answers for (an endpoint on a closed port)."""
     return _config(
@@ -386,12 +392,15 @@ def _teacher_loop(config: RunConfig, run_dir: Path, engine: Engine, stack) -> Ge
 
 
 def test_a_dead_teacher_holds_sampling_back_and_its_groups_are_counted_not_trained_on(
-    tmp_path, engine
+    tmp_path, engine, monkeypatch
 ):
     """While the teacher cannot be reached its groups wait (up to `unavailable_s`), so the
     loop stops sampling once twice `prompts_in_flight` groups wait, instead of piling up work;
-    past `unavailable_s` each such group is left out and counted as a failed call."""
+    past `unavailable_s` each such group is left out and counted as a failed call, and a
+    teacher that fails group after group stops the generator naming it."""
     import contextlib
+
+    import streamrl.generator.loop as generator_loop
 
     with contextlib.ExitStack() as stack:
         loop = _teacher_loop(_teacher_config(600.0), tmp_path / "waits", engine, stack)
@@ -407,14 +416,14 @@ def test_a_dead_teacher_holds_sampling_back_and_its_groups_are_counted_not_train
         finally:
             engine.abort_all()
 
+    monkeypatch.setattr(generator_loop, "MAX_FAILED_GROUPS_IN_A_ROW", 3)
     with contextlib.ExitStack() as stack:
         loop = _teacher_loop(_teacher_config(1.0), tmp_path / "fails", engine, stack)
         try:
-            deadline = time.monotonic() + 120
-            while loop.stats.dropped_groups < 2 and time.monotonic() < deadline:
-                loop.step()
-            assert loop.stats.dropped_groups >= 2
-            assert loop.stats.reward_timeouts == loop.stats.dropped_groups  # unreachable
+            with pytest.raises(BrokenRewardError, match=r"the teacher \(scorers\.teacher\)"):
+                _step_for(loop, 120.0)
+            assert loop.stats.dropped_groups == 2  # counted, then the third stopped it
+            assert loop.stats.reward_timeouts == 2  # unreachable
             assert loop.stats.groups == 0  # nothing without teacher log-probs is written
         finally:
             engine.abort_all()

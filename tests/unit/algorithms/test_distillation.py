@@ -103,3 +103,19 @@ def test_the_opd_preset_distils_only_and_gspo_refuses_it_naming_gspo_token():
         load_config(["opd", "tiny-cpu"], overrides=["generator.teacher=judge", teacher])
     with pytest.raises(Exception, match=r"scorers\.teacher\.model"):
         load_config(["opd", "tiny-cpu"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("generator.temperature=0.7",), "generator.temperature=1.0"),
+        (("algorithm.dynamic_sampling=true",), "algorithm.dynamic_sampling=false"),
+        (("scorers.teacher.max_model_len=100",), "cannot hold a whole sequence"),
+    ],
+)
+def test_a_distillation_that_would_be_biased_or_cut_is_refused(overrides, match):
+    teacher = "scorers.teacher.model=tiny-qwen2"
+    with pytest.raises(Exception, match=match):
+        load_config(["opd", "tiny-cpu"], overrides=[teacher, *overrides])
+    served = load_config(["opd", "tiny-cpu"], overrides=[teacher])
+    assert served.scorer_context("teacher") == served.model.max_model_len + 1

@@ -442,7 +442,7 @@ def test_cli_documents_every_field() -> None:
         elif name == "scorers":  # sections by name
             assert "[scorers.<name>]" in result.stdout
             assert "scorers.<name>.model = (required)" in result.stdout
-            assert "scorers.<name>.unavailable_s = 600.0" in result.stdout
+            assert "scorers.<name>.unavailable_s = 900.0" in result.stdout
         else:
             for sub in field.annotation.model_fields:  # type: ignore[union-attr]
                 assert f"{name}.{sub} = " in result.stdout
@@ -454,6 +454,9 @@ def test_cli_documents_every_field() -> None:
     for kind in ("ppo_clip", "gspo", "gspo_token", "cispo", "sapo"):
         assert f"[algorithm.policy_loss.{kind}]" in losses
     assert "algorithm.policy_loss.sapo.tau_neg = 1.05" in losses
+    terms = run_cli("config", "fields", "generator.reward.models").stdout
+    assert "generator.reward.models.<name>.judge.score_pattern = " in terms
+    assert "generator.reward.models.<name>.reward_model.shift = 0.0" in terms
 
 
 def test_every_field_is_documented() -> None:

@@ -20,7 +20,9 @@ RM = ("generator.reward.models.rm.kind=reward_model", "generator.reward.models.r
 
 
 def config(*overrides: str):
-    return load_config(["grpo", "tiny-cpu"], overrides=[*SCORERS, *overrides])
+    """The overrides with the scorers they name (a scorer nothing uses is refused)."""
+    wanted = [o for o in SCORERS if any(f"scorer={o.split('.')[1]}" in x for x in overrides)]
+    return load_config(["grpo", "tiny-cpu"], overrides=[*wanted, *overrides])
 
 
 def test_the_terms_weigh_into_the_reward_and_correctness_reads_the_configured_term():
@@ -97,6 +99,8 @@ def test_a_reward_term_that_cannot_work_is_refused_naming_the_fix(overrides, mat
         ({"score_pattern": "(["}, "not a regular expression"),
         ({"min_score": 5, "max_score": 5}, "must be above"),
         ({"answer": "score_only", "max_score": 1.5}, "integer scale"),
+        ({"answer": "score_only", "score_pattern": "Score: (\\d+)"}, "leave score_pattern"),
+        ({"template": "Grade {response:d}"}, "without format specs"),
     ],
 )
 def test_a_judge_rubric_is_checked_when_configured(fields, match):
@@ -104,3 +108,20 @@ def test_a_judge_rubric_is_checked_when_configured(fields, match):
         JudgeTerm(kind="judge", scorer="judge", **fields)
     literal = JudgeTerm(kind="judge", scorer="j", template="{{json}} {response} {ground_truth}")
     assert literal.template.format(response="r", ground_truth="g", prompt="p") == "{json} r g"
+
+
+def test_a_user_functions_term_is_named_rule_and_its_records_validate():
+    cfg = config(*JUDGE, "generator.reward.fn=tests.reward_fns:scripted")
+    assert cfg.generator.reward.rule_term == "rule"
+    records = GroupRecords(cfg, "gen0", GeneratorStats())
+    _, _, stored = records._combined(torch.tensor([1.0]), {"judge": TermScores([0.5], [None])})
+    assert sorted(stored) == ["judge", "rule"]
+
+
+def test_a_served_scorer_nothing_uses_is_refused():
+    with pytest.raises(Exception, match="scorers judge would be served"):
+        load_config(["grpo", "tiny-cpu"], overrides=["scorers.judge.model=tiny-qwen2"])
+    external = load_config(
+        ["grpo", "tiny-cpu"], overrides=["scorers.judge.url=http://x/v1", "scorers.judge.model=j"]
+    )
+    assert external.served_scorers == []  # an endpoint nobody calls costs nothing

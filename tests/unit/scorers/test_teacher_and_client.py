@@ -151,3 +151,16 @@ def test_a_served_scorer_whose_model_is_not_there_is_refused_naming_the_field(tm
     (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error: ")]
     assert "invalid scorers.teacher.model" in line
     assert "does not exist" in line
+
+
+def test_calls_queued_for_a_dead_scorer_fail_together_not_one_unavailable_s_after_another():
+    config = ScorerConfig(
+        model="m", url="http://127.0.0.1:9/v1", unavailable_s=1.5, retries=0, max_concurrency=1
+    )
+    with ScorerClient("judge", config, None) as client:
+        started = time.monotonic()
+        futures = [client.post("completions", {"prompt": str(i)}) for i in range(6)]
+        for future in futures:
+            with pytest.raises(ScorerCallError, match="unreachable"):
+                future.result(timeout=60)
+        assert time.monotonic() - started < 8  # not 6 × 1.5 s in a row

@@ -309,3 +309,13 @@ def test_scorers_serve_until_nothing_else_runs_once_the_learner_completed():
     assert not backend.policy.done
     assert backend.end(scorer, at=13.0) == []  # cancelled: not restarted
     assert backend.policy.done
+
+
+def test_a_scorer_that_ends_by_itself_is_restarted_even_with_exit_code_zero():
+    """vLLM's server exits 0 when its engine died: a scorer's end is a failure until the run
+    is finishing or stops it."""
+    backend = _with_scorer(retries=2)
+    scorer = _unit(backend, "scorer")
+    (restart,) = backend.end(scorer, at=1.0, completed=True)
+    assert isinstance(restart, Start)
+    assert restart.units == (scorer,)
