@@ -350,11 +350,11 @@ def _table(runs: dict[str, list[LoopRun]], groups: int, baseline: str) -> None:
 
 
 def _teacher_throughput(teacher: Teacher, source: PromptSource, groups: int, size: int) -> None:
-    """Groups of `size` copies of prompt + a 64-token continuation, all sent at once: the
-    tokens the teacher scores per second (prefill), and each group's latency."""
-    rng = np.random.default_rng(0)
+    """Groups of `size` copies of prompt + a 64-token continuation (the prompt's own tokens
+    again, so every id is in the vocabulary), all sent at once: the tokens the teacher scores
+    per second (prefill), and each group's latency."""
     prompts = source.prompts[:groups]
-    responses = [[rng.integers(0, 1000, 64, dtype=np.int32) for _ in range(size)] for _ in prompts]
+    responses = [[np.resize(np.asarray(p.token_ids, np.int32), 64)] * size for p in prompts]
     masks = [[np.ones(64, np.uint8)] * size for _ in prompts]
     started = time.perf_counter()
     futures = [
