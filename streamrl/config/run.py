@@ -240,13 +240,7 @@ class RunConfig(Section):
                 "not set, so nothing would train on it: set algorithm.opd (e.g. "
                 "algorithm.opd.lambda_rl=1.0) or generator.teacher=null"
             )
-        scorer = self.scorers.get(teacher)
-        if scorer is None:
-            known = ", ".join(sorted(self.scorers)) or "none"
-            raise ValueError(
-                f"generator.teacher={teacher} names no scorer (scorers: {known}); add "
-                f"scorers.{teacher}.model=PATH (served by the run) or scorers.{teacher}.url=URL"
-            )
+        scorer = self._named_scorer(teacher, "generator.teacher")
         if not scorer.served and scorer.tokenizer is None:
             raise ValueError(
                 f"generator.teacher={teacher} is an external endpoint: set "
@@ -285,14 +279,7 @@ class RunConfig(Section):
     def _reward_terms_name_their_scorers(self) -> RunConfig:
         for name, term in self.generator.reward.models.items():
             where = f"generator.reward.models.{name}.scorer"
-            scorer = self.scorers.get(term.scorer)
-            if scorer is None:
-                known = ", ".join(sorted(self.scorers)) or "none"
-                raise ValueError(
-                    f"{where}={term.scorer} names no scorer (scorers: {known}); add "
-                    f"scorers.{term.scorer}.model=PATH (served by the run) or "
-                    f"scorers.{term.scorer}.url=URL"
-                )
+            scorer = self._named_scorer(term.scorer, where)
             wanted = "classify" if term.kind == "reward_model" else "generate"
             if scorer.task != wanted:
                 raise ValueError(
@@ -409,6 +396,17 @@ class RunConfig(Section):
         if self.model.lora is not None and self.weights.lora_publish == "adapter":
             return self.model.lora
         return None
+
+    def _named_scorer(self, name: str, where: str) -> ScorerConfig:
+        """The scorer `where` names, or a ValueError saying how to add it."""
+        scorer = self.scorers.get(name)
+        if scorer is None:
+            known = ", ".join(sorted(self.scorers)) or "none"
+            raise ValueError(
+                f"{where}={name} names no scorer (scorers: {known}); add "
+                f"scorers.{name}.model=PATH (served by the run) or scorers.{name}.url=URL"
+            )
+        return scorer
 
     def scorer_context(self, name: str) -> int | None:
         """The context length served scorer `name` is started with (vLLM --max-model-len):

@@ -93,44 +93,30 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> transformers PreTrained
     return tokenizer
 
 
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+}
+
+
 def build_tiny_qwen2(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny model and its tokenizer to `out_dir` (safetensors, float32)."""
-    return _build_random_qwen2(
-        out_dir,
-        seed,
-        "float32",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-    )
+    return _build_random_qwen2(out_dir, seed, "float32", **TINY_SHAPE)
 
 
 def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny sequence classifier (a reward model: one logit) to `out_dir`: the tiny
     model's shape and tokenizer with a seeded random score head (N(0, 1), so scores are O(1)),
     float32. It scores nothing meaningful; it is what tests serve as a reward model."""
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from transformers import Qwen2ForSequenceClassification
 
     tokenizer = build_tokenizer()
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        num_labels=1,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        dtype="float32",
-    )
+    config = _qwen2_config(tokenizer, "float32", **TINY_SHAPE, num_labels=1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForSequenceClassification(config)
@@ -164,22 +150,28 @@ def build_qwen2_5_0_5b_shape(out_dir: str | Path, seed: int = 0) -> Path:
 def _build_random_qwen2(out_dir: str | Path, seed: int, dtype: str, **shape: object) -> Path:
     """A seeded random-init Qwen2 of `shape` (vocabulary: the tokenizer's unless given), tied
     embeddings and ChatML ids, saved in `dtype` with the tiny tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
+    config = _qwen2_config(tokenizer, dtype, tie_word_embeddings=True, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    return save_model_dir(model, tokenizer, Path(out_dir))
+
+
+def _qwen2_config(tokenizer, dtype: str, **fields: object):  # -> transformers Qwen2Config
+    """A Qwen2 config over `tokenizer` (its vocabulary unless `fields` gives one; ChatML ids)."""
+    from transformers import Qwen2Config
+
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2Config(
-        **{"vocab_size": len(tokenizer), **shape},
-        tie_word_embeddings=True,
+    return Qwen2Config(
+        **{"vocab_size": len(tokenizer), **fields},
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         dtype=dtype,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    return save_model_dir(model, tokenizer, Path(out_dir))
 
 
 def save_model_dir(model, tokenizer, out_dir: str | Path) -> Path:  # transformers objects

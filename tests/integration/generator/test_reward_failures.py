@@ -70,6 +70,21 @@ def engine() -> Iterator[Engine]:
         yield engine
 
 
+def _loop(config: RunConfig, run, engine: Engine, runner: EnvRunner, teacher=None) -> GeneratorLoop:
+    """Generator 0 of the run at `run`, on the shared engine, with `runner` (open) and, when
+    given, a teacher."""
+    return GeneratorLoop(
+        config=config,
+        run=run,
+        engine=engine,
+        prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
+        runner=runner,
+        writer=StreamWriter(run, "gen0"),
+        generator_id="gen0",
+        teacher=teacher,
+    )
+
+
 def _generate(
     config: RunConfig, run_dir: Path, engine: Engine, groups: int = GROUPS
 ) -> GeneratorLoop:
@@ -77,15 +92,7 @@ def _generate(
     run = open_location(str(run_dir))
     create_run(run, config.model_dump(mode="json"))
     scorer = EnvRunner.from_config(config.generator.env, config.generator.reward, None)
-    loop = GeneratorLoop(
-        config=config,
-        run=run,
-        engine=engine,
-        prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
-        runner=scorer,
-        writer=StreamWriter(run, "gen0"),
-        generator_id="gen0",
-    )
+    loop = _loop(config, run, engine, scorer)
     stop, deadline = threading.Event(), time.monotonic() + 300
 
     def watch() -> None:
@@ -135,15 +142,7 @@ def test_groups_waiting_for_their_scores_do_not_hold_sampling_back(tmp_path, eng
     create_run(run, config.model_dump(mode="json"))
     runner = EnvRunner.from_config(config.generator.env, config.generator.reward, None)
     with runner:
-        loop = GeneratorLoop(
-            config=config,
-            run=run,
-            engine=engine,
-            prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
-            runner=runner,
-            writer=StreamWriter(run, "gen0"),
-            generator_id="gen0",
-        )
+        loop = _loop(config, run, engine, runner)
         try:
             deadline = time.monotonic() + 120
             while loop.episodes.groups_scoring < 2 and time.monotonic() < deadline:
@@ -379,16 +378,7 @@ def _teacher_loop(config: RunConfig, run_dir: Path, engine: Engine, stack) -> Ge
         EnvRunner.from_config(config.generator.env, config.generator.reward, None)
     )
     client = stack.enter_context(ScorerClient("teacher", config.scorers["teacher"], run))
-    return GeneratorLoop(
-        config=config,
-        run=run,
-        engine=engine,
-        prompts=PromptSource(config.data, tokenizer=engine.tokenizer).iterate(),
-        runner=runner,
-        writer=StreamWriter(run, "gen0"),
-        generator_id="gen0",
-        teacher=Teacher(client),
-    )
+    return _loop(config, run, engine, runner, Teacher(client))
 
 
 def test_a_dead_teacher_holds_sampling_back_and_its_groups_are_counted_not_trained_on(
