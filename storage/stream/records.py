@@ -42,7 +42,8 @@ class RolloutSums:
     `turns_to_full` sums the number of that first such turn. Rewards of several terms
     (`ScoredGroup.reward_terms`): `reward_terms[name]` sums term `name` over responses;
     `teacher_groups` counts groups a teacher scored and `teacher_s` sums their
-    `teacher_seconds` (0 where not timed)."""
+    `teacher_seconds` (0 where not timed). `tools_offered` counts responses whose environment
+    offered the model tools."""
 
     responses: int = 0
     reward: float = 0.0
@@ -63,6 +64,7 @@ class RolloutSums:
     reward_terms: dict[str, float] = field(default_factory=dict)
     teacher_groups: int = 0
     teacher_s: float = 0.0
+    tools_offered: int = 0
 
     def add(self, group: ScoredGroup) -> None:
         sampled = int(np.sum(group.sampled_lengths))
@@ -77,6 +79,7 @@ class RolloutSums:
         self.tool_errors += int(np.sum(group.episode_stat("tool_errors"), dtype=np.int64))
         self.env_s += float(np.sum(group.episode_stat("env_seconds"), dtype=np.float64))
         self.wait_s += float(np.sum(group.episode_stat("wait_seconds"), dtype=np.float64))
+        self.tools_offered += group.group_size if group.tools_offered else 0
         for reason in group.finish_reasons:
             self.finished[reason] = self.finished.get(reason, 0) + 1
         for rewards in group.effective_turn_rewards:
@@ -133,7 +136,8 @@ class RolloutSums:
         `/finish_<reason>_frac` for each finish reason seen; with turn rewards,
         `/turn<i>_reward_mean` over the episodes that reached turn i and `/turns_to_full_mean`
         over the episodes with a turn rewarded 1; `/teacher_s_per_group` over the groups a
-        teacher scored, when any. Each reward term's mean R_k over all responses (one without
+        teacher scored, when any; `/tools_offered_frac`, the share of responses offered tools,
+        when any. Each reward term's mean R_k over all responses (one without
         the term counts 0) is `reward/<term>_mean` (docs/algorithms.md's name) for the prefix
         `rollout`, `reward_accepted/<term>_mean` for `rollout_accepted`."""
         n = max(self.responses, 1)
@@ -171,6 +175,11 @@ class RolloutSums:
             **(
                 {f"{prefix}/teacher_s_per_group": self.teacher_s / self.teacher_groups}
                 if self.teacher_groups
+                else {}
+            ),
+            **(
+                {f"{prefix}/tools_offered_frac": self.tools_offered / n}
+                if self.tools_offered
                 else {}
             ),
         }

@@ -89,6 +89,8 @@ class ScoredGroup:
         env_seconds: `[G] float32` time the environment's calls of each episode took.
         wait_seconds: `[G] float32` how long each episode's result waited for the group's
             slowest episode (a straggler's cost).
+        tools_offered: the group's environment offered the model tools (False in segments
+            written before it was recorded), so tool use is watched while no call is made.
 
     Scores from models (None: not scored that way, as in segments written before them):
         teacher_logprobs: G arrays `[L_i] float32`, a teacher model's log-prob of each
@@ -120,6 +122,7 @@ class ScoredGroup:
     tool_errors: np.ndarray | None = None
     env_seconds: np.ndarray | None = None
     wait_seconds: np.ndarray | None = None
+    tools_offered: bool = False
     teacher_logprobs: Sequence[np.ndarray] | None = None
     teacher_seconds: float | None = None
     reward_terms: Mapping[str, np.ndarray] | None = None
@@ -239,6 +242,8 @@ class ScoredGroup:
                 raise InvalidRecordError(f"{where}: {name} must be finite and ≥ 0 per response")
         if (self.episode_stat("tool_errors") > self.episode_stat("tool_calls")).any():
             raise InvalidRecordError(f"{where}: tool_errors must be ≤ tool_calls")
+        if not isinstance(self.tools_offered, bool | np.bool_):
+            raise InvalidRecordError(f"{where}: tools_offered must be a bool")
 
     def _validate_teacher(self, where: str) -> None:
         """Teacher log-probs, checked after the loss masks (their lengths are the responses')."""
@@ -391,6 +396,7 @@ class ScoredGroup:
                 np.array_equal(self.episode_stat(name), other.episode_stat(name))
                 for name in EPISODE_STATS
             )
+            and self.tools_offered == other.tools_offered
             and optional_equal(self.teacher_logprobs, other.teacher_logprobs, arrays_equal)
             and self.teacher_seconds == other.teacher_seconds
             and optional_equal(self.reward_terms, other.reward_terms, terms_equal)

@@ -21,9 +21,10 @@ and, only in a segment where some group has teacher log-probs (otherwise absent)
                                  given), teacher_seconds f64 (0 where not timed)
     flat tokens   [Σ L]          teacher_logprobs f32 (0 for a group no teacher scored)
 
-and, only in a segment whose groups have reward terms (then all of them, with the same names:
-one generator writes a segment with one reward config), their names, sorted, in the attribute
-`reward_term_names` and
+and, only in a segment where a group's environment offered tools, the attribute
+`tools_offered` (one bool per group; absent: none was), and, only in a segment whose groups
+have reward terms (then all of them, with the same names: one generator writes a segment with
+one reward config), their names, sorted, in the attribute `reward_term_names` and
 
     per response  [n_responses, K]  reward_terms f32 (column k: term reward_term_names[k])
 
@@ -137,6 +138,8 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
     }
     if any(g.reward_terms is not None for g in groups):
         attrs["reward_term_names"], arrays["reward_terms"] = _reward_term_columns(groups)
+    if any(g.tools_offered for g in groups):
+        attrs["tools_offered"] = [bool(g.tools_offered) for g in groups]
     return arrays, attrs
 
 
@@ -346,6 +349,11 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
     logprobs = _split(arrays["behaviour_logprobs"], arrays["response_lengths"])
     multi_turn = _multi_turn_fields(arrays, attrs["format_version"])
     scores = _scores_from_models(arrays, attrs, bounds)
+    offered = attrs.get("tools_offered", [False] * len(sizes))
+    if len(offered) != len(sizes) or not all(isinstance(o, bool) for o in offered):
+        raise ValueError(
+            f"tools_offered must be one bool per group ({len(sizes)}), got {offered!r:.80}"
+        )
     groups = []
     for i in range(len(sizes)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
@@ -365,6 +373,7 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
             finished_at=float(arrays["finished_at"][i]),
             **{name: values[lo:hi] for name, values in multi_turn.items()},
             **scores[i],
+            tools_offered=offered[i],
         )
         groups.append(group.validate())
     return groups

@@ -37,7 +37,7 @@ from streamrl.envs.registry import (
 )
 from streamrl.envs.runner import EnvRunner, EnvStats, Episode, FinishReason, Reply, Scored
 from streamrl.envs.tool_env import ToolEnvironment
-from streamrl.envs.tools import Tool, ToolCall, ToolResult, tool
+from streamrl.envs.tools import Tool, ToolCall, ToolDefinitionError, ToolResult, tool
 
 __all__ = [
     "ENVIRONMENTS",
@@ -62,6 +62,7 @@ __all__ = [
     "Task",
     "Tool",
     "ToolCall",
+    "ToolDefinitionError",
     "ToolEnvironment",
     "ToolFormat",
     "ToolResult",

@@ -156,6 +156,12 @@ class Environment:
         """The OpenAI-style `tools=` list the generator passes to the chat template, or None."""
         return None
 
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the model is offered tools (recorded with each group, so the step line, the
+        status and the health conditions watch tool use even while no call is made)."""
+        return False
+
     def reset(self, task: Task) -> Reset:
         """Start an episode: by default the row's prompt as it is, and no state."""
         return Reset(list(task.messages))

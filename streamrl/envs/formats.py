@@ -256,12 +256,21 @@ def _literal(value: Any) -> str:
 
 
 def _example_arguments(example: Tool) -> dict[str, Any]:
+    """The tool's own example, else a call with every argument of its signature: an optional
+    one at its default, a required one at a placeholder of its type (an enum's first value)."""
     if example.example is not None:
         return example.example
-    placeholders = {"string": "...", "integer": 1, "number": 1.5, "boolean": True}
-    properties = example.parameters.get("properties", {})
-    required = example.parameters.get("required", list(properties))
-    return {n: placeholders.get(properties[n].get("type"), "...") for n in required[:2]}
+    placeholders = {"string": "...", "integer": 1, "number": 1.5, "boolean": True,
+                    "array": [], "object": {}}  # fmt: skip
+    arguments = {}
+    for name, spec in example.parameters.get("properties", {}).items():
+        if "default" in spec:
+            arguments[name] = spec["default"]
+        elif spec.get("enum"):
+            arguments[name] = spec["enum"][0]
+        else:
+            arguments[name] = placeholders.get(spec.get("type"), "...")
+    return arguments
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "tagged": TaggedFormat()}

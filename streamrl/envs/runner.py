@@ -86,8 +86,9 @@ class Episode:
     `state`: the environment's own (JSON). `turns`: model turns answered so far. `env_s`:
     seconds its reset and step calls took, against `episode_timeout_s`. `final`: the model's
     latest turn. `turn_rewards[i]`: the reward `step` gave turn i, or None. `tool_calls`,
-    `tool_errors`: the steps' counts, summed. `finish_reason`: None while it runs. `error`:
-    why it failed (env_error, timeout).
+    `tool_errors`: the steps' counts, summed; `tools_offered`: whether its environment offered
+    the model tools. `finish_reason`: None while it runs. `error`: why it failed (env_error,
+    timeout).
     `dataclasses.asdict(episode)` is plain JSON.
     """
 
@@ -99,6 +100,7 @@ class Episode:
     turn_rewards: tuple[float | None, ...] = ()
     tool_calls: int = 0
     tool_errors: int = 0
+    tools_offered: bool = False
     finish_reason: FinishReason | None = None
     error: str = ""
 
@@ -342,9 +344,10 @@ class EnvRunner:
         return _then(outcome, reply)
 
     def _started(self, episode: Episode, started: Started) -> Reply:
-        return Reply(
-            dataclasses.replace(episode, state=started.state), started.messages, started.tools
+        episode = dataclasses.replace(
+            episode, state=started.state, tools_offered=started.offers_tools
         )
+        return Reply(episode, started.messages, started.tools)
 
     def _stepped(self, episode: Episode, step: Step, text: str) -> Reply:
         episode = dataclasses.replace(

@@ -77,6 +77,10 @@ class ToolEnvironment(Environment):
     def template_tools(self) -> list[dict[str, Any]] | None:
         return self.context.tool_format.template_tools(list(self.toolbox.values()))
 
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.toolbox)
+
     def reset(self, task: Task) -> Reset:
         messages = self.context.tool_format.prompt(list(task.messages), list(self.toolbox.values()))
         return Reset(messages)

@@ -3,8 +3,11 @@
 `tool(fn)` makes a `Tool` from a plain function: its name, its docstring's first paragraph as
 the description, and a JSON schema derived from its type hints (str, int, float, bool, lists,
 dicts, Literal, Optional) with each argument's description taken from the docstring's `Args:`
-section. A schema can be given instead (`tool(fn, parameters={...})`). `Tool.schema` is the
-OpenAI-style entry of a chat template's `tools=` list.
+section and an optional argument's default as the schema's `default`. A schema can be given
+instead (`tool(fn, parameters={...})`). What the model would be shown blind is refused
+(`ToolDefinitionError`): a function without a docstring (and no `description=`) or an argument
+without a type hint (and no `parameters=`). `Tool.schema` is the OpenAI-style entry of a chat
+template's `tools=` list.
 
 `Tool.run(call)` checks a parsed call's arguments against the schema and runs the function;
 every way a call can go wrong — a call that could not be parsed, an unknown tool, missing,
@@ -31,6 +34,7 @@ __all__ = [
     "MAX_TOOL_NAME_CHARS",
     "Tool",
     "ToolCall",
+    "ToolDefinitionError",
     "ToolResult",
     "as_tool",
     "run_tool_call",
@@ -42,6 +46,11 @@ MAX_TOOL_NAME_CHARS = 64
 """Longest tool name echoed back to the model (an unknown tool's, in its error result)."""
 
 _JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+class ToolDefinitionError(ValueError):
+    """A function cannot be described to the model as a tool; the message names the tool, what
+    is missing and how to give it."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +118,7 @@ class Tool:
         properties = self.parameters.get("properties", {})
         required = set(self.parameters.get("required", ()))
         shown = [
-            f"{name}: {spec.get('type', 'any')}" + ("" if name in required else " (optional)")
+            f"{name}: {_type_text(spec)}" + _optional(spec, name in required)
             for name, spec in properties.items()
         ]
         return f"{self.name}({', '.join(shown)})"
@@ -144,14 +153,26 @@ def tool(
     parameters: Mapping[str, Any] | None = None,
     example: Mapping[str, Any] | None = None,
 ) -> Tool:
-    """A `Tool` for `fn`, its schema derived from type hints and docstring unless given."""
+    """A `Tool` for `fn`, its schema derived from type hints and docstring unless given.
+
+    Raises:
+        ToolDefinitionError: `fn` has no docstring and no `description` is given, or an
+            argument has no type hint and no `parameters` are given.
+    """
+    name = name or fn.__name__
     doc = inspect.getdoc(fn) or ""
     if parameters is None:
-        parameters = _schema_of(fn, _argument_docs(doc))
+        parameters = _schema_of(fn, _argument_docs(doc), name)
     if description is None:
         description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+        if not description:
+            raise ToolDefinitionError(
+                f"tool {name!r} has no docstring: the model reads its first paragraph as what "
+                f"the tool does. Write one (and an Args: section describing each argument), or "
+                f"pass tool({fn.__name__}, description=...)"
+            )
     shown = None if example is None else dict(example)
-    return Tool(name or fn.__name__, description, dict(parameters), fn, shown)
+    return Tool(name, description, dict(parameters), fn, shown)
 
 
 def as_tool(item: Tool | Callable[..., Any]) -> Tool:
@@ -177,6 +198,25 @@ def _short_name(name: str) -> str:
     return name if len(name) <= MAX_TOOL_NAME_CHARS else name[: MAX_TOOL_NAME_CHARS - 3] + "..."
 
 
+def _type_text(spec: Mapping[str, Any]) -> str:
+    """An argument's type as `usage` shows it: the JSON type, an enum's values (`"m" | "ft"`),
+    the alternatives of an anyOf, or `any`."""
+    if spec.get("enum"):
+        return " | ".join(_excerpt(v) if not isinstance(v, str) else json.dumps(v)
+                          for v in spec["enum"])  # fmt: skip
+    if spec.get("anyOf"):
+        return " | ".join(_type_text(s) for s in spec["anyOf"])
+    kind = spec.get("type", "any")
+    return kind if isinstance(kind, str) else " | ".join(map(str, kind))
+
+
+def _optional(spec: Mapping[str, Any], required: bool) -> str:
+    """How `usage` marks an argument that may be left out: its default, when the schema has one."""
+    if required:
+        return ""
+    return f" = {_excerpt(spec['default'])}" if "default" in spec else " (optional)"
+
+
 def _error(name: str, message: str, max_chars: int) -> ToolResult:
     return ToolResult(name, truncate(f"Error: {message}", max_chars), ok=False)
 
@@ -190,20 +230,37 @@ def _excerpt(value: Any) -> str:
 # -- the schema of a function's arguments ----------------------------------------------------
 
 
-def _schema_of(fn: Callable[..., Any], docs: Mapping[str, str]) -> dict[str, Any]:
+def _schema_of(fn: Callable[..., Any], docs: Mapping[str, str], name: str) -> dict[str, Any]:
     hints = typing.get_type_hints(fn)
     properties: dict[str, Any] = {}
     required: list[str] = []
     for parameter in inspect.signature(fn).parameters.values():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        spec = _json_schema(hints.get(parameter.name, Any))
+        if parameter.name not in hints:
+            raise ToolDefinitionError(
+                f"tool {name!r}: argument {parameter.name!r} has no type hint, so the model "
+                f"would not know what to pass. Annotate it ({parameter.name}: str, int, float, "
+                f"bool, list[...], Literal[...]), or pass tool({fn.__name__}, parameters=<JSON "
+                "schema>)"
+            )
+        spec = _json_schema(hints[parameter.name])
         if parameter.name in docs:
             spec["description"] = docs[parameter.name]
-        properties[parameter.name] = spec
         if parameter.default is parameter.empty:
             required.append(parameter.name)
+        elif _is_json(parameter.default):
+            spec["default"] = parameter.default
+        properties[parameter.name] = spec
     return {"type": "object", "properties": properties, "required": required}
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _json_schema(hint: Any) -> dict[str, Any]:

@@ -82,11 +82,13 @@ class EnvSpec:
 
 @dataclass(frozen=True)
 class Started:
-    """`call_reset`'s answer: the checked `Reset` and the template's `tools=` list."""
+    """`call_reset`'s answer: the checked `Reset`, the template's `tools=` list and whether the
+    environment offers tools at all (`Environment.offers_tools`)."""
 
     messages: list[Message]
     state: Any
     tools: list[dict[str, Any]] | None
+    offers_tools: bool = False
 
 
 def load_environment(spec: EnvSpec) -> Environment:
@@ -128,7 +130,8 @@ def checked_reset(env: Environment, task: Task) -> Started:
     messages = _messages(reset.messages, env, "reset")
     if not messages:
         raise EnvValueError(f"{_name(env)}.reset returned no messages: the model needs a prompt")
-    return Started(messages, _json_state(reset.state, env, "reset"), env.template_tools())
+    state = _json_state(reset.state, env, "reset")
+    return Started(messages, state, env.template_tools(), bool(env.offers_tools))
 
 
 def checked_step(env: Environment, task: Task, state: Any, text: str) -> Step:

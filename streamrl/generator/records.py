@@ -147,6 +147,7 @@ class GroupRecords:
             tool_errors=np.array([e.tool_errors for e in episodes], dtype=np.int32),
             env_seconds=np.array([e.env_s for e in episodes], dtype=np.float32),
             wait_seconds=rollout.wait_seconds(),
+            tools_offered=any(e.tools_offered for e in episodes),
             teacher_logprobs=teacher.logprobs if teacher is not None else None,
             teacher_seconds=teacher.seconds if teacher is not None else None,
             reward_terms=reward_terms,

@@ -412,3 +412,12 @@ class HealthConfig(Section):
         "(fp32 on both sides gives ≈ 0; bf16 sampling typically 1e-4 to 1e-3) — check the "
         "sampling settings, dtype and weight sync before the gap derails training.",
     )
+    tools_unused_steps: int = Field(
+        10,
+        ge=1,
+        le=MAX_STEPS,
+        description="tools-unused: rollout/tool_calls_mean at 0 for this many steps in a row "
+        "while the environment offers tools: the model never calls its tools, so there is "
+        "no tool use to reinforce (warm-start it on demonstrations, or show a worked call "
+        "in the prompt).",
+    )

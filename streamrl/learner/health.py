@@ -23,6 +23,9 @@ config field that sets it:
     mismatch-high       mismatch/kl_k3_fresh     above health.mismatch_kl_max: the generator's
                                                  and the learner's log-probs disagree on fresh
                                                  groups (engine mismatch, not staleness)
+    tools-unused        rollout/tool_calls_mean  0 for health.tools_unused_steps steps in a row
+                                                 while the environment offers tools
+                                                 (rollout/tools_offered_frac > 0)
 
 Edge-triggered: a condition fires on the step it becomes true and not again until a step
 where it was evaluated and false. A step without the metric, or with a non-finite value,
@@ -54,6 +57,7 @@ CONDITIONS = (
     "waste-high",
     "staleness-at-bound",
     "mismatch-high",
+    "tools-unused",
 )
 """Every condition's name, in the order they are checked."""
 
@@ -107,6 +111,7 @@ class _Condition(ABC):
 
     name: str
     metric: str
+    only_with: str | None = None  # a metric that must be > 0 for the condition to apply
 
     @abstractmethod
     def judge(self, value: float) -> _Verdict | None: ...
@@ -182,6 +187,29 @@ class _GradNormSpike(_Condition):
         return _Verdict(value > threshold, threshold, "above", why)
 
 
+@dataclass
+class _ToolsUnused(_Condition):
+    """No tool call for `steps` steps in a row, on steps whose environment offered tools."""
+
+    steps: int
+    name: str = "tools-unused"
+    metric: str = "rollout/tool_calls_mean"
+    only_with: str | None = "rollout/tools_offered_frac"
+
+    def __post_init__(self) -> None:
+        self._run = 0  # steps in a row without a call
+
+    def judge(self, value: float) -> _Verdict:
+        self._run = self._run + 1 if value <= 0 else 0
+        why = (
+            f"no tool call for {self._run} steps in a row (health.tools_unused_steps="
+            f"{self.steps}); the model never calls its tools, so there is no tool use to "
+            "reinforce: warm-start it on demonstrations (streamrl sft) or show a worked call "
+            "in the prompt"
+        )
+        return _Verdict(self._run >= self.steps, 0.0, "at", why)
+
+
 class HealthMonitor:
     """The conditions of one learner (see the module docstring); rank 0 keeps one.
 
@@ -219,6 +247,7 @@ class HealthMonitor:
                    "health.mismatch_kl_max", "the generator and the learner disagree on "
                    "fresh groups' log-probs: check sampling settings, dtype and weight sync")
         )  # fmt: skip
+        conditions.append(_ToolsUnused(config.tools_unused_steps))
         self._conditions = conditions
         self._active: set[str] = set()
 
@@ -243,6 +272,8 @@ class HealthMonitor:
         for condition in self._conditions:
             value = metrics.get(condition.metric)
             if not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            if condition.only_with is not None and not metrics.get(condition.only_with, 0) > 0:
                 continue
             verdict = condition.judge(float(value))
             if verdict is None:

@@ -296,7 +296,8 @@ class MetricsReporter:
                 metrics.get("rollout/turns_mean", 1.0),
                 metrics.get("rollout/tool_calls_mean", 0.0),
             )
-            agent = f" turns {turns:.2f} tools {calls:.2f}" if turns > 1 or calls > 0 else ""
+            tools = metrics.get("rollout/tools_offered_frac", 0.0) > 0  # even while unused
+            agent = f" turns {turns:.2f} tools {calls:.2f}" if tools or turns > 1 or calls else ""
             if "opd/reverse_kl" in metrics:  # on-policy distillation: the student's gap
                 agent += f" rkl {metrics['opd/reverse_kl']:.4f}"
             log.info(

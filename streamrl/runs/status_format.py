@@ -79,9 +79,10 @@ def mismatch_summary(metrics: dict[str, Any]) -> str | None:
 
 def episode_summary(metrics: dict[str, Any]) -> str | None:
     """Multi-turn rollouts in a line (turns, tool calls, environment time, straggler wait,
-    finish reasons), or None for single-turn ones (one turn each, no tool call)."""
+    finish reasons), or None for single-turn ones offered no tools (one turn each, no call)."""
     turns, calls = metrics.get("rollout/turns_mean"), metrics.get("rollout/tool_calls_mean")
-    if not (_num(turns) and _num(calls)) or (turns <= 1 and calls == 0):
+    offered = metrics.get("rollout/tools_offered_frac", 0.0)
+    if not (_num(turns) and _num(calls)) or (turns <= 1 and calls == 0 and not offered):
         return None
     reasons = ", ".join(
         f"{key[len('rollout/finish_') : -len('_frac')]} {value:.2f}"

@@ -133,7 +133,7 @@ def test_single_turn_scores_as_the_reward_function_does() -> None:
     with EnvRunner(EnvConfig(workers=2)) as runner:
         replies = [runner.reset(_task(row)).result() for row in rows]
         assert [r.messages for r in replies] == [row["prompt"] for row in rows]
-        assert all(r.tools is None for r in replies)
+        assert all(r.tools is None and not r.episode.tools_offered for r in replies)
         ended = [runner.step(r.episode, text) for r, text in zip(replies, responses, strict=True)]
         episodes = [future.result().episode for future in ended]
         scores = [runner.score(e).result() for e in episodes]
@@ -212,9 +212,9 @@ def test_a_crashing_and_a_hanging_tool_end_their_episodes_and_others_go_on(
 def test_a_tool_that_raises_is_an_observation_not_a_failure() -> None:
     task = Task([{"role": "user", "content": "go"}], "ok")
     with EnvRunner(EnvConfig(fn=SCRIPTED, workers=1, tool_format="hermes")) as runner:
-        reply = runner.step(
-            runner.reset(task).result().episode, _call("boom") + _call("nope")
-        ).result()
+        started = runner.reset(task).result()
+        assert started.episode.tools_offered  # recorded with the group: tool use is watched
+        reply = runner.step(started.episode, _call("boom") + _call("nope")).result()
         assert not reply.episode.done
         assert [m["content"] for m in reply.messages] == [
             "Error: ValueError: boom",

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from streamrl.envs import TOOL_FORMATS, EnvContext, Task, ToolCall, resolve_tool_format, tool
 from streamrl.envs.calculator import CalculatorEnv, calculate, evaluate_arithmetic
-from streamrl.envs.tools import run_tool_call, truncate
+from streamrl.envs.tools import ToolDefinitionError, run_tool_call, truncate
 from streamrl.models import resolve_model_path
 from streamrl.rewards import math_reward
 
@@ -68,16 +68,20 @@ def test_schema_is_derived_from_type_hints_and_docstring() -> None:
         "properties": {
             "word": {"type": "string", "description": "The word to look up, lower case."},
             "limit": {"type": "integer", "description": "At most this many entries."},
-            "scale": {"type": "number", "description": "A factor."},
-            "exact": {"type": "boolean"},
+            "scale": {"type": "number", "description": "A factor.", "default": 1.0},
+            "exact": {"type": "boolean", "default": False},
         },
         "required": ["word", "limit"],
     }
     assert TOOLS["choose"].parameters["properties"] == {
         "mode": {"enum": ["a", "b"]},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "note": {"type": "string"},
+        "note": {"type": "string", "default": None},
     }
+    usage = "lookup(word: string, limit: integer, scale: number = 1.0, exact: boolean = False)"
+    assert t.usage() == usage
+    choose_usage = 'choose(mode: "a" | "b", tags: array, note: string = None)'
+    assert TOOLS["choose"].usage() == choose_usage
     assert t.schema == {
         "type": "function",
         "function": {
@@ -88,6 +92,45 @@ def test_schema_is_derived_from_type_hints_and_docstring() -> None:
     }
     given = tool(lookup, name="find", parameters={"type": "object", "properties": {}})
     assert (given.name, given.parameters["properties"]) == ("find", {})
+
+
+def unit_convert(value: float, from_unit: str, to_unit: Literal["m", "ft"], digits: int = 3) -> str:
+    """Convert a length between units.
+
+    Args:
+        value: The number to convert.
+    """
+    return f"{value}{from_unit}->{to_unit}:{digits}"
+
+
+def test_the_example_call_in_the_prompt_has_every_argument_of_the_signature() -> None:
+    # A call with only the first two arguments would itself fail: every required argument at a
+    # placeholder of its type (an enum at its first value), each optional one at its default.
+    prompt = TAGGED.system_prompt([tool(unit_convert)])
+    example = 'unit_convert(value=1.5, from_unit="...", to_unit="m", digits=3)'
+    assert f"<tool>{example}</tool>" in prompt
+    (call,) = TAGGED.parse(f"<tool>{example}</tool>")
+    assert run_tool_call({"unit_convert": tool(unit_convert)}, call, 100).ok
+
+
+def no_docstring(value: float) -> str:
+    return str(value)
+
+
+def no_hint(value, unit: str) -> str:  # type: ignore[no-untyped-def]
+    """Convert a value."""
+    return str(value)
+
+
+def test_a_tool_the_model_would_be_shown_blind_is_refused_naming_what_is_missing() -> None:
+    with pytest.raises(ToolDefinitionError, match=r"'no_docstring' has no docstring.*description="):
+        tool(no_docstring)
+    with pytest.raises(ToolDefinitionError, match="'no_hint': argument 'value' has no type hint"):
+        tool(no_hint)
+    # Given what is missing, the same functions are tools.
+    assert tool(no_docstring, description="Show a value.").description == "Show a value."
+    schema = {"type": "object", "properties": {"value": {"type": "number"}}, "required": []}
+    assert tool(no_hint, parameters=schema).parameters == schema
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ here the expected rewards are computed again from the formula, response by respo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -190,3 +191,13 @@ def test_group_records_without_the_penalty_keep_the_rule_rewards() -> None:
         _rollout([[30], [2]]), scored
     )
     np.testing.assert_array_equal(group.rewards, [1.0, -1.0])
+
+
+def test_a_group_records_whether_its_environment_offered_tools() -> None:
+    config = load_config(["grpo"])
+    scored = [Scored(0.0, (), "done")] * 2
+    records = GroupRecords(config, "generator-0", GeneratorStats())
+    assert not records.group(_rollout([[3], [2]]), scored).tools_offered
+    rollout = _rollout([[3], [2]])
+    rollout.episodes = [dataclasses.replace(e, tools_offered=True) for e in rollout.episodes]
+    assert records.group(rollout, scored).tools_offered  # no call made: still watched

@@ -4,10 +4,13 @@ rollouts, and nothing more for single-turn ones."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from storage.fs import open_location
 from storage.stream.records import RolloutSums
+from storage.stream.segments import decode_segment, encode_segment
 from streamrl.learner.config import LoggingConfig
 from streamrl.learner.reporting import MetricsReporter
 from streamrl.runs.status_format import episode_summary
@@ -56,12 +59,30 @@ def test_the_learners_step_line_adds_turns_and_tools_for_agents(tmp_path, caplog
     base = {"step": 1, "policy_version": 1, "rollout/reward_mean": 0.5, "rollout/acc": 0.5}
     agent = {"rollout/turns_mean": 2.5, "rollout/tool_calls_mean": 1.25}
     single = {"rollout/turns_mean": 1.0, "rollout/tool_calls_mean": 0.0}
+    unused = {**single, "rollout/tools_offered_frac": 1.0}  # tools offered, never called
     with (
         caplog.at_level("INFO", "streamrl.learner.reporting"),
-        MetricsReporter(run, cfg, config={}, total_steps=2) as reporter,
+        MetricsReporter(run, cfg, config={}, total_steps=3) as reporter,
     ):
         reporter.log({**base, **single})
         reporter.log({**base, **agent, "step": 2})
+        reporter.log({**base, **unused, "step": 3})
     lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.learner.reporting"]
     assert "turns" not in lines[0]
     assert "turns 2.50 tools 1.25" in lines[1]
+    assert "turns 1.00 tools 0.00" in lines[2]
+
+
+def test_an_agent_that_never_calls_its_tools_still_has_its_episode_row() -> None:
+    # The case a user most needs to see: one turn, no call, in an environment with tools. The
+    # segment carries the fact, so the row survives the stream's round trip.
+    rng = np.random.default_rng(2)
+    none = np.zeros(4, np.int32)
+    offered = replace(random_group(rng), tools_offered=True, tool_calls=none, tool_errors=none)
+    (decoded,) = decode_segment(encode_segment([offered, random_group(rng)]))[:1]
+    assert decoded.tools_offered
+    assert decoded.equals(offered)
+    metrics = _metrics([decoded])
+    assert metrics["rollout/tools_offered_frac"] == 1.0
+    assert episode_summary(metrics).startswith("turns 1.00  tool calls 0.00 (errors 0.00)")
+    assert "rollout/tools_offered_frac" not in _metrics([random_group(rng)])

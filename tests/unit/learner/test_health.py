@@ -189,7 +189,22 @@ def test_several_conditions_fire_in_one_step() -> None:
             "mismatch/kl_k3_fresh": 0.5,
         }
     )
-    assert [e.condition for e in events] == [c for c in CONDITIONS if c != "grad-norm-spike"]
+    expected = [c for c in CONDITIONS if c not in ("grad-norm-spike", "tools-unused")]
+    assert [e.condition for e in events] == expected
+
+
+def test_tools_unused_fires_after_steps_without_a_call_only_where_tools_are_offered() -> None:
+    mon = monitor(tools_unused_steps=3)
+    offered = {"rollout/tools_offered_frac": 1.0}
+    calls = [0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]  # a call at step 3 restarts the count
+    events = [e for i, c in enumerate(calls, 1)
+              for e in mon.check({"step": i, "rollout/tool_calls_mean": c, **offered})]  # fmt: skip
+    assert [(e.condition, e.step) for e in events] == [("tools-unused", 6)]
+    assert "no tool call for 3 steps in a row (health.tools_unused_steps=3)" in events[0].message
+    assert "streamrl sft" in events[0].message
+    # An environment without tools (single-turn, or multi-turn without tools) never fires it.
+    quiet = monitor(tools_unused_steps=1)
+    assert all(quiet.check({"step": i, "rollout/tool_calls_mean": 0.0}) == [] for i in (1, 2))
 
 
 def test_disabled_checks_nothing() -> None:
