@@ -74,7 +74,7 @@ class ChatRenderer:
     ) -> list[int]:
         """The first request: `messages` with the assistant's generation prompt."""
         text = self._render(messages, tools=tools, add_generation_prompt=True)
-        return self._encode(text)
+        return self.encode(text)
 
     def observation_ids(self, messages: Sequence[Message], ended_with_eos: bool) -> list[int]:
         """The ids that follow a sampled assistant turn (module docstring): the rest of the
@@ -83,9 +83,9 @@ class ChatRenderer:
         delta = rendered[len(self._closed) :]
         closing = self.turn_closing
         if ended_with_eos:  # the sampled end-of-turn token is part of the closing
-            eos_text = self._eos_text()
+            eos_text = self.eos_text()
             closing = closing[len(eos_text) :] if closing.startswith(eos_text) else closing
-        return self._encode(closing + delta)
+        return self.encode(closing + delta)
 
     def observation_ids_within(
         self, messages: Sequence[Message], ended_with_eos: bool, max_tokens: int | None
@@ -123,11 +123,14 @@ class ChatRenderer:
     def _render(self, messages: Sequence[Message], **kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
+        """`text` as token ids, no special tokens added."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _eos_text(self) -> str:
-        closing_ids = self._encode(self.turn_closing)
+    def eos_text(self) -> str:
+        """The end-of-turn token the template closes an assistant turn with, as text; empty
+        when its closing does not start with one."""
+        closing_ids = self.encode(self.turn_closing)
         if closing_ids and closing_ids[0] in self.eos_ids:
             return self.tokenizer.decode(closing_ids[:1])
         return ""
