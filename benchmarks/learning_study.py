@@ -83,6 +83,11 @@ def run_overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path) 
     ]
 
 
+def shown(args: argparse.Namespace, command: str) -> str:
+    """`command` as the results show it: the work folder as the default's relative path."""
+    return command.replace(str(Path(args.workdir).resolve()), "./runs/learning-study")
+
+
 def teacher_dir(args: argparse.Namespace) -> Path:
     """Where the study's teacher is exported (`make_teacher`)."""
     return Path(args.workdir).resolve() / "teacher"
@@ -109,8 +114,9 @@ def make_teacher(args: argparse.Namespace) -> Path:
         if run_child(argv, log) != 0:
             raise SystemExit(f"exporting the teacher failed; see {log.name}")
     record.write_text(json.dumps({
-        "command": shlex.join(["streamrl", "run", "--preset", "dapo", "--preset", SIZE,
-                               *run_overrides(args, "dapo", TEACHER_SEED, run_dir)]),
+        "command": shown(args, shlex.join(["streamrl", "run", "--preset", "dapo", "--preset",
+                                           SIZE, *run_overrides(args, "dapo", TEACHER_SEED,
+                                                                run_dir)])),
         "evaluation": evaluation[0],
     }, indent=1) + "\n")  # fmt: skip
     return out
@@ -256,7 +262,7 @@ def run_cell(args: argparse.Namespace, arm: str, seed: int) -> None:
         "evaluations": [e for e in evaluations if e["version"] > 0],
         **learner,
     }  # fmt: skip
-    result["command"] = result["command"].replace(str(run_dir), f"./runs/learning-study/{name}")
+    result["command"] = shown(args, result["command"])
     result_file.write_text(json.dumps(result, indent=1) + "\n")
     for folder in ("weights", "checkpoints"):
         shutil.rmtree(run_dir / folder, ignore_errors=True)

@@ -34,7 +34,13 @@ from streamrl.config.base import MAX_WAIT_S, Section
 from streamrl.data.config import DataConfig
 from streamrl.evaluation.config import EvalConfig
 from streamrl.generator.config import GeneratorConfig
-from streamrl.learner.config import HealthConfig, LearnerConfig, LoggingConfig, WeightsConfig
+from streamrl.learner.config import (
+    HealthConfig,
+    LearnerConfig,
+    LoggingConfig,
+    SupervisedConfig,
+    WeightsConfig,
+)
 from streamrl.models.config import ModelConfig
 from streamrl.models.lora import LoraConfig
 from streamrl.placement.config import LocalPlacement, PlacementConfig
@@ -117,6 +123,11 @@ class RunConfig(Section):
     placement: PlacementConfig = Field(
         default_factory=LocalPlacement,
         description="Where the processes run: this machine or Prefect work pools.",
+    )
+    sft: SupervisedConfig | None = Field(
+        None,
+        description="Supervised fine-tuning on chat conversations instead of RL: the learner "
+        "alone, on data.path's conversations (null: an RL run).",
     )
     scorers: dict[str, ScorerConfig] = Field(
         default_factory=dict,

@@ -13,6 +13,7 @@ checkpoints through `storage/`.
 - `stream_source`: rank 0 reads the stream, chooses each batch, records the learner's progress.
 - `checkpointing`: saves and restores the models and the learner's `TrainingState`.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
+- `supervised`: `SupervisedLearner`, the same loop on chat conversations (a run with `sft`).
 
 `run_learner` is what `streamrl learner --run RUN_URI` runs on every rank of a torchrun job.
 
@@ -41,6 +42,7 @@ def run_learner(
     from streamrl.config.stored import open_existing_run
     from streamrl.isolation.lifetime import stop_on_sigterm
     from streamrl.learner.loop import Learner
+    from streamrl.learner.supervised import SupervisedLearner
     from streamrl.learner.topology import Topology
     from streamrl.placement import bind_rank
 
@@ -49,4 +51,5 @@ def run_learner(
     config, run = open_existing_run(run_uri, storage_options)
     stop = stop_on_sigterm() if config.learner.checkpoint_on_stop else None
     with Topology.from_env(config.learner.device) as topology:
-        return Learner(config, run, topology, take_over=take_over, stop=stop).run()
+        learner = Learner if config.sft is None else SupervisedLearner
+        return learner(config, run, topology, take_over=take_over, stop=stop).run()

@@ -50,8 +50,9 @@ class TrainingState:
     the last batch trained on; `value_pretrained` is false only before VAPO's critic
     pre-training; `rewards`, the prompts' earlier rewards when the algorithm pools them
     (temporal groups); `value_reliability`, rel_t of weighted value integration (the EMA of
-    the critic's explained variance). The loop advances it; the stream source reads `step` and
-    `version` live."""
+    the critic's explained variance); `sft_position`, a supervised run's conversations taken so
+    far (`streamrl.learner.supervised`). The loop advances it; the stream source reads `step`
+    and `version` live."""
 
     step: int = 0
     version: int = 0
@@ -60,6 +61,7 @@ class TrainingState:
     value_pretrained: bool = True
     rewards: RewardHistory | None = None
     value_reliability: float = 0.0
+    sft_position: int = 0
 
     def past_rewards(self, batch: StreamBatch) -> PastRewards | None:
         """The earlier rewards of `batch`'s prompts (before `trained_on(batch)`), when kept."""
@@ -79,6 +81,13 @@ def _reliability(value: object) -> float:
             f"the checkpoint's value_reliability is {value!r}; expected a number in [0, 1]"
         )
     return float(value)
+
+
+def _position(value: object) -> int:
+    """sft_position as a checkpoint recorded it, checked: a count ≥ 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"the checkpoint's sft_position is {value!r}; expected a count ≥ 0")
+    return value
 
 
 class LearnerCheckpoints:
@@ -102,8 +111,9 @@ class LearnerCheckpoints:
         return the state it recorded; a fresh state at step 0 for a run without one."""
         latest = self.store.latest_verified()
         if latest is None:
+            supervised = self.config.sft is not None  # the policy alone: no critic to pre-train
             return TrainingState(
-                value_pretrained=not self.config.algorithm.uses_value_model,
+                value_pretrained=supervised or not self.config.algorithm.uses_value_model,
                 rewards=self._reward_history(None),
             )
         self._check_compatible(self.store.read_state(latest), latest)
@@ -138,6 +148,7 @@ class LearnerCheckpoints:
                 "layout": self._layout(),
                 "reward_history": state.rewards and state.rewards.to_record(),
                 "value_reliability": state.value_reliability,
+                "sft_position": state.sft_position,
             },
         )
 
@@ -155,13 +166,14 @@ class LearnerCheckpoints:
             value_pretrained=record.extra.get("value_pretrained", True),
             rewards=self._reward_history(record.extra.get("reward_history")),
             value_reliability=_reliability(record.extra.get("value_reliability", 0.0)),
+            sft_position=_position(record.extra.get("sft_position", 0)),
         )
 
     def _reward_history(self, record: object) -> RewardHistory | None:
         """The temporal groups' state: from a checkpoint's `record` (None: empty), when the
         algorithm keeps one."""
         kept = self.config.algorithm.reward_history
-        if kept is None:
+        if kept is None or self.config.sft is not None:
             return None
         if record is None:
             return RewardHistory(*kept)
@@ -191,7 +203,9 @@ class LearnerCheckpoints:
         if models.critic is not None:
             state["critic"] = ModelState(models.critic.model, models.critic.optimizer)
         kl = self.config.algorithm.reference_kl
-        if models.reference is not None and kl.reference == "ema":  # a frozen one is reloaded
+        if (
+            models.reference is not None and kl is not None and kl.reference == "ema"
+        ):  # a frozen one is reloaded
             state["reference"] = ModelState(models.reference)
         if models.value_prior is not None:  # V_pre, the critic as its pre-training left it
             state["value_prior"] = ModelState(models.value_prior.model)
@@ -200,7 +214,7 @@ class LearnerCheckpoints:
     def _layout(self) -> dict[str, object]:
         """What decides the shapes of the checkpointed state: it must match to resume."""
         model = self.models.policy.model.config
-        kl = self.config.algorithm.reference_kl
+        kl = self.config.algorithm.reference_kl if self.models.reference is not None else None
         return {
             "architecture": (model.architectures or [type(self.models.policy.model).__name__])[0],
             "vocab_size": model.vocab_size,

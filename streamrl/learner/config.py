@@ -25,6 +25,7 @@ __all__ = [
     "LearnerConfig",
     "LoggingConfig",
     "Schedule",
+    "SupervisedConfig",
     "WeightsConfig",
 ]
 
@@ -420,4 +421,44 @@ class HealthConfig(Section):
         "while the environment offers tools: the model never calls its tools, so there is "
         "no tool use to reinforce (warm-start it on demonstrations, or show a worked call "
         "in the prompt).",
+    )
+
+
+class SupervisedConfig(Section):
+    """Supervised fine-tuning (`streamrl.learner.supervised`): the run's learner trains on the
+    chat conversations of `data.path` (held-out loss on `data.val_path`) instead of a replay
+    stream; no generator runs. Batching, optimiser, checkpoints, publishing and LoRA are the
+    learner's own (`learner.batch_groups` conversations a step, packed to
+    `learner.micro_batch_tokens`); the loss is the token-mean negative log-likelihood of the
+    assistant's tokens."""
+
+    messages_field: str = Field(
+        "messages",
+        min_length=1,
+        description="Field with the conversation: a list of chat messages (OpenAI / Hugging "
+        "Face layout: system, user, assistant with content and tool_calls, tool). Dotted "
+        "paths reach into nested fields.",
+    )
+    tools: Literal["row", "environment"] = Field(
+        "row",
+        description="The tools a conversation offers the model. row: each row's tools_field "
+        "(OpenAI function schemas; none where absent). environment: the tools of "
+        "generator.env.fn (a registered environment listing them), as its RL episodes show "
+        "them. Calls and tool results are written in generator.env.tool_format.",
+    )
+    tools_field: str = Field(
+        "tools", min_length=1, description="Field with a row's tool schemas (tools=row)."
+    )
+    eval_every: int = Field(
+        10,
+        ge=0,
+        le=MAX_STEPS,
+        description="Held-out loss on data.val_path every this many steps and at the last; "
+        "0: never.",
+    )
+    eval_conversations: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="Held-out conversations the loss is computed on (the first this many).",
     )

@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 
 
 def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels, bool]:
-    """Policy, and the critic / reference the algorithm needs, sharded over the topology, with
-    their optimisers and schedules; and whether each group's prompt is computed once
-    (`learner.shared_prompt` resolved for the policy's attention)."""
+    """Policy, and the critic / reference the algorithm needs (a supervised run: the policy
+    alone), sharded over the topology, with their optimisers and schedules; and whether each
+    group's prompt is computed once (`learner.shared_prompt` resolved for the policy's
+    attention)."""
     cfg, algorithm, model_cfg = config.learner, config.algorithm, config.model
     torch.manual_seed(cfg.seed)
 
@@ -70,6 +71,8 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
         cfg.shared_prompt, attention,
     ))  # fmt: skip
     models = StepModels(trainable(policy, cfg.lr, updates))
+    if config.sft is not None:  # supervised: the policy alone
+        return models, shared_prompt
     kl = algorithm.reference_kl
     if kl is not None and model_cfg.lora is not None:  # the base: the adapters switched off
         models.reference = BaseReference(policy)

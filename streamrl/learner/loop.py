@@ -118,7 +118,8 @@ class Learner:
     def release(self) -> None:
         """Stop reading the stream and give the run's lease up (rank 0): a successor may start
         at once. Idempotent."""
-        self.stream.close()
+        if self.stream is not None:
+            self.stream.close()
         self._release_lease()
 
     def _release_lease(self) -> None:
@@ -152,10 +153,14 @@ class Learner:
             enabled=topology.is_main,
         )
         self.health = self._health_monitor() if topology.is_main else None
-        self.stream = StreamSource(
-            config,
-            run,
-            topology,
+        self.stream = self._data_source()
+
+    def _data_source(self) -> StreamSource | None:
+        """Where the batches come from: the run's replay stream."""
+        return StreamSource(
+            self.config,
+            self.run_location,
+            self.topology,
             self.state,
             vocab_size=self.models.policy.model.config.vocab_size,
             lease=self.lease,
@@ -270,7 +275,9 @@ class Learner:
             self._checkpoint()
         return history
 
-    def _train_batch(self, *, train_policy: bool = True) -> tuple[StreamBatch, dict[str, float]]:
+    def _train_batch(
+        self, *, train_policy: bool = True
+    ) -> tuple[StreamBatch | None, dict[str, float]]:
         """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
         taken = self.stream.next_batch()
@@ -334,7 +341,8 @@ class Learner:
             state.version += 1
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.total_steps:
             self._checkpoint()
-        self.stream.write_progress(batch)
+        if batch is not None:  # a stream batch: the learner's progress through the stream
+            self.stream.write_progress(batch)
         metrics.update({"step": state.step, "policy_version": state.version})
         self.reporter.log(metrics)
         return metrics
