@@ -6,6 +6,7 @@ and ends bit-identical to one that ran straight through."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -114,7 +115,7 @@ def test_sft_learns_publishes_and_reports_the_heldout_loss(tmp_path, topology, d
     metrics = [json.loads(line) for line in (run_dir / "metrics" / "learner.jsonl").open()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     losses = [m["sft/loss"] for m in metrics]
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses  # it learns them
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses  # it learns them
     assert losses[-1] < losses[0] - 0.5
     heldout = [m.get("sft/heldout_loss") for m in metrics]
     assert [h is not None for h in heldout] == [False, True, False, True, False, True]
