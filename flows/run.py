@@ -193,7 +193,7 @@ def streamrl_run(
     config = load_config(presets, config_file, extra)
     if config.storage.run_uri == StorageConfig().run_uri and not resume:  # a fresh run each time
         config.storage.run_uri = f"./runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    count = generators if generators is not None else config.generator.count
+    count = config.generators_to_start(generators)
     if isinstance(config.placement, PoolsPlacement):
         config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
         return supervise_on_pools(

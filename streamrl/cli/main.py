@@ -159,7 +159,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
     config = config_from(args)
-    count = args.generators or config.generator.count
+    count = config.generators_to_start(args.generators)
     placement = plan_placement(config, generators=count)  # refused before anything starts
     check_user_code(config.user_code)  # a misspelt module too
     config, run = prepare_run(
@@ -174,7 +174,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config, generators=count, on_line=on_line, placement=placement,
         max_restarts=args.max_restarts,
     )  # fmt: skip
-    print(f"streamrl run: {run.uri} — learner + {count} generator(s); logs in "
+    print(f"streamrl run: {run.uri} — learner + {count} generator(s)"
+          f"{' (supervised)' if config.sft else ''}; logs in "
           f"{supervisor.logs.folder}", flush=True)  # fmt: skip
     print(placement.describe(), flush=True)
     try:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from storage.stream.sweep import min_sweep_grace_s
 from streamrl.algorithms.config import AlgorithmConfig, DAPOConfig
-from streamrl.config.base import MAX_WAIT_S, Section
+from streamrl.config.base import MAX_WAIT_S, ConfigError, Section
 from streamrl.data.config import DataConfig
 from streamrl.evaluation.config import EvalConfig
 from streamrl.generator.config import GeneratorConfig
@@ -427,6 +427,22 @@ class RunConfig(Section):
         if configured is not None or name != self.generator.teacher:
             return configured
         return self.model.max_model_len + 1
+
+    def generators_to_start(self, requested: int | None = None) -> int:
+        """How many generators the run starts: `requested`, else generator.count; none for a
+        supervised run (`sft`), which trains on its dataset.
+
+        Raises:
+            ConfigError: generators requested for a supervised run.
+        """
+        if self.sft is None:
+            return self.generator.count if requested is None else requested
+        if requested:
+            raise ConfigError(
+                [f"{requested} generator(s) asked for, but a supervised run (sft set) trains on "
+                 "data.path's conversations and starts none; leave the generator count out"]
+            )  # fmt: skip
+        return 0
 
     @property
     def served_scorers(self) -> list[str]:

@@ -279,6 +279,9 @@ class MetricsReporter:
                 metrics.get("critic/explained_var", float("nan")),
             )
             return
+        if "sft/loss" in metrics:  # a supervised run: no rollouts
+            self._log_supervised(metrics, step, due)
+            return
         reward = metrics.get("rollout/reward_mean", float("nan"))
         acc = metrics.get("rollout/acc", float("nan"))
         version = metrics.get("policy_version", 0)
@@ -315,6 +318,28 @@ class MetricsReporter:
                 metrics.get("perf/step_s", float("nan")),
                 version,
             )
+
+    def _log_supervised(self, metrics: dict[str, Any], step: int, due: bool) -> None:
+        """A supervised step: its loss, the held-out loss when computed, the epoch."""
+        loss, version = metrics["sft/loss"], metrics.get("policy_version", 0)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", v=version, refresh=False)
+            self._bar.update(step - self._bar.n)
+        if not due:
+            return
+        heldout = metrics.get("sft/heldout_loss")
+        log.info(
+            "step %d/%d: loss %.4f%s epoch %.2f lr %.2e %.0f tok/s %.0fs v%d",
+            step,
+            self.total_steps,
+            loss,
+            "" if heldout is None else f" held-out {heldout:.4f}",
+            metrics.get("sft/epoch", float("nan")),
+            metrics.get("actor/lr", float("nan")),
+            metrics.get("perf/learner_tokens_per_s", float("nan")),
+            metrics.get("perf/step_s", float("nan")),
+            version,
+        )
 
     def _log_wandb(self, metrics: dict[str, Any], step: int) -> None:
         if self._wandb is None:

@@ -125,8 +125,13 @@ class SupervisedSource:
                 f"no conversation of {config.data.path} fits model.max_model_len="
                 f"{config.model.max_model_len} ({self.train.dropped} dropped as longer)"
             )
-        val_path = config.data.val_path
-        self.heldout = None if val_path is None else self._load(val_path, sft.eval_conversations)
+        val_path, limit = config.data.val_path, sft.eval_conversations
+        try:
+            self.heldout = None if val_path is None else self._load(val_path, limit)
+        except DatasetError as problem:
+            raise DatasetError(
+                f"{problem.problems[0]} (data.val_path: held-out conversations, or null for none)"
+            ) from None
 
     def batch(self, position: int, size: int, version: int) -> list[ScoredGroup]:
         """The `size` conversations from `position` on (conversations taken so far, over every

@@ -50,8 +50,9 @@ def plan_placement(
     cpus: Sequence[int] | None = None,
     gpus: Sequence[str] | None = None,
 ) -> PlacementPlan:
-    """Place the learner, `generators` generators (default `generator.count`), when
-    `evaluator` and `eval.every_versions` > 0 the evaluator, and the served scorers on this
+    """Place the learner, `generators` generators (default `generator.count`; none for a
+    supervised run), when `evaluator` and `eval.every_versions` > 0 the evaluator (not for a
+    supervised run: its held-out loss is the learner's), and the served scorers on this
     machine's `cpus` (default: this process's affinity) and `gpus` (default: `visible_gpus()`).
 
     Raises `PlacementError` naming the numbers when the processes do not fit, or when the run
@@ -59,8 +60,8 @@ def plan_placement(
     config.placement.check_on_this_machine()
     cpus = sorted(set(machine_cpus() if cpus is None else cpus))
     gpus = list(visible_gpus() if gpus is None else gpus)
-    count = config.generator.count if generators is None else generators
-    with_eval = evaluator and config.eval.every_versions > 0
+    count = config.generators_to_start(generators)
+    with_eval = evaluator and config.eval.every_versions > 0 and config.sft is None
     scorers = [scorer_process_name(name) for name in config.served_scorers]
     names = [
         "learner", *(f"gen{i}" for i in range(count)), *(["eval"] if with_eval else []), *scorers

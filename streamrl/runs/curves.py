@@ -58,6 +58,11 @@ class Chart:
 CHARTS = (
     Chart("reward (mean)", (("rollout/reward_mean", "consumed groups"),), "{:+.3f}"),
     Chart(
+        "supervised loss",
+        (("sft/loss", "train"), ("sft/heldout_loss", "held-out")),
+        "{:.4f}",
+    ),
+    Chart(
         "accuracy",
         (("rollout/acc", "consumed groups"), ("rollout_accepted/acc", "trained groups")),
     ),

@@ -42,6 +42,9 @@ _METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner ro
         ("rollout/acc", "acc", "{:.3f}"),
         ("rollout/response_len_mean", "length", "{:.1f}"),
         ("rollout/truncated_frac", "truncated", "{:.2f}"),
+        ("sft/loss", "loss", "{:.4f}"),  # a supervised run's
+        ("sft/heldout_loss", "held-out loss", "{:.4f}"),
+        ("sft/epoch", "epoch", "{:.2f}"),
     ),
     (
         ("actor/pg_loss", "pg_loss", "{:.4f}"),
@@ -117,6 +120,9 @@ def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
         kept = " ".join(str(v) for v in s.weight_versions)
         weights = f"v{s.weight_version} latest (kept: {kept})"
     yield "weights", weights
+    if s.algorithm == "sft":  # a supervised run: no stream, generators or evaluator
+        yield from _metrics_rows(s)
+        return
     st = s.stream
     written = f"{st.groups} groups in {st.commits} commits"
     if st.newest_commit_at is not None:

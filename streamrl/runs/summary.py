@@ -12,8 +12,9 @@ __all__ = ["format_summary", "run_summary"]
 
 def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
     """What a finished (or running) run achieved, from its learner metrics: reward and
-    accuracy over the first and the last `window` steps, mean learner tokens/s, steps done,
-    and the reward and accuracy curves as text charts (`charts`)."""
+    accuracy (a supervised run: its loss, and the held-out loss) over the first and the last
+    `window` steps, mean learner tokens/s, steps done, and their curves as text charts
+    (`charts`)."""
     from streamrl.learner.reporting import read_metrics
     from streamrl.runs.curves import curve_data, text_charts
 
@@ -26,6 +27,20 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
         return sum(values) / len(values) if values else float("nan")
 
     first, last = steps[:window], steps[-window:]
+    if "sft/loss" in steps[-1]:  # a supervised run
+        heldout = [m for m in steps if "sft/heldout_loss" in m]
+        return {
+            "run_uri": run.uri,
+            "steps": int(steps[-1]["step"]),
+            "policy_version": int(steps[-1].get("policy_version", 0)),
+            "supervised": True,
+            "loss_first": mean(first, "sft/loss"),
+            "loss_last": mean(last, "sft/loss"),
+            "heldout": [(int(m["step"]), float(m["sft/heldout_loss"])) for m in heldout],
+            "learner_tokens_per_s": mean(steps, "perf/learner_tokens_per_s"),
+            "window": min(window, len(steps)),
+            "charts": text_charts(curve_data(steps), titles=("supervised loss",)),
+        }
     return {
         "run_uri": run.uri,
         "steps": int(steps[-1]["step"]),
@@ -45,6 +60,19 @@ def format_summary(summary: dict[str, Any]) -> str:
     if not summary.get("steps"):
         return f"run {summary['run_uri']}: no learner steps yet"
     n = summary["window"]
+    if summary.get("supervised"):  # a supervised run: its loss
+        heldout = summary["heldout"]
+        return "\n".join(
+            [
+                f"run:       {summary['run_uri']}  ({summary['steps']} supervised steps, "
+                f"weights v{summary['policy_version']})",
+                f"loss:      {summary['loss_first']:.4f} (first {n} steps) → "
+                f"{summary['loss_last']:.4f} (last {n})",
+                *_heldout_line(heldout),
+                f"learner:   {summary['learner_tokens_per_s']:.0f} tokens/s",
+                *(f"  {line}" for line in summary.get("charts", ())),
+            ]
+        )
     return "\n".join(
         [
             f"run:       {summary['run_uri']}  ({summary['steps']} steps, weights "
@@ -56,3 +84,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             *(f"  {line}" for line in summary.get("charts", ())),
         ]
     )
+
+
+def _heldout_line(heldout: list[tuple[int, float]]) -> list[str]:
+    if not heldout:
+        return []
+    (first_step, first), (last_step, last) = heldout[0], heldout[-1]
+    return [f"held-out:  {first:.4f} (step {first_step}) → {last:.4f} (step {last_step})"]

@@ -86,3 +86,19 @@ def test_an_agent_that_never_calls_its_tools_still_has_its_episode_row() -> None
     assert metrics["rollout/tools_offered_frac"] == 1.0
     assert episode_summary(metrics).startswith("turns 1.00  tool calls 0.00 (errors 0.00)")
     assert "rollout/tools_offered_frac" not in _metrics([random_group(rng)])
+
+
+def test_a_supervised_step_line_shows_its_loss_not_rollouts(tmp_path, caplog) -> None:
+    run = open_location(str(tmp_path / "run"))
+    cfg = LoggingConfig(wandb_mode="disabled", log_every=1)
+    step = {"policy_version": 2, "sft/loss": 1.23456, "sft/epoch": 0.5, "actor/lr": 1e-5,
+            "perf/learner_tokens_per_s": 900.0, "perf/step_s": 2.0}  # fmt: skip
+    with (
+        caplog.at_level("INFO", "streamrl.learner.reporting"),
+        MetricsReporter(run, cfg, config={}, total_steps=4) as reporter,
+    ):
+        reporter.log({**step, "step": 1})
+        reporter.log({**step, "step": 2, "sft/heldout_loss": 1.5})
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.learner.reporting"]
+    assert lines[0] == "step 1/4: loss 1.2346 epoch 0.50 lr 1.00e-05 900 tok/s 2s v2"
+    assert lines[1].startswith("step 2/4: loss 1.2346 held-out 1.5000 epoch 0.50")
