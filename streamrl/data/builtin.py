@@ -1,6 +1,8 @@
 """Datasets bundled with streamrl, so a run needs no download: `builtin:arithmetic` and its
-held-out split `builtin:arithmetic-test`, `builtin:math`, and the code problems
-`builtin:code` / `builtin:code-test` (`streamrl.data.code_problems`).
+held-out split `builtin:arithmetic-test`, `builtin:math`, the code problems `builtin:code` /
+`builtin:code-test` (`streamrl.data.code_problems`), and the calculator agent's problems and
+demonstrations `builtin:calculator[-test]`, `builtin:calculator-demos[-test]`
+(`streamrl.data.tool_problems`).
 
 Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
 reads unchanged:
@@ -37,6 +39,12 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.data.code_problems import code_rows, code_test_rows
+from streamrl.data.tool_problems import (
+    calculator_demo_rows,
+    calculator_demo_test_rows,
+    calculator_rows,
+    calculator_test_rows,
+)
 
 __all__ = ["BUILTIN_DATASETS", "HELD_OUT_FACTS", "builtin_rows", "fact_of"]
 
@@ -210,6 +218,10 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "math": math_rows,
     "code": code_rows,
     "code-test": code_test_rows,
+    "calculator": calculator_rows,
+    "calculator-test": calculator_test_rows,
+    "calculator-demos": calculator_demo_rows,
+    "calculator-demos-test": calculator_demo_test_rows,
 }
 
 
