@@ -2,7 +2,8 @@
 #   make demo    set up if needed, then a DAPO run of SmolLM2-135M on bundled math (STEPS=16;
 #                TASK=code: Python problems scored by their tests in the box; ENV=calculator:
 #                episodes with the calculator tool, ENV=code_feedback (with TASK=code): a code
-#                agent that sees its failed tests; LORA=1: LoRA adapters)
+#                agent that sees its failed tests; LORA=1: LoRA adapters; RECIPE=calculator-agent:
+#                a supervised warm start, then RL, evaluation and export, one stage after another)
 #   make setup   create .venv and install streamrl[cpu,test,dev] (idempotent)
 #   make test    set up if needed, lint, then run the default test suite (THE test command)
 #   make lint    ruff check + format check
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 STEPS ?= 16
 demo: setup
-	$(VENV)/bin/python -m flows.demo --steps $(STEPS) $(if $(TASK),--task $(TASK)) $(if $(ENV),--env $(ENV)) $(if $(LORA),--lora) $(DEMO_ARGS)
+	$(VENV)/bin/python -m flows.demo --steps $(STEPS) $(if $(TASK),--task $(TASK)) $(if $(ENV),--env $(ENV)) $(if $(LORA),--lora) $(if $(RECIPE),--recipe $(RECIPE)) $(DEMO_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,12 @@ machine, through the `streamrl` flow with Prefect's temporary local server (no s
 to start). The run lives under ./runs/; the end prints reward and accuracy before and after.
 
     python -m flows.demo [--steps N] [--run-uri DIR] [--resume] [--generators N] [KEY=VALUE ...]
+    python -m flows.demo --recipe calculator-agent [--run-uri DIR] [--resume] [KEY=VALUE ...]
+
+With `--recipe`, the demo is a training recipe (`flows.recipe`: a supervised warm start, RL, an
+evaluation, an export; each stage a child flow run in a folder of its own under the run URI),
+each stage announced, then its step lines; the end prints each run stage's summary and the
+evaluation.
 
 The terminal shows a short header (the run, where its logs are, the placement plan), then one
 line per learner step and streamrl's warnings. Everything else — Prefect's server and engine
@@ -15,6 +21,7 @@ of a session of its own, which the command passes Ctrl-C to: `_flow_in_a_session
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
@@ -38,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--resume needs --run-uri (the run to resume)")
     if os.environ.get(_FLOW_PROCESS) != "1":
         if not args.run_uri:  # chosen once, here: the child's clock may have moved on
-            argv = ["--run-uri", time.strftime("./runs/demo-%Y%m%d-%H%M%S"), *argv]
+            name = f"recipe-{args.recipe}" if args.recipe else "demo"
+            argv = ["--run-uri", time.strftime(f"./runs/{name}-%Y%m%d-%H%M%S"), *argv]
         return _flow_in_a_session_of_its_own(argv)
     # The command passes Ctrl-C on as SIGINT: stop on it even if this process was started with
     # SIGINT ignored, as a shell starts a command in the background.
@@ -53,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logs = Path(args.run_uri) / "logs"
     terminal = _terminal_only_for_the_flow(logs / "demo.log")
+    if args.recipe:
+        print(f"streamrl demo: recipe {args.recipe}\n  root: {args.run_uri}\n  logs: {logs}/ "
+              "and each stage's <root>/<stage>/logs/", file=terminal)  # fmt: skip
+        try:
+            return _run_recipe(args, terminal)
+        except Exception as exc:
+            logging.getLogger(__name__).exception("the demo failed")
+            print(f"demo failed: {exc}\n(details in {logs}/demo.log)", file=terminal)
+            return 1
     env = f", task {args.task}" if args.task else ""
     env += f", environment {args.env}" if args.env else ""
     env += ", LoRA adapters" if args.lora else ""
@@ -85,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lora", action="store_true", help="train LoRA adapters on the frozen base (preset lora)"
+    )
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        help="a training recipe instead of one run (calculator-agent: SFT, then RL, eval, export)",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser
@@ -154,6 +176,43 @@ def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
     print(format_summary(run_summary(open_location(run_uri))), file=terminal)
     if not state.is_completed():
         print(f"demo failed: {state.message}\n(see {run_uri}/logs/)", file=terminal)
+        return 1
+    return 0
+
+
+def _run_recipe(args: argparse.Namespace, terminal: IO[str]) -> int:
+    from flows.recipe import recipe
+    from storage.fs import open_location
+    from streamrl.recipes import EVAL_RESULT, RunStage, load_recipe, plan_recipe
+    from streamrl.runs.summary import format_summary, run_summary
+
+    try:
+        state = recipe(
+            name=args.recipe,
+            root=args.run_uri,
+            overrides=args.overrides,
+            resume=args.resume,
+            return_state=True,
+        )
+    except KeyboardInterrupt:
+        argv = ["--recipe", args.recipe, "--resume", "--run-uri", args.run_uri, *args.overrides]
+        command = shlex.join([sys.executable, "-m", "flows.demo", *argv])
+        print(f"\nstopped: every process of the stage has ended; finished stages are kept and "
+              f"the running one resumes from its checkpoint. Resume with:\n  {command}",
+              file=terminal)  # fmt: skip
+        return 130
+    name, spec = load_recipe(args.recipe)
+    plan = plan_recipe(name, spec, args.run_uri, overrides=args.overrides)
+    for step in plan.stages:
+        if isinstance(step.stage, RunStage) and Path(step.uri, "metrics").exists():
+            print(f"\nstage {step.name}:", file=terminal)
+            print(format_summary(run_summary(open_location(step.uri))), file=terminal)
+        elif Path(step.uri, EVAL_RESULT).exists():
+            metrics = json.loads(Path(step.uri, EVAL_RESULT).read_text())
+            shown = "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
+            print(f"\nstage {step.name}: v{metrics.get('version')}  {shown}", file=terminal)
+    if not state.is_completed():
+        print(f"demo failed: {state.message}\n(see {args.run_uri}/)", file=terminal)
         return 1
     return 0
 

@@ -29,7 +29,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.run import streamrl_run
-from storage.fs import open_location
+from storage.fs import open_location, replace_object
 from streamrl.config.loading import Override
 from streamrl.recipes import (
     EVAL_RESULT,
@@ -126,7 +126,7 @@ def evaluate_stage(
         data = base.model_copy(update={"val_path": None})
     metrics = evaluate(run, dataset=data, k=k, max_prompts=max_prompts, record=True)
     out = open_location(out_uri)
-    out.child(EVAL_RESULT).write_bytes(json.dumps(metrics, indent=1).encode())
+    replace_object(out, out.join(EVAL_RESULT), json.dumps(metrics, indent=1).encode())
     get_run_logger().info("evaluated %s v%s: %s", run_uri, metrics.get("version"), metrics)
     return {"state": "finished", **metrics}
 

@@ -155,16 +155,17 @@ class StagePlan:
 
     def done(self) -> bool:
         """Whether the stage finished (module docstring)."""
-        location = open_location(self.uri)
+        location = open_location(self.uri, check=False)  # reading only: nothing created
         if isinstance(self.stage, RunStage):
             return _run_finished(self.uri)
         if isinstance(self.stage, EvalStage):
-            return location.child(EVAL_RESULT).exists()
+            return location.fs.exists(location.join(EVAL_RESULT))
         return Path(self.uri, "config.json").exists()
 
     def started(self) -> bool:
         """Whether a run stage's run exists (a resumed recipe resumes it)."""
-        return open_location(self.uri).child("run.json").exists()
+        location = open_location(self.uri, check=False)
+        return location.fs.exists(location.join("run.json"))
 
 
 @dataclass
@@ -298,8 +299,8 @@ def _run_finished(uri: str) -> bool:
     from storage.checkpoints.dcp import CheckpointStore
     from streamrl.config.stored import load_run_config
 
-    run = open_location(uri)
-    if not run.child("run.json").exists():
+    run = open_location(uri, check=False)
+    if not run.fs.exists(run.join("run.json")):
         return False
     total = load_run_config(run).learner.total_steps
     return CheckpointStore(run).latest_verified() == total

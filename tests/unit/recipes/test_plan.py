@@ -1,0 +1,90 @@
+"""Recipes are checked whole before anything starts (`streamrl.recipes.plan_recipe`): a bad field
+in a later stage is refused naming that stage, references name earlier run stages, and each run
+stage starts from the model the stage before it exports."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from streamrl.config.base import ConfigError
+from streamrl.recipes import available_recipes, load_recipe, plan_recipe
+
+
+def _recipe(tmp_path, stages, name="mine"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"stages": stages, "overrides": ["learner.total_steps=6"]}))
+    return load_recipe(str(path))
+
+
+SFT = {"name": "warm", "presets": ["tiny-cpu", "sft"], "overrides": ["data.path=conv.jsonl"]}
+RL = {"name": "rl", "presets": ["dapo", "tiny-cpu"]}
+
+
+def test_a_recipe_chains_its_runs_through_exported_models(tmp_path) -> None:
+    name, recipe = _recipe(tmp_path, [SFT, RL, {"name": "score", "kind": "eval", "of": "rl"},
+                                      {"name": "model", "kind": "export", "of": "rl"}])  # fmt: skip
+    plan = plan_recipe(name, recipe, str(tmp_path / "root"), overrides=["learner.lr=3e-6"])
+    warm, rl, score, model = plan.stages
+    assert warm.config.sft is not None
+    assert rl.config.sft is None
+    assert (warm.start_from, rl.start_from) == (None, "warm")
+    assert rl.config.model.path == f"{tmp_path}/root/models/warm" == warm.export_to
+    assert rl.config.storage.run_uri == f"{tmp_path}/root/rl"
+    assert (rl.config.learner.total_steps, rl.config.learner.lr) == (6, 3e-6)  # recipe, flow
+    assert (score.uri, model.uri) == (f"{tmp_path}/root/score", f"{tmp_path}/root/model")
+    assert not any(step.done() or step.started() for step in plan.stages)
+    assert not (tmp_path / "root").exists()  # planning writes nothing
+
+
+def test_a_bad_field_in_a_later_stage_is_refused_naming_it_before_anything_runs(tmp_path):
+    bad = {**RL, "overrides": ["learner.lr=-1"]}
+    name, recipe = _recipe(tmp_path, [SFT, {**RL, "name": "rl1"}, {**bad, "name": "rl2"}])
+    with pytest.raises(ConfigError) as refused:
+        plan_recipe(name, recipe, str(tmp_path / "root"))
+    assert len(refused.value.problems) == 1
+    assert refused.value.problems[0].startswith("stage 3 (rl2): learner.lr")
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize(
+    ("stages", "problem"),
+    [
+        (
+            [{"name": "e", "kind": "eval", "of": "rl"}, RL],
+            "stage 1 (e): of='rl' is not a run stage",
+        ),
+        ([RL, {**RL, "start_from": "later"}], "start_from='later' is not a run stage before it"),
+        ([RL, RL], "stage 2 (rl): another stage is named 'rl'"),
+        ([{**RL, "name": "Big Stage"}], "a stage's name is lower case letters"),
+        ([{**RL, "name": "models"}], "a stage's name is lower case letters"),
+    ],
+)
+def test_stage_references_and_names_are_checked(tmp_path, stages, problem) -> None:
+    name, recipe = _recipe(tmp_path, stages)
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        plan_recipe(name, recipe, str(tmp_path / "root"))
+
+
+def test_a_recipe_that_cannot_be_read_is_refused_naming_the_fix(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"no recipe 'nope'.*calculator-agent"):
+        load_recipe("nope")
+    with pytest.raises(ConfigError, match=r"stages\.0\.run\.presets"):
+        _recipe(tmp_path, [{"name": "x"}])
+    with pytest.raises(ConfigError, match=r"stages\.0\.export\.of"):
+        _recipe(tmp_path, [{"name": "x", "kind": "export"}])
+    name, recipe = _recipe(tmp_path, [RL])
+    with pytest.raises(ConfigError, match="give models_dir"):
+        plan_recipe(name, recipe, "s3://bucket/recipes/x")
+
+
+def test_the_bundled_recipes_plan() -> None:
+    assert "calculator-agent" in available_recipes()
+    name, recipe = load_recipe("calculator-agent")
+    plan = plan_recipe(name, recipe, "./runs/agent")
+    sft, rl = plan.stages[:2]
+    assert sft.config.sft.tools == "environment"
+    assert sft.config.generator.env.fn == rl.config.generator.env.fn == "calculator"
+    assert rl.start_from == "sft"
