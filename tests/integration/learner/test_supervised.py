@@ -179,3 +179,20 @@ def test_a_supervised_run_has_no_generator_reference_or_critic(tmp_path, topolog
     assert (learner.models.reference, learner.models.critic, learner.stream) == (None,) * 3
     learner.release()
     assert issubclass(SupervisedLearner, Learner)
+
+
+def test_sft_trains_lora_adapters_on_the_frozen_base(tmp_path, topology, data) -> None:
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    lora = ("model.lora.rank=4", "model.lora.alpha=8", "learner.lr=1e-2")
+    learner = SupervisedLearner(_config(run_dir, data, 3, *lora), run, topology)
+    base = {n: _full(p).clone() for n, p in learner.models.policy.model.named_parameters()
+            if "lora_" not in n}  # fmt: skip
+    learner.run()
+    metrics = [json.loads(line) for line in (run_dir / "metrics" / "learner.jsonl").open()]
+    assert metrics[-1]["sft/loss"] < metrics[0]["sft/loss"]
+    for name, param in learner.models.policy.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(_full(param), base[name]), name  # the base never moves
+    _, manifest = WeightStore(run).load(3)
+    assert "lora_adapter" in manifest.model_config  # an adapter version
