@@ -170,7 +170,7 @@ def _wait(futures: dict[str, PrefectFuture[Any]]) -> None:
 @flow(name="streamrl", log_prints=True)
 def streamrl_run(
     preset: str = "dapo",
-    size: str = "smollm2-cpu",
+    size: str | None = "smollm2-cpu",
     extra_presets: list[str] | None = None,
     config_file: str | None = None,
     overrides: list[Override] | None = None,

@@ -104,9 +104,11 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _cmd_learner(args: argparse.Namespace) -> int:
     from storage.control.lease import NOT_HOLDER_EXIT_CODE, LeaseHeldError, LeaseLostError
+    from streamrl.data.rows import DatasetError
     from streamrl.learner import run_learner
     from streamrl.learner.stream_source import StopRequested
     from streamrl.learner.topology import exit_process
+    from streamrl.supervision.policy import USER_CODE_EXIT_CODE
 
     # SIGTERM (a supervisor stopping the run) unwinds: the lease is released. With
     # learner.checkpoint_on_stop, run_learner takes SIGTERM over to stop with a checkpoint.
@@ -121,6 +123,9 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     except StopRequested as exc:  # SIGTERM / Ctrl-C, checkpointed
         print(f"learner: {exc}", file=sys.stderr)
         code = 128 + signal.SIGTERM
+    except DatasetError as exc:  # a supervised run's conversations: a restart fails the same
+        print(f"streamrl: {exc}", file=sys.stderr)
+        code = USER_CODE_EXIT_CODE
     except SystemExit as exc:  # SIGTERM
         code = exc.code if isinstance(exc.code, int) else 1
     if args.program:  # this process ends here, without an interpreter teardown to race

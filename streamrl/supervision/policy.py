@@ -25,7 +25,9 @@ The rules:
   (scaled in, the run's stop marker), or was displaced (another generator holds its index),
   is not. One that failed as a restart would fail again (`deterministic`: the user code its
   configuration names cannot be resolved, `USER_CODE_EXIT_CODE`) aborts the run at once,
-  its cause as the reason. `TargetGenerators` scales out (new indexes) or in (the newest stop).
+  its cause as the reason; so does a learner that cannot use its data (a supervised run's
+  conversation that cannot be trained on). `TargetGenerators` scales out (new indexes) or in
+  (the newest stop).
 - **Scorers** (servers of the run's teacher, reward models, judges): restarted like the
   evaluator while `scorer_retries` last; they serve the others, so they end last: once the
   run is finishing and only scorers are left, they are cancelled.
@@ -369,6 +371,10 @@ class SupervisionPolicy:
             cause = f"{event.cause}: {DISPLACED}, one learner per run"
             failure = Failure(node, cause, self.learner_attempts.total, 0, 0, math.inf)
             return self._abort(DISPLACED, failure)
+        if event.deterministic:  # its data cannot be used: another attempt would fail the same
+            failure = Failure(node, event.cause, self.learner_attempts.total, 0, 0, math.inf,
+                              deterministic=True)  # fmt: skip
+            return self._abort(f"the learner cannot run ({event.cause}); {NOT_RESTARTED}", failure)
         if event.completed:
             self._completed_nodes.add(node)
             if len(self._completed_nodes) < self.learner_nodes:

@@ -132,7 +132,9 @@ def test_a_failed_stage_fails_the_recipe_with_its_reason_and_nothing_after_it_ru
     root = tmp_path / "recipe"
     state = recipe(name=recipe_file, root=str(root), return_state=True)
     assert state.is_failed()
-    with pytest.raises(Exception, match="learner") as failed:
+    reason = r"learner cannot run \(exit code 4\); not restarted"
+    with pytest.raises(Exception, match=reason) as failed:
         state.result()
-    assert "no assistant message" in str(failed.value) or "learner" in str(failed.value)
+    assert "row 0 (0-based) of" in str(failed.value)
+    assert "the conversation has no assistant message" in str(failed.value)
     assert not (root / "rl").exists()

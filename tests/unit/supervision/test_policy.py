@@ -171,6 +171,17 @@ def test_a_learner_displaced_by_another_learner_aborts_without_a_take_over():
     assert len(backend.starts()) == 1  # the first start only: no take-over attempt
 
 
+def test_a_learner_that_cannot_use_its_data_aborts_without_another_attempt():
+    """A supervised run's conversation that cannot be trained on fails every attempt alike."""
+    backend = _two_node_learner(retries=3)
+    node0, _ = backend.learner()
+    (abort,) = backend.end(node0, at=1.0, deterministic=True)
+    assert isinstance(abort, Abort)
+    assert abort.reason.startswith("the learner cannot run (")
+    assert abort.failure.deterministic
+    assert len(backend.starts()) == 1  # the first start only
+
+
 def test_a_generator_is_restarted_until_its_window_is_full():
     policy = SupervisionPolicy(generators=[0], generator_retries=2, generator_window_s=100.0)
     backend = FakeBackend(policy)
