@@ -57,11 +57,17 @@ METRICS: tuple[tuple[str, Callable[[dict], float]], ...] = (
 )
 
 
+TEACHER_RECORD = "teacher.json"
+
+
 def load_cells(cells_dir: Path) -> tuple[dict[str, list[dict]], dict[int, dict]]:
-    """(arm → its finished cells by seed, seed → the base model's evaluation)."""
+    """(arm → its finished cells by seed, seed → the base model's evaluation); the teacher's
+    record (`teacher.json`, the opd arm's teacher) is not a cell."""
     arms: dict[str, list[dict]] = {}
     bases: dict[int, dict] = {}
     for path in sorted(cells_dir.glob("*.json")):
+        if path.name == TEACHER_RECORD:
+            continue
         cell = json.loads(path.read_text())
         if path.name.startswith("base-"):
             bases[cell["seed"]] = cell["evaluations"][0]

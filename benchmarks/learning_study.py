@@ -62,6 +62,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {  # arm: (algorithm preset, extra over
     "opd": ("opd", ["scorers.teacher.model={teacher}", "scorers.teacher.dtype=float32"]),
 }
 TEACHER_SEED = 1000  # the teacher's DAPO run: a seed no cell uses
+# Versions an arm evaluates beyond --eval-steps: OPD's goal is judged within a third of the steps.
+ARM_EVAL_STEPS: dict[str, tuple[int, ...]] = {"opd": (4, 10)}
 STARTED = "study-started.json"  # in the run folder: when the cell's run was first launched
 
 
@@ -199,6 +201,25 @@ def evaluator_main(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(results))
 
 
+def add_evaluations(args: argparse.Namespace, cell: str, run_dir: str) -> None:
+    """`--add-evaluations CELL RUN_DIR`: versions a cell did not evaluate (an arm's evaluation
+    steps grew after it ran), evaluated as `run_cell` would from the run's kept weights and
+    added to its record with `evaluated_after` naming them."""
+    record_file = CELLS_DIR / f"{cell}.json"
+    record = json.loads(record_file.read_text())
+    versions = sorted(int(v) for v in args.versions.split(","))
+    done = {e["version"] for e in record["evaluations"]}
+    new = [v for v in versions if v not in done]
+    if not new:
+        print(f"{cell}: versions {versions} are evaluated already")
+        return
+    added = evaluate_versions(args, Path(run_dir).resolve(), new)
+    record["evaluations"] = sorted([*record["evaluations"], *added], key=lambda e: e["version"])
+    record["evaluated_after"] = sorted({*record.get("evaluated_after", ()), *new})
+    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{cell}: added versions {new}")
+
+
 def learner_summary(run_dir: Path) -> dict[str, Any]:
     """Per step: what the report needs from the learner's metrics records."""
     from storage.fs import open_location
@@ -243,7 +264,7 @@ def run_cell(args: argparse.Namespace, arm: str, seed: int) -> None:
     if last["step"] != args.steps:
         raise SystemExit(f"{name}: the run stopped at step {last['step']}, not {args.steps}")
     base_file = CELLS_DIR / f"base-s{seed}.json"
-    versions = [s for s in args.eval_steps if s > 0]
+    versions = sorted({s for s in (*args.eval_steps, *ARM_EVAL_STEPS.get(arm, ())) if s > 0})
     versions = versions if base_file.exists() else [0, *versions]
     print(f"{name}: evaluating versions {versions}", flush=True)
     evaluations = evaluate_versions(args, run_dir, versions)
@@ -282,9 +303,19 @@ def main() -> None:
     parser.add_argument("--evaluate", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--versions", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--add-evaluations",
+        nargs=2,
+        metavar=("CELL", "RUN_DIR"),
+        help="evaluate --versions of RUN_DIR (a finished cell's run with its weights kept) and "
+        "add them to the cell's record, marked as evaluated after it finished",
+    )
     args = parser.parse_args()
     if args.evaluate:
         evaluator_main(args)
+        return
+    if args.add_evaluations:
+        add_evaluations(args, *args.add_evaluations)
         return
     if not args.report:
         args.eval_steps = [int(s) for s in args.eval_steps.split(",")]
