@@ -2,9 +2,12 @@
 
 For a version v, every validation prompt is answered once greedily (temperature 0) and k times
 at the evaluation temperature (`eval.temperature`, else `generator.temperature`), with the
-run's engine settings (max_tokens, stop strings, top-p/top-k for the samples). Each response is
-scored with the run's reward function (`generator.reward`); a response is correct when its raw
-score is ≥ 1, as in the generator's accuracy. Metrics:
+run's engine settings (max_tokens, stop strings, top-p/top-k for the samples). Answers are
+episodes, as the generators' are (`streamrl.generator.rollouts.EpisodeDriver`, the one way a
+rollout goes): with an environment (`generator.env`) the model takes its turns, calls its tools
+and is scored by the environment; single-turn, one response scored by the reward function
+(`generator.reward`). An answer is correct when its score is ≥ 1, as in the generator's
+accuracy. Metrics:
 
     val/acc_greedy          correct greedy responses / prompts
     val/avg@{k}             correct sampled responses / (k × prompts)
@@ -12,6 +15,9 @@ score is ≥ 1, as in the generator's accuracy. Metrics:
     val/pass@{k}            prompts with at least one correct sample among k / prompts
     val/num_prompts         prompts evaluated
     val/response_len_mean   tokens per sampled response, divided by k × prompts
+    val/turns_mean, val/tool_calls_mean, val/tool_errors_mean
+                            with an environment: per sampled episode, model turns, tool calls
+                            and failed tool calls
 
 The validation prompts (`validation_dataset`): `eval.dataset` when set (fields it leaves unset
 come from `data`), else the `data` section read from `data.val_path`, else — the bundled
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -40,7 +47,8 @@ from streamrl.config.run import RunConfig
 from streamrl.data.config import DataConfig
 from streamrl.evaluation.records import append_eval_record, read_eval_records
 from streamrl.generator.config import GeneratorConfig
-from streamrl.generator.engine import Engine, FinishedGroup, WeightSource
+from streamrl.generator.engine import Engine, WeightSource
+from streamrl.generator.rollouts import EpisodeDriver, Rollout
 
 __all__ = [
     "EvaluationLoop",
@@ -103,8 +111,9 @@ class Evaluator:
         engine: Engine | None = None,
     ) -> None:
         from streamrl.data import PromptSource
+        from streamrl.envs.runner import EnvRunner
         from streamrl.models import resolve_model_path
-        from streamrl.rewards import RewardScorer, check_reward_name
+        from streamrl.rewards import check_reward_name
 
         self.run, self.config = run, config
         self.sampling = evaluation_sampling(config, k, temperature)
@@ -131,17 +140,22 @@ class Evaluator:
         self.engine = engine
         self.weights = WeightStore(run)
         self.weight_source = WeightSource.of(run, config.weights)
-        self._scorer = RewardScorer.from_config(config.generator.reward)
+        self.episodes = config.generator.env.multi_turn
+        template = getattr(engine.tokenizer, "chat_template", None)
+        self._runner = EnvRunner.from_config(
+            config.generator.env, config.generator.reward, template
+        )
+        self._episode_config = config.model_copy(update={"generator": self.sampling})
 
     def __enter__(self) -> Evaluator:
-        self._scorer.__enter__()
+        self._runner.__enter__()
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            self._scorer.__exit__(kind, exc, tb)
+            self._runner.__exit__(kind, exc, tb)
         finally:
             if self._owns_engine:
                 self.engine.close()
@@ -157,42 +171,50 @@ class Evaluator:
             if version == 0:
                 raise ValueError("version 0 (the initial weights) is measured by a fresh engine")
             self.engine.advance_weights(self.weight_source, exactly=version)
-        greedy_ids = [self.engine.submit(p.token_ids, greedy=True) for p in self.prompts]
-        sampled_ids = [self.engine.submit(p.token_ids) for p in self.prompts]
-        finished = self._finish(len(greedy_ids) + len(sampled_ids), stop)
-        if finished is None:
+        rollouts = self._answers(stop)
+        if rollouts is None:
             return None
-        responses = [finished[i].completions[0] for i in greedy_ids]
-        responses += [c for i in sampled_ids for c in finished[i].completions]
-        prompts = self.prompts + [p for p in self.prompts for _ in range(self.k)]
-        scores = self._scorer.score(
-            [r.text for r in responses],
-            [p.ground_truth for p in prompts],
-            [p.text for p in prompts],
-        )
-        # A failed reward call counts as wrong here (its score is 0): dropping it would bias
-        # accuracy upwards. The scorer logs and counts every failure.
-        correct = np.asarray(scores.values, dtype=np.float64) >= 1.0
-        n = len(self.prompts)
-        samples = correct[n:].reshape(n, self.k)
-        return {
+        n, k = len(self.prompts), self.k
+        greedy = [rollouts.get(f"greedy:{i}") for i in range(n)]
+        sampled = [rollouts.get(f"sampled:{i}") for i in range(n)]
+        correct = np.array([_correct(r, 1)[0] for r in greedy], dtype=bool)
+        samples = np.array([_correct(r, k) for r in sampled], dtype=bool).reshape(n, k)
+        metrics: dict[str, Any] = {
             "version": version,
-            "val/acc_greedy": float(correct[:n].mean()),
-            f"val/avg@{self.k}": float(samples.mean()),
+            "val/acc_greedy": float(correct.mean()),
+            f"val/avg@{k}": float(samples.mean()),
             "val/pass@1": float(samples.mean()),
-            f"val/pass@{self.k}": float(samples.any(axis=1).mean()),
+            f"val/pass@{k}": float(samples.any(axis=1).mean()),
             "val/num_prompts": float(n),
-            "val/response_len_mean": float(np.mean([len(r.token_ids) for r in responses[n:]])),
+            "val/response_len_mean": _mean_per_sample(
+                sampled, k, lambda r: [t.sampled for t in r.transcripts]
+            ),
         }
+        if self.episodes:  # what the agent did, per sampled episode
+            for name, field in (("turns", "turns"), ("tool_calls", "tool_calls"),
+                                ("tool_errors", "tool_errors")):  # fmt: skip
+                metrics[f"val/{name}_mean"] = _mean_per_sample(
+                    sampled, k, lambda r, f=field: [getattr(e, f) for e in r.episodes]
+                )
+        return metrics
 
-    def _finish(self, count: int, stop: threading.Event | None) -> dict[str, FinishedGroup] | None:
-        """Step the engine until `count` requests finished; on `stop`, abort them: None."""
-        done: dict[str, FinishedGroup] = {}
-        while len(done) < count:
+    def _answers(self, stop: threading.Event | None) -> dict[str, Rollout] | None:
+        """Every prompt's greedy answer (`greedy:<i>`) and k samples (`sampled:<i>`) as scored
+        rollouts by key; a group dropped (its reset failed, its prompt too long) is absent.
+        None when `stop` was set first (the engine's requests are aborted)."""
+        driver = EpisodeDriver(self._episode_config, self.engine, self._runner)
+        for i, prompt in enumerate(self.prompts):
+            driver.start(prompt, f"greedy:{i}", greedy=True)
+            driver.start(prompt, f"sampled:{i}", group_size=self.k)
+        done: dict[str, Rollout] = {}
+        while len(done) + len(driver.dropped) < 2 * len(self.prompts):
             if stop is not None and stop.is_set():
                 self.engine.abort_all()
                 return None
-            done.update((group.request_id, group) for group in self.engine.step())
+            finished = self.engine.step() if self.engine.num_in_flight else []
+            if not finished and not self.engine.num_in_flight:
+                time.sleep(0.005)  # the environment or the reward is answering
+            done.update((r.key, r) for r in driver.advance(finished))
         return done
 
     def record(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +227,23 @@ class Evaluator:
             "dataset": self.dataset.path,
             "held_out": self.held_out,
         }
+
+
+def _correct(rollout: Rollout | None, count: int) -> list[bool]:
+    """Whether each of a group's `count` answers scored ≥ 1; a group dropped, or an episode whose
+    environment or reward failed (its score is 0), counts as wrong: leaving it out would bias
+    accuracy upwards (the runner logs and counts every failure)."""
+    if rollout is None:
+        return [False] * count
+    return [future.result().reward >= 1.0 for future in rollout.scores]
+
+
+def _mean_per_sample(
+    rollouts: list[Rollout | None], k: int, values: Callable[[Rollout], list[float]]
+) -> float:
+    """The mean of `values` over every sample of every prompt (a dropped group's count as 0)."""
+    total = sum(sum(values(r)) for r in rollouts if r is not None)
+    return float(total / max(k * len(rollouts), 1))
 
 
 def evaluate(

@@ -122,6 +122,7 @@ class Rollout:
     prompt_ids: list[int]
     submitted_at: float
     first_version: int = 0
+    greedy: bool = False  # every turn sampled greedily (an evaluation's greedy answer)
     episodes: list[Episode] = field(default_factory=list)
     transcripts: list[Transcript] = field(default_factory=list)
     last_eos: list[bool] = field(default_factory=list)
@@ -163,6 +164,18 @@ class Rollout:
         return (ended.max() - ended).astype(np.float32) if len(ended) else ended
 
 
+@dataclass(frozen=True)
+class _Reset:
+    """A group whose environment is being reset: its first turn follows."""
+
+    prompt: Prompt
+    key: str
+    reply: Future[Reply]
+    started: float
+    group_size: int | None
+    greedy: bool
+
+
 class EpisodeDriver:
     """Drives one generator's rollouts (module docstring). `group_sizes`: the rule giving each
     group's G, fed every group whose episodes have ended (before its scores come back).
@@ -184,7 +197,7 @@ class EpisodeDriver:
         self.renderer = (
             ChatRenderer(engine.tokenizer, config.model.path) if self.env.multi_turn else None
         )
-        self._resets: list[tuple[Prompt, str, Future[Reply], float]] = []
+        self._resets: list[_Reset] = []
         self._first: dict[str, Rollout] = {}  # turn-1 request id → its group
         self._next: dict[str, tuple[Rollout, int]] = {}  # later turns: request → (group, i)
         self._steps: list[tuple[Rollout, int, Future[Reply]]] = []
@@ -209,11 +222,15 @@ class EpisodeDriver:
         less `groups_scoring`."""
         return self.groups_in_flight - self.groups_scoring
 
-    def start(self, prompt: Prompt, key: str) -> None:
+    def start(
+        self, prompt: Prompt, key: str, *, group_size: int | None = None, greedy: bool = False
+    ) -> None:
         """Begin a group, called `key`: reset the environment for `prompt` (its first turn
-        follows)."""
+        follows). `group_size`: its G, instead of the rule's; `greedy`: one episode, every turn
+        sampled greedily (an evaluation's greedy answer)."""
         task = Task(list(prompt.messages), prompt.ground_truth, prompt.text)
-        self._resets.append((prompt, key, self.runner.reset(task), time.time()))
+        reset = self.runner.reset(task)
+        self._resets.append(_Reset(prompt, key, reset, time.time(), group_size, greedy))
 
     def advance(self, finished: list[FinishedGroup]) -> list[Rollout]:
         """Take the engine's finished requests and the environment's answers as far as they
@@ -268,9 +285,10 @@ class EpisodeDriver:
 
     def _submit_first_turns(self) -> None:
         waiting = []
-        for prompt, key, future, started in self._resets:
+        for pending in self._resets:
+            prompt, key, future = pending.prompt, pending.key, pending.reply
             if not future.done():
-                waiting.append((prompt, key, future, started))
+                waiting.append(pending)
                 continue
             reply = future.result()
             if reply.episode.done:  # the reset failed (counted and logged by the runner)
@@ -281,10 +299,14 @@ class EpisodeDriver:
                 self._drop_too_long(prompt, key, len(ids))
                 continue
             self._too_long_in_a_row = 0
-            rollout = Rollout(prompt, key, ids, started, self.engine.policy_version)
-            group_size = self.group_sizes.size()
+            version = self.engine.policy_version
+            rollout = Rollout(prompt, key, ids, pending.started, version, greedy=pending.greedy)
+            group_size = 1 if pending.greedy else pending.group_size or self.group_sizes.size()
             rollout.episodes = [reply.episode] * group_size
-            request = self.engine.submit(ids, n=group_size, max_tokens=self._turn_budget(len(ids)))
+            budget = self._turn_budget(len(ids))
+            request = self.engine.submit(
+                ids, greedy=pending.greedy, n=group_size, max_tokens=budget
+            )
             self._first[request] = rollout
             self._rollouts.append(rollout)
         self._resets = waiting
@@ -362,7 +384,8 @@ class EpisodeDriver:
                 continue
             transcript.add_observation(ids)
             history = rollout.prompt_ids + transcript.token_ids()
-            request = self.engine.submit(history, n=1, max_tokens=self._turn_budget(used))
+            budget = self._turn_budget(used)
+            request = self.engine.submit(history, greedy=rollout.greedy, n=1, max_tokens=budget)
             self._next[request] = (rollout, i)
         self._steps = waiting
 
