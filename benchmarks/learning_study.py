@@ -115,6 +115,8 @@ def make_teacher(args: argparse.Namespace) -> Path:
     with (run_dir.parent / "teacher.export.out").open("w") as log:
         if run_child(argv, log) != 0:
             raise SystemExit(f"exporting the teacher failed; see {log.name}")
+    for folder in ("weights", "checkpoints"):  # every version is kept for evaluation: ~18 GB
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
     record.write_text(json.dumps({
         "command": shown(args, shlex.join(["streamrl", "run", "--preset", "dapo", "--preset",
                                            SIZE, *run_overrides(args, "dapo", TEACHER_SEED,
