@@ -20,6 +20,7 @@ from streamrl.config.loading import UNIONS, available_presets, load_config
 from streamrl.config.run import RunConfig
 from streamrl.envs.config import EnvConfig
 from streamrl.isolation.user_code import check_user_code, modules_not_found
+from streamrl.learner.config import SupervisedConfig
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
 from streamrl.scorers.config import ScorerConfig
@@ -144,6 +145,8 @@ def _cmd_fields(args: argparse.Namespace) -> int:
             sections.update({f"{name}.{k}": v for k, v in UNIONS[name][1].items()})
         elif name == "scorers":  # sections by name, each a ScorerConfig
             sections["scorers.<name>"] = ScorerConfig
+        elif name == "sft":  # optional: set, a supervised run
+            sections["sft"] = SupervisedConfig
         else:
             sections[name] = field.annotation  # type: ignore[assignment]
     sections["generator.reward"] = RewardConfig

@@ -98,12 +98,9 @@ def calculator_test_rows() -> list[dict[str, Any]]:
 
 def demonstration(row: dict[str, Any]) -> dict[str, Any]:
     """The conversation of one problem solved with the calculator (module docstring)."""
-    from streamrl.envs.calculator import calculate  # envs import the data package: not at load
-
     info = row["extra_info"]
     expression = f"{info['a']} {info['op']} {info['b']}"
-    result = calculate(expression)
-    assert result == row["reward_model"]["ground_truth"], (expression, result)
+    result = row["reward_model"]["ground_truth"]  # what calculate(expression) answers (tested)
     call = {"type": "function", "function": {"name": "calculate",
                                              "arguments": {"expression": expression}}}  # fmt: skip
     sum_text = f"{info['a']} {_SYMBOL[info['op']]} {info['b']}"

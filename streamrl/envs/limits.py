@@ -5,7 +5,7 @@ a JSON value nests.
 The policy under training can write anything, and a degenerate one repeats a token thousands
 of times; these bounds keep what such text costs to its own episode. Tool calls
 (`streamrl.envs.formats`), a step's observation (`tool_env`, `worker`, and the generator's
-token budget in `streamrl.generator.chat`) and episode state (`worker`) use them.
+token budget in `streamrl.envs.chat`) and episode state (`worker`) use them.
 """
 
 from __future__ import annotations

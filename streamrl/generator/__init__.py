@@ -5,7 +5,8 @@
   `build_generator`).
 - `loop`: the generator loop (prompts in, scored groups out to the replay stream).
 - `rollouts`: every group's episodes through the engine and the environment (`EpisodeDriver`);
-  `chat`: an episode's exact token history; `records`: a finished rollout as a stream record.
+  `records`: a finished rollout as a stream record (an episode's exact token history is
+  `streamrl.envs.chat`).
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
 - `group_size`: how many responses each prompt gets (fixed, or adaptive: eq 27).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.

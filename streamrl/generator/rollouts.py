@@ -43,8 +43,8 @@ import numpy as np
 from streamrl.config.run import RunConfig
 from streamrl.data import Prompt
 from streamrl.envs.base import Task
+from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored
-from streamrl.generator.chat import ChatRenderer
 from streamrl.generator.engine import Completion, Engine, FinishedGroup
 from streamrl.scorers.teacher import Teacher, TeacherScores
 from streamrl.scorers.terms import ModelTermScorer, TermInput

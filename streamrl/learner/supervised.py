@@ -6,7 +6,7 @@ FSDP2 sharding, LoRA, optimiser and schedule, checkpoints, lease, weight publish
 
 - the data: `SupervisedSource` renders the conversations of `data.path` (and the held-out ones
   of `data.val_path`) once, at start, with the model's chat template and the environment's
-  tool format (`streamrl.data.conversations`), and hands out `learner.batch_groups` of them a
+  tool format (`streamrl.envs.conversations`), and hands out `learner.batch_groups` of them a
   step in a shuffled order, epoch after epoch (permutation seeded by data.shuffle_seed and the
   epoch, as prompts are). Where it stands is `TrainingState.sft_position` (conversations taken
   so far), checkpointed: a resumed run takes the same conversations next. Each conversation
@@ -39,13 +39,13 @@ import torch
 from storage.stream.records import ScoredGroup
 from streamrl.algorithms.reductions import Mean
 from streamrl.config.run import RunConfig
-from streamrl.data.conversations import (
+from streamrl.data.rows import DatasetError, MissingFieldError, dataset_name, field_value, load_rows
+from streamrl.envs.conversations import (
     ConversationError,
     ConversationRenderer,
     RenderedConversation,
     tools_from_schemas,
 )
-from streamrl.data.rows import DatasetError, MissingFieldError, dataset_name, field_value, load_rows
 from streamrl.envs.formats import resolve_tool_format
 from streamrl.envs.tools import Tool, as_tool
 from streamrl.learner.forward import token_scores

@@ -75,7 +75,7 @@ class _Stage(Section):
 class RunStage(_Stage):
     """A streamrl run: supervised (`sft` set by its presets) or RL."""
 
-    kind: Literal["run"] = "run"
+    kind: Literal["run"] = Field("run", description="A run stage (the default kind).")
     presets: list[str] = Field(
         min_length=1, description="Presets, as streamrl run --preset takes them, in order."
     )
@@ -93,7 +93,7 @@ class RunStage(_Stage):
 class EvalStage(_Stage):
     """`streamrl eval` of a run stage's last version."""
 
-    kind: Literal["eval"]
+    kind: Literal["eval"] = Field(description="An evaluation stage.")
     of: str = Field(description="The run stage evaluated.")
     dataset: str | None = Field(
         None, description="Dataset to evaluate on (default: the run's eval.dataset, else data)."
@@ -105,7 +105,7 @@ class EvalStage(_Stage):
 class ExportStage(_Stage):
     """A run stage's last version as a model directory, `<root>/<name>`."""
 
-    kind: Literal["export"]
+    kind: Literal["export"] = Field(description="An export stage.")
     of: str = Field(description="The run stage exported.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Dtype of the exported weights (default: as published)."

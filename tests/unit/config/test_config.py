@@ -443,6 +443,9 @@ def test_cli_documents_every_field() -> None:
             assert "[scorers.<name>]" in result.stdout
             assert "scorers.<name>.model = (required)" in result.stdout
             assert "scorers.<name>.unavailable_s = 900.0" in result.stdout
+        elif name == "sft":  # optional: documented as the section it is when set
+            assert "sft.messages_field = 'messages'" in result.stdout
+            assert "sft.eval_every = 10" in result.stdout
         else:
             for sub in field.annotation.model_fields:  # type: ignore[union-attr]
                 assert f"{name}.{sub} = " in result.stdout

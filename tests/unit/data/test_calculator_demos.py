@@ -12,7 +12,7 @@ from streamrl.config.loading import load_config
 from streamrl.data.builtin import builtin_rows
 from streamrl.envs import TOOL_FORMATS, EnvContext, Task
 from streamrl.envs.calculator import CalculatorEnv, calculate
-from streamrl.generator.chat import ChatRenderer
+from streamrl.envs.chat import ChatRenderer
 from streamrl.learner.supervised import SupervisedSource
 from streamrl.models import resolve_model_path
 from streamrl.rewards import math_reward

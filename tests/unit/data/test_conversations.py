@@ -1,4 +1,4 @@
-"""Conversations as SFT tokens (`streamrl.data.conversations`): the ids are the chat template's
+"""Conversations as SFT tokens (`streamrl.envs.conversations`): the ids are the chat template's
 own rendering of the conversation (checked against the template applied to the whole
 conversation, with Qwen2.5's tool template and with the demo model's), the loss mask covers
 exactly the assistant's turns and their end-of-turn tokens, the calls are written as the
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from streamrl.data.conversations import ConversationError, ConversationRenderer, tools_from_schemas
 from streamrl.envs import TOOL_FORMATS, tool
 from streamrl.envs.calculator import calculate
+from streamrl.envs.conversations import ConversationError, ConversationRenderer, tools_from_schemas
 from streamrl.models import resolve_model_path
 
 QWEN25_TEMPLATE = (Path(__file__).parents[2] / "qwen25_chat_template.jinja").read_text()

@@ -4,7 +4,7 @@ only its own episode: it is read in linear time, answered with an error observat
 can act on, and bounded in what it costs the step's observation (characters and tokens); an
 environment whose state or messages grow out of bounds is refused with a message naming the
 fix. (`streamrl.envs.guess`, `formats`, `tools`, `tool_env`, `worker`, `limits`, and
-`streamrl.generator.chat`.)"""
+`streamrl.envs.chat`.)"""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from transformers import AutoTokenizer
 
 from streamrl.envs import TOOL_FORMATS, EnvConfig, EnvContext, EnvRunner, Step, Task, tool
 from streamrl.envs.base import Environment
+from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.formats import MAX_CALL_CHARS
 from streamrl.envs.guess import GuessEnv, read_number
 from streamrl.envs.limits import MAX_JSON_DEPTH, fair_shares, truncate
 from streamrl.envs.tool_env import ToolEnvironment
 from streamrl.envs.tools import MAX_TOOL_NAME_CHARS, run_tool_call
 from streamrl.envs.worker import MAX_STATE_JSON_CHARS, EnvValueError, checked_step
-from streamrl.generator.chat import ChatRenderer
 from streamrl.models import resolve_model_path
 from streamrl.rewards import math_reward
 from tests.env_fns import echo

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from streamrl.generator.chat import ChatRenderer, TemplateNotAppendOnlyError
+from streamrl.envs.chat import ChatRenderer, TemplateNotAppendOnlyError
 from streamrl.models import resolve_model_path
 
 BUNDLED = ["tiny-qwen2", "smollm2-135m-instruct"]

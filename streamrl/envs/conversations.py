@@ -4,7 +4,7 @@ A conversation is a list of messages in the OpenAI / Hugging Face chat layout: `
 `assistant` (its `content`, and `tool_calls` — `{"type": "function", "function": {"name",
 "arguments"}}`, arguments a JSON object or its JSON text) and `tool` (a tool's answer: `content`,
 optionally `name`). `ConversationRenderer.render` turns one into token ids and a loss mask the
-way an episode of the same conversation would reach the learner in RL (`streamrl.generator.chat`):
+way an episode of the same conversation would reach the learner in RL (`streamrl.envs.chat`):
 
 - the messages before the first assistant turn, with the tools described as the environment's
   tool format does (`streamrl.envs.formats`: the chat template's `tools=` for hermes, the
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.formats import TOOL_FORMATS
 from streamrl.envs.tools import Tool, ToolResult
-from streamrl.generator.chat import ChatRenderer
 
 __all__ = [
     "ConversationError",
