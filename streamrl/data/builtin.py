@@ -1,8 +1,8 @@
 """Datasets bundled with streamrl, so a run needs no download: `builtin:arithmetic` and its
 held-out split `builtin:arithmetic-test`, `builtin:math`, the code problems `builtin:code` /
 `builtin:code-test` (`streamrl.data.code_problems`), and the calculator agent's problems and
-demonstrations `builtin:calculator[-test]`, `builtin:calculator-demos[-test]`
-(`streamrl.data.tool_problems`).
+demonstrations `builtin:calculator[-test]`, `builtin:calculator-demos[-test]`,
+`builtin:calculator-answers[-test]` (`streamrl.data.tool_problems`).
 
 Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
 reads unchanged:
@@ -40,6 +40,8 @@ from typing import Any
 
 from streamrl.data.code_problems import code_rows, code_test_rows
 from streamrl.data.tool_problems import (
+    calculator_answer_rows,
+    calculator_answer_test_rows,
     calculator_demo_rows,
     calculator_demo_test_rows,
     calculator_rows,
@@ -222,6 +224,8 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "calculator-test": calculator_test_rows,
     "calculator-demos": calculator_demo_rows,
     "calculator-demos-test": calculator_demo_test_rows,
+    "calculator-answers": calculator_answer_rows,
+    "calculator-answers-test": calculator_answer_test_rows,
 }
 
 

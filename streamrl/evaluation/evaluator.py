@@ -18,6 +18,7 @@ accuracy. Metrics:
     val/turns_mean, val/tool_calls_mean, val/tool_errors_mean
                             with an environment: per sampled episode, model turns, tool calls
                             and failed tool calls
+    val/tool_use_frac       with an environment: sampled episodes with at least one tool call
 
 The validation prompts (`validation_dataset`): `eval.dataset` when set (fields it leaves unset
 come from `data`), else the `data` section read from `data.val_path`, else — the bundled
@@ -196,6 +197,9 @@ class Evaluator:
                 metrics[f"val/{name}_mean"] = _mean_per_sample(
                     sampled, k, lambda r, f=field: [getattr(e, f) for e in r.episodes]
                 )
+            metrics["val/tool_use_frac"] = _mean_per_sample(
+                sampled, k, lambda r: [float(e.tool_calls > 0) for e in r.episodes]
+            )
         return metrics
 
     def _answers(self, stop: threading.Event | None) -> dict[str, Rollout] | None:

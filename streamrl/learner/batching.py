@@ -13,11 +13,15 @@ groups: the same counts and cursor as reading them); then, with dynamic sampling
 without signal: all responses equally correct (raw verifier scores all equal — for a binary
 verifier, not 0 < #correct < G). Correctness decides, never the shaped reward: an all-wrong
 group whose overlong penalties differ teaches nothing about correctness. Reading on until B
-groups pass *is* DAPO's dynamic sampling, done by streaming.
+groups pass *is* DAPO's dynamic sampling, done by streaming. When the data is too easy or too
+hard for the model, every group is alike and no batch fills: a warning says so after
+`STARVED_BATCHES` batches' worth of groups in a row without signal, and again each time that
+run doubles.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -27,11 +31,18 @@ from storage.stream.reader import SkippedSegment
 from storage.stream.records import Cursor, RolloutSums, ScoredGroup
 
 __all__ = [
+    "STARVED_BATCHES",
     "BatchCollector",
     "FilterCounts",
     "IncompatibleGroupError",
     "StreamBatch",
 ]
+
+
+STARVED_BATCHES = 4
+"""Groups without signal in a row, in batches, before the learner warns that it is starved."""
+
+log = logging.getLogger(__name__)
 
 
 class IncompatibleGroupError(ValueError):
@@ -116,6 +127,7 @@ class BatchCollector:
     batch_tokens: int | None = None
     needs_teacher: bool = False
     pending_accepted: int = field(default=0, init=False)
+    _alike: list[int] = field(default_factory=lambda: [0, 0], init=False)  # correct, wrong
 
     def oldest_usable(self, current_version: int) -> int:
         """The oldest policy version a group may have to pass the staleness filter at
@@ -157,7 +169,10 @@ class BatchCollector:
                 counts.dropped_stale += 1
             elif self.dynamic_sampling and np.ptp(group.raw_scores) == 0:  # equally correct
                 counts.dropped_zero_var += 1
+                self._alike[0 if group.raw_scores[0] >= 1 else 1] += 1
+                self._warn_if_starved()
             else:
+                self._alike = [0, 0]
                 accepted.append(group)
                 self.pending_accepted = len(accepted)
                 tokens += sum(len(t) for t in group.response_tokens)
@@ -173,6 +188,23 @@ class BatchCollector:
         staleness = np.array([current_version - g.policy_version for g in accepted], np.int64)
         totals = replace(self.totals)
         return StreamBatch(tuple(accepted), after, counts, totals, staleness, consumed)
+
+    def _warn_if_starved(self) -> None:
+        """The warning of a learner that dynamic sampling starves (module docstring)."""
+        alike = sum(self._alike)
+        batches, rest = divmod(alike, STARVED_BATCHES * self.batch_groups)
+        if rest or batches & (batches - 1) or not batches:  # at 1, 2, 4, 8... × the bound
+            return
+        correct, wrong = self._alike
+        fix = ("harder prompts" if correct >= wrong else "easier prompts, or a warm start "
+               "(supervised: docs/sft.md)")  # fmt: skip
+        log.warning(
+            "no signal in the last %d groups: %d had every response correct, %d every response "
+            "wrong; dynamic sampling drops such groups, so the batch cannot fill. The data is too "
+            "%s for the model now: train on %s, or set algorithm.dynamic_sampling=false to train "
+            "on them anyway (with a group baseline they add nothing)",
+            alike, correct, wrong, "easy" if correct >= wrong else "hard", fix,
+        )  # fmt: skip
 
     def check(self, group: ScoredGroup) -> None:
         """Raise `IncompatibleGroupError` if the model cannot train on `group`."""

@@ -264,9 +264,10 @@ class Supervisor:
                     while thread.is_alive():
                         thread.join(timeout=0.5)
             except KeyboardInterrupt:
-                self.abort("interrupted (Ctrl-C or SIGTERM)", interrupted=True)
-                for thread in threads:
-                    thread.join()
+                with _stopping_despite_interrupts(self.config.learner.stop_grace_s):
+                    self.abort("interrupted (Ctrl-C or SIGTERM)", interrupted=True)
+                    for thread in threads:
+                        thread.join()
         self.logs.close()
         if self.failures:
             raise ComponentFailedError("; ".join(self.failures))
@@ -383,6 +384,30 @@ def _command(
     if unit.kind == "scorer":
         return scorer_command(config, config.served_scorers[unit.index])
     return evaluator_command(config)
+
+
+@contextlib.contextmanager
+def _stopping_despite_interrupts(grace_s: float):
+    """While the run stops, a further Ctrl-C or SIGTERM (an impatient user presses it twice) is
+    answered with a notice instead of cutting the stop short: the processes would be left
+    running, and the learner's checkpoint on stop lost (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def notice(signum: int, frame: object) -> None:
+        log.warning(
+            "still stopping: every process of the run ends within %.0f s (the learner "
+            "checkpoints the step in hand first)",
+            grace_s + STOP_GRACE_S,
+        )
+
+    previous = {sig: signal.signal(sig, notice) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

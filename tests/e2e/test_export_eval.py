@@ -365,4 +365,5 @@ def test_an_agents_answers_are_episodes_scored_by_its_environment(config: RunCon
     assert metrics["val/turns_mean"] == 3.0  # every episode went on to the environment's end
     assert finished == {"done": 8 * 3}  # greedy and k = 2 samples of each prompt
     assert metrics["val/tool_calls_mean"] == metrics["val/tool_errors_mean"] == 0
+    assert metrics["val/tool_use_frac"] == 0.0  # no episode called a tool
     assert metrics["val/acc_greedy"] == metrics["val/avg@2"] == 0.0  # empty last turns

@@ -7,6 +7,7 @@ terminal says how to resume."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from storage.checkpoints.dcp import CheckpointStore
 from storage.control.requests import stop_requested
@@ -73,12 +75,14 @@ def _interrupt_after_a_checkpoint(
     *,
     whole_group: bool = False,
     sigint_ignored: bool = False,
+    twice: bool = False,
 ) -> tuple[int, str]:
     """Start `argv`, wait for the run's first committed checkpoint, send `sig` and return the
     exit code and output, once every process `argv` had started by then has ended.
     `whole_group`: to every process of `argv`'s process group at once, as a terminal's Ctrl-C
     does; otherwise to `argv`'s process alone. `sigint_ignored`: `argv` starts with SIGINT
-    ignored, as a shell starts a command in the background."""
+    ignored, as a shell starts a command in the background. `twice`: `sig` again a second later,
+    as an impatient user presses Ctrl-C twice."""
     process = subprocess.Popen(
         argv,
         cwd=ROOT,
@@ -101,6 +105,9 @@ def _interrupt_after_a_checkpoint(
         if whole_group:
             os.killpg(process.pid, sig)
         else:
+            process.send_signal(sig)
+        if twice:
+            time.sleep(1)
             process.send_signal(sig)
         output, _ = process.communicate(timeout=200)
         deadline = time.monotonic() + 10
@@ -138,6 +145,19 @@ def test_sigterm_to_streamrl_run_stops_every_process_and_says_how_to_resume(tmp_
     assert "Resume with:" in output
     resume = f"streamrl run --resume --preset dapo --preset tiny-cpu storage.run_uri={run_dir}"
     assert resume in output
+    _assert_stopped_cleanly(run_dir)
+
+
+def test_ctrl_c_twice_still_stops_every_process_and_keeps_the_checkpoint(tmp_path):
+    """The second Ctrl-C, while the run stops, gets a notice; it does not cut the stop short
+    (which left the learner and generators running, the checkpoint on stop unmade)."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "streamrl", "run", "--preset", "dapo", "--preset", "tiny-cpu",
+            f"storage.run_uri={run_dir}", *TINY]  # fmt: skip
+    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT, twice=True)
+    assert code == 130, output
+    assert "still stopping: every process of the run ends within" in output
+    assert "Resume with:" in output
     _assert_stopped_cleanly(run_dir)
 
 
@@ -184,3 +204,43 @@ def test_sigterm_to_the_demo_started_in_the_background_stops_every_process(tmp_p
     assert code == 130, output
     assert f"flows.demo --resume --run-uri {run_dir}" in output
     _assert_stopped_cleanly(run_dir)
+
+
+def test_ctrl_c_to_a_recipe_keeps_its_finished_stage_and_resumes_the_running_one(tmp_path):
+    """Ctrl-C during a recipe's RL stage: every process ends, the terminal says how to resume;
+    the resume skips the finished warm start (not trained again) and continues the RL stage
+    from its checkpoint (no step trained twice), then the recipe finishes."""
+    train = tmp_path / "train.jsonl"
+    conversations = [[{"role": "user", "content": f"What is {i} + {i}?"},
+                      {"role": "assistant", "content": f"\\boxed{{{2 * i}}}"}]
+                     for i in range(8)]  # fmt: skip
+    train.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    recipe = tmp_path / "tiny-recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"overrides": ["logging.wandb_mode=disabled"], "stages": [
+        {"name": "warm", "presets": ["tiny-cpu", "sft"],
+         "overrides": [f"data.path={train}", "data.val_path=null", "learner.total_steps=2",
+                       "learner.warmup_steps=0", "learner.batch_groups=4",
+                       "learner.mini_batch_groups=4"]},
+        {"name": "rl", "presets": ["dapo", "tiny-cpu"],
+         "overrides": [*TINY[:-1], "learner.total_steps=6", "eval.every_versions=0"]},
+    ]}))  # fmt: skip
+    root = tmp_path / "recipe"
+    argv = [sys.executable, "-m", "flows.demo", "--recipe", str(recipe), "--run-uri", str(root)]
+    code, output = _interrupt_after_a_checkpoint(argv, root / "rl", signal.SIGINT)
+    assert code == 130, output
+    resume = f"flows.demo --recipe {recipe} --resume --run-uri {root}"
+    assert "finished stages are kept" in output, output
+    assert resume in output, output
+    _assert_stopped_cleanly(root / "rl")
+    warm_steps = (root / "warm" / "metrics" / "learner.jsonl").read_text()
+    saved = CheckpointStore(open_location(str(root / "rl"))).latest_committed()
+
+    resumed = subprocess.run([*argv, "--resume"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=500, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert (root / "warm" / "metrics" / "learner.jsonl").read_text() == warm_steps
+    lines = (root / "rl" / "metrics" / "learner.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if '"step"' in line]
+    assert steps[-1] == 6
+    assert f"step {saved + 1}/6:" in resumed.stdout, resumed.stdout  # from its checkpoint on
+    assert "step 1/6:" not in resumed.stdout, resumed.stdout

@@ -18,23 +18,27 @@ from streamrl.models import resolve_model_path
 from streamrl.rewards import math_reward
 
 
-def _facts(rows):
-    return {(r["extra_info"]["op"], r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows}
-
-
 def test_the_held_out_problems_are_never_trained_on_and_the_demonstrations_are_right() -> None:
     train, test = builtin_rows("calculator"), builtin_rows("calculator-test")
     assert (len(train), len(test)) == (2000, 256)
-    assert not _facts(train) & _facts(test)
-    assert {r["extra_info"]["op"] for r in test} == {"*", "+", "-"}
+    expressions = [{r["extra_info"]["expression"] for r in rows} for rows in (train, test)]
+    assert not expressions[0] & expressions[1]
+    for rows in (train, test):  # both kinds in both splits, every ground truth right
+        assert 0.4 < sum(r["extra_info"]["operations"] == 2 for r in rows) / len(rows) < 0.6
+        for row in rows[:300]:
+            truth = row["reward_model"]["ground_truth"]
+            assert calculate(row["extra_info"]["expression"]) == truth
     for demo in builtin_rows("calculator-demos")[:200] + builtin_rows("calculator-demos-test"):
         _, call, result, answer = demo["messages"]
         expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert demo["extra_info"]["operations"] == 1  # two-operation problems are RL's
         assert result["content"] == calculate(expression)
-        info = demo["extra_info"]
-        truth = {"*": info["a"] * info["b"], "+": info["a"] + info["b"],
-                 "-": info["a"] - info["b"]}[info["op"]]  # fmt: skip
-        assert math_reward(answer["content"], str(truth)) == 1.0
+        assert math_reward(answer["content"], calculate(expression)) == 1.0
+    # Without the tool: the same problems, the same final answer at once.
+    for demo, direct in zip(builtin_rows("calculator-demos-test"),
+                            builtin_rows("calculator-answers-test"), strict=True):  # fmt: skip
+        assert direct["messages"] == [demo["messages"][0], demo["messages"][-1]]
+        assert "tool_calls" not in direct["messages"][-1]
 
 
 def test_a_demonstration_begins_as_the_environments_episode_of_its_problem() -> None:
@@ -48,7 +52,7 @@ def test_a_demonstration_begins_as_the_environments_episode_of_its_problem() -> 
     fmt = TOOL_FORMATS[source.renderer.format.name]
     env = CalculatorEnv(EnvContext(reward=math_reward, reward_fn="math", tool_format=fmt))
     chat = ChatRenderer(tokenizer)
-    problems = builtin_rows("calculator")
+    problems = [r for r in builtin_rows("calculator") if r["extra_info"]["operations"] == 1]
     for index in (0, 1, 2, 500):
         conversation = source.train.rendered[index]
         row = problems[index]

@@ -138,6 +138,28 @@ def test_dynamic_sampling_decides_on_correctness_not_on_overlong_shaped_rewards(
     np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-5)
 
 
+def test_a_learner_starved_by_groups_without_signal_warns_naming_the_cause(caplog):
+    """Every group all correct (data too easy for the model): no batch fills, and the learner
+    says why after STARVED_BATCHES batches' worth of such groups, then at each doubling —
+    not on every group, and not at all once a group with signal resets the count."""
+    rng = np.random.default_rng(3)
+    easy = [_group(rng, i, group_size=4, rewards=[1, 1, 1, 1]) for i in range(63)]
+    collector = _collector(2, dynamic_sampling=True)
+    with caplog.at_level("WARNING", logger="streamrl.learner.batching"), pytest.raises(EOFError):
+        _collect(collector, easy)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3  # at 8, 16 and 32 groups (4 batches of 2, then doubling), not 64
+    assert warnings[0].startswith("no signal in the last 8 groups: 8 had every response correct")
+    assert "too easy for the model now" in warnings[0]
+    assert "algorithm.dynamic_sampling=false" in warnings[0]
+    caplog.clear()
+    hard = [_group(rng, i, group_size=4, rewards=[0, 0, 0, 0]) for i in range(7)]
+    mixed = [_group(rng, 99, group_size=4, rewards=[1, 0, 0, 0])] * 2
+    with caplog.at_level("WARNING", logger="streamrl.learner.batching"):
+        _collect(_collector(2, dynamic_sampling=True), [*hard, mixed[0], *hard, mixed[1]])
+    assert caplog.records == []  # 7 alike, then signal: the count starts again
+
+
 def test_rollout_metrics_cover_every_consumed_group_and_the_accepted_ones_apart():
     """rollout/* over every group consumed within max_staleness (accepted or dropped by dynamic
     sampling: what the generators produce); rollout_accepted/* over the groups trained on."""
