@@ -27,7 +27,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest --durations=40
 
 test-all: setup
 	$(VENV)/bin/python -m pytest -m "not gpu"

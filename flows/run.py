@@ -40,7 +40,11 @@ from streamrl.config.run import RunConfig, StorageConfig
 from streamrl.config.stored import open_run_location, prepare_run
 from streamrl.isolation.user_code import check_user_code
 from streamrl.placement import PlacementPlan, PoolsPlacement, plan_placement
-from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
+from streamrl.supervision.supervisor import (
+    ComponentFailedError,
+    Supervisor,
+    stopping_despite_interrupts,
+)
 
 __all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
@@ -89,9 +93,10 @@ def supervise(
                 break
             time.sleep(REFRESH_S)
     except BaseException:  # Ctrl-C, a cancelled flow run: nothing of the run keeps running
-        supervisor.abort("interrupted (Ctrl-C, or the flow run was stopped)", interrupted=True)
-        _wait(futures)
-        supervisor.logs.close()
+        with stopping_despite_interrupts(config.learner.stop_grace_s):
+            supervisor.abort("interrupted (Ctrl-C, or the flow run was stopped)", interrupted=True)
+            _wait(futures)
+            supervisor.logs.close()
         raise
     _wait(futures)
     supervisor.logs.close()
@@ -138,7 +143,8 @@ def supervise_on_pools(
             logger.error("%s; the run was stopped", str(failed).splitlines()[0])
             raise
         except BaseException:  # Ctrl-C, the flow run cancelled or crashed: the children end too
-            fleet.abort("the streamrl flow run was interrupted (cancelled, Ctrl-C)")
+            with stopping_despite_interrupts(config.learner.stop_grace_s):
+                fleet.abort("the streamrl flow run was interrupted (cancelled, Ctrl-C)")
             raise
     return _summary(config, artifacts.refresh(final=True), fleet.restarts())
 

@@ -64,6 +64,7 @@ __all__ = [
     "ComponentFailedError",
     "RunInterruptedError",
     "Supervisor",
+    "stopping_despite_interrupts",
 ]
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class Supervisor:
                     while thread.is_alive():
                         thread.join(timeout=0.5)
             except KeyboardInterrupt:
-                with _stopping_despite_interrupts(self.config.learner.stop_grace_s):
+                with stopping_despite_interrupts(self.config.learner.stop_grace_s):
                     self.abort("interrupted (Ctrl-C or SIGTERM)", interrupted=True)
                     for thread in threads:
                         thread.join()
@@ -387,10 +388,11 @@ def _command(
 
 
 @contextlib.contextmanager
-def _stopping_despite_interrupts(grace_s: float):
+def stopping_despite_interrupts(grace_s: float):
     """While the run stops, a further Ctrl-C or SIGTERM (an impatient user presses it twice) is
     answered with a notice instead of cutting the stop short: the processes would be left
-    running, and the learner's checkpoint on stop lost (main thread only)."""
+    running, and the learner's checkpoint on stop lost (main thread only). Every supervisor's
+    stop on an interrupt runs inside it: `Supervisor.run` and the `streamrl` flow's."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -81,7 +81,7 @@ def _interrupt_after_a_checkpoint(
     exit code and output, once every process `argv` had started by then has ended.
     `whole_group`: to every process of `argv`'s process group at once, as a terminal's Ctrl-C
     does; otherwise to `argv`'s process alone. `sigint_ignored`: `argv` starts with SIGINT
-    ignored, as a shell starts a command in the background. `twice`: `sig` again a second later,
+    ignored, as a shell starts a command in the background. `twice`: `sig` again a moment later,
     as an impatient user presses Ctrl-C twice."""
     process = subprocess.Popen(
         argv,
@@ -106,8 +106,8 @@ def _interrupt_after_a_checkpoint(
             os.killpg(process.pid, sig)
         else:
             process.send_signal(sig)
-        if twice:
-            time.sleep(1)
+        if twice:  # while the first one's stop is under way
+            time.sleep(0.1)
             process.send_signal(sig)
         output, _ = process.communicate(timeout=200)
         deadline = time.monotonic() + 10
@@ -162,10 +162,12 @@ def test_ctrl_c_twice_still_stops_every_process_and_keeps_the_checkpoint(tmp_pat
 
 
 def test_ctrl_c_to_the_demo_stops_every_process_and_says_how_to_resume(tmp_path):
+    """Pressed twice, as an impatient user does: the second one, reaching the flow while it
+    stops the run, does not cut that stop short."""
     run_dir = tmp_path / "demo"
     argv = [sys.executable, "-m", "flows.demo", "--size", "tiny-cpu", "--run-uri", str(run_dir),
             *TINY]  # fmt: skip
-    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT)
+    code, output = _interrupt_after_a_checkpoint(argv, run_dir, signal.SIGINT, twice=True)
     assert code == 130, output
     assert "stopping: generators commit what they sampled; the learner finishes" in output
     assert "holds every step it finished. Resume with:" in output  # checkpointed on stop
