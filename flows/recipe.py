@@ -23,6 +23,7 @@ Artifacts: one markdown table of the stages (state, folder, result) refreshed as
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -30,7 +31,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.run import streamrl_run
 from storage.fs import open_location, replace_object
+from storage.weights.versions import WeightStore
 from streamrl.config.loading import Override
+from streamrl.config.stored import load_run_config
 from streamrl.recipes import (
     EVAL_RESULT,
     EXPORTED_FROM,
@@ -43,6 +46,7 @@ from streamrl.recipes import (
     load_recipe,
     plan_recipe,
 )
+from streamrl.runs.export import export_version
 
 __all__ = ["evaluate_stage", "export_stage", "recipe"]
 
@@ -115,8 +119,7 @@ def evaluate_stage(
 ) -> dict[str, Any]:
     """`streamrl eval` of the run's last version; the metrics also written to
     `<out_uri>/eval.json` (what marks the stage finished)."""
-    from streamrl.config.stored import load_run_config
-    from streamrl.evaluation.evaluator import evaluate
+    from streamrl.evaluation.evaluator import evaluate  # vLLM: only where an eval stage runs
 
     run = open_location(run_uri)
     data = None
@@ -141,8 +144,6 @@ def _export_for_later(step: StagePlan) -> None:
     """A run stage a later one starts from: its last version at `step.export_to`, unless
     that is there already (a resumed recipe on the same machine)."""
     assert step.export_to is not None
-    from storage.weights.versions import WeightStore
-
     latest = WeightStore(open_location(step.uri)).latest_version()
     if exported_from(step.export_to) == {"run": step.uri, "version": latest}:
         return
@@ -150,13 +151,7 @@ def _export_for_later(step: StagePlan) -> None:
 
 
 def _export(run_uri: str, out_dir: str, dtype: str | None, overwrite: bool = False) -> dict:
-    from pathlib import Path
-
-    from streamrl.runs.export import export_version
-
     run = open_location(run_uri)
-    from storage.weights.versions import WeightStore
-
     version = WeightStore(run).latest_version()
     out = export_version(run, out_dir, version, overwrite=overwrite, dtype=dtype)
     record = {"run": run_uri, "version": version}
