@@ -214,10 +214,10 @@ def run_cell(args: argparse.Namespace, arm: str, seed: int) -> None:
     print(f"{name}: done ({record['wall_s']:.0f} s)", flush=True)
 
 
-def _mean_sd(values: list[float]) -> str:
+def _mean_sd(values: list[float], digits: int = 3) -> str:
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def report_table(cells: list[dict[str, Any]]) -> str:
@@ -235,7 +235,8 @@ def report_table(cells: list[dict[str, Any]]) -> str:
             row = [arm, label, ",".join(str(c["seed"]) for c in mine)]
             for metric in METRICS:
                 values = [c["evaluations"][point].get(metric) for c in mine]
-                row.append("—" if None in values else _mean_sd([float(v) for v in values]))
+                digits = 1 if metric == "val/response_len_mean" else 3
+                row.append("—" if None in values else _mean_sd([float(v) for v in values], digits))
             lines.append("| " + " | ".join(row) + " |")
     walls = [f"{c['arm']}-s{c['seed']} {c['wall_s']:.0f} s"
              + ("" if c["wall_comparable"] else " (resumed)") for c in cells]  # fmt: skip
