@@ -181,7 +181,7 @@ def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
 
 
 def _run_recipe(args: argparse.Namespace, terminal: IO[str]) -> int:
-    from flows.recipe import recipe
+    from flows.recipe import eval_line, recipe
     from storage.fs import open_location
     from streamrl.recipes import EVAL_RESULT, RunStage, load_recipe, plan_recipe
     from streamrl.runs.summary import format_summary, run_summary
@@ -209,7 +209,7 @@ def _run_recipe(args: argparse.Namespace, terminal: IO[str]) -> int:
             print(format_summary(run_summary(open_location(step.uri))), file=terminal)
         elif Path(step.uri, EVAL_RESULT).exists():
             metrics = json.loads(Path(step.uri, EVAL_RESULT).read_text())
-            shown = "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
+            shown = eval_line(metrics)
             print(f"\nstage {step.name}: v{metrics.get('version')}  {shown}", file=terminal)
     if not state.is_completed():
         print(f"demo failed: {state.message}\n(see {args.run_uri}/)", file=terminal)

@@ -130,8 +130,24 @@ def evaluate_stage(
     metrics = evaluate(run, dataset=data, k=k, max_prompts=max_prompts, record=True)
     out = open_location(out_uri)
     replace_object(out, out.join(EVAL_RESULT), json.dumps(metrics, indent=1).encode())
-    get_run_logger().info("evaluated %s v%s: %s", run_uri, metrics.get("version"), metrics)
+    version, line = metrics.get("version"), eval_line(metrics)
+    get_run_logger().info("evaluated %s v%s: %s", run_uri, version, line)
     return {"state": "finished", **metrics}
+
+
+def eval_line(metrics: dict[str, Any]) -> str:
+    """An evaluation's metrics in one line: accuracies, and what the agent did (if anything)."""
+    avg = [key for key in metrics if key.startswith("val/avg@")]
+    k = int(avg[0].removeprefix("val/avg@")) if avg else 1
+    line = f"greedy {metrics['val/acc_greedy']:.3f}, pass@1 {metrics['val/pass@1']:.3f}"
+    if k > 1:
+        line += f", pass@{k} {metrics[f'val/pass@{k}']:.3f}"
+    line += f" over {int(metrics['val/num_prompts'])} prompts"
+    if "val/tool_use_frac" in metrics:
+        line += (f"; the tool called in {metrics['val/tool_use_frac']:.1%} of episodes, "
+                 f"{metrics['val/tool_calls_mean']:.2f} calls and "
+                 f"{metrics['val/tool_errors_mean']:.2f} failed per episode")  # fmt: skip
+    return line
 
 
 @flow(name="recipe-export", log_prints=True)

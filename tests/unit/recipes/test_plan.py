@@ -88,3 +88,17 @@ def test_the_bundled_recipes_plan() -> None:
     assert sft.config.sft.tools == "environment"
     assert sft.config.generator.env.fn == rl.config.generator.env.fn == "calculator"
     assert rl.start_from == "sft"
+
+
+def test_an_evaluation_reads_as_one_line_with_what_the_agent_did() -> None:
+    from flows.recipe import eval_line
+
+    single = {"version": 3, "val/acc_greedy": 0.5, "val/avg@4": 0.375, "val/pass@1": 0.375,
+              "val/pass@4": 0.75, "val/num_prompts": 64.0}  # fmt: skip
+    assert eval_line(single) == "greedy 0.500, pass@1 0.375, pass@4 0.750 over 64 prompts"
+    agent = {**single, "val/tool_use_frac": 0.96875, "val/tool_calls_mean": 1.125,
+             "val/tool_errors_mean": 0.0625}  # fmt: skip
+    assert eval_line(agent).endswith(
+        "over 64 prompts; the tool called in 96.9% of episodes, 1.12 calls and 0.06 failed per "
+        "episode"
+    )
