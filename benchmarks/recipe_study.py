@@ -64,13 +64,14 @@ def cell_name(arm: str, seed: int) -> str:
 
 def recipe_file(arm: str, workdir: Path) -> Path:
     """The arm's recipe: the bundled one's run stages; for `direct`, without the tool."""
+    from streamrl.config.loading import load_config
     from streamrl.recipes import load_recipe
 
     _, bundled = load_recipe(RECIPE)
     recipe = bundled.model_dump(mode="json")
     recipe["stages"] = [s for s in recipe["stages"] if s["kind"] == "run"]
     if arm == "direct":
-        max_tokens = load_config_value(["calculator"], "generator.max_tokens")
+        max_tokens = load_config(["smollm2-cpu", "calculator"]).generator.max_tokens
         for stage in recipe["stages"]:
             stage["presets"] = [p for p in stage["presets"] if p != "calculator"]
             stage["overrides"] = [
@@ -84,15 +85,6 @@ def recipe_file(arm: str, workdir: Path) -> Path:
 def _without_tool(override: str) -> str:
     """Demonstrations of the tool become direct answers to the same problems."""
     return override.replace("builtin:calculator-demos", "builtin:calculator-answers")
-
-
-def load_config_value(presets: list[str], dotted: str) -> Any:
-    from streamrl.config.loading import load_config
-
-    value: Any = load_config(["smollm2-cpu", *presets])
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def seed_overrides(seed: int) -> list[str]:

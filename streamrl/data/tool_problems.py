@@ -113,7 +113,7 @@ def _problems(seed: str, size: int, test: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     while len(rows) < size:
         two = rng.random() < TWO_OPERATIONS_SHARE
-        form = rng.choice([f for f in _OPERANDS if (f.count(" ") == 4) == two])
+        form = rng.choice([f for f, operands in _OPERANDS.items() if (len(operands) == 3) == two])
         bounds = _OPERANDS[form]
         values = {name: rng.randint(*b) for name, b in zip("abc", bounds, strict=False)}
         expression = " ".join(str(values.get(part, part)) for part in form.split())
