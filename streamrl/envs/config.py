@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
-from streamrl.envs.registry import check_env_name
+from streamrl.envs.registry import check_agent_name, check_env_name
 
 __all__ = ["EnvConfig"]
 
@@ -24,6 +24,20 @@ class EnvConfig(Section):
         "single_turn",
         description="A registered environment (single_turn, calculator, python, guess) or a "
         "user's Environment subclass by import path 'package.module:ClassName'.",
+    )
+    agent: str | None = Field(
+        None,
+        description="A user's agent function by import path 'package.module:function' "
+        "(`async def agent(client, task)`, streamrl.envs.agent): its episodes drive the engine "
+        "through an OpenAI-compatible endpoint, and every token sampled for it is trained on. "
+        "Its limits are this section's (max_turns counts its requests; episode_timeout_s bounds "
+        "its whole run). null: episodes run in the environment `fn`.",
+    )
+    tool_parser: str | None = Field(
+        None,
+        description="The vLLM tool parser that reads tool calls from an agent's sampled turns "
+        "(hermes, llama3_json, pythonic, ...); null: from tool_format (hermes: vLLM's hermes "
+        "parser; tagged: streamrl's own).",
     )
     max_turns: int = Field(
         8,
@@ -119,10 +133,27 @@ class EnvConfig(Section):
         check_env_name(value)  # imports nothing of the user's; a ValueError naming the fix
         return value
 
+    @field_validator("agent")
+    @classmethod
+    def _agent_is_an_import_path(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_agent_name(value)
+        return value
+
     @property
     def multi_turn(self) -> bool:
-        """Whether episodes may go on after the first turn (any environment but single_turn)."""
-        return self.fn != "single_turn"
+        """Whether episodes may go on after the first turn (an agent's, or any environment's
+        but single_turn)."""
+        return self.fn != "single_turn" or self.agent is not None
+
+    @model_validator(mode="after")
+    def _an_agent_or_an_environment(self) -> EnvConfig:
+        if self.agent is not None and self.fn != "single_turn":
+            raise ValueError(
+                f"generator.env.agent ({self.agent!r}) and generator.env.fn ({self.fn!r}) both "
+                "drive episodes; set one of them (the agent's tools are its own)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _a_call_fits_in_its_episode(self) -> EnvConfig:

@@ -30,13 +30,15 @@ from typing import Any
 import numpy as np
 
 from streamrl.envs.chat import ChatRenderer
-from streamrl.envs.formats import TOOL_FORMATS
+from streamrl.envs.formats import TOOL_FORMATS, Message, ToolFormat
 from streamrl.envs.tools import Tool, ToolResult
 
 __all__ = [
     "ConversationError",
     "ConversationRenderer",
     "RenderedConversation",
+    "answered",
+    "assistant_text",
     "tools_from_schemas",
 ]
 
@@ -115,16 +117,12 @@ class ConversationRenderer:
         )
 
     def _assistant_text(self, message: Mapping[str, Any], index: int) -> str:
-        """The turn as the model writes it: its content, then each call in the tool format."""
-        parts = [message["content"]] if message.get("content") else []
-        for k, call in enumerate(message.get("tool_calls") or ()):
-            name, arguments = _call(call, f"message {index} tool_calls[{k}]")
-            parts.append(self.format.format_call(name, arguments))
-        if not parts:
+        text = assistant_text(self.format, message, f"message {index}")
+        if not text:
             raise ConversationError(
                 f"message {index} (assistant) has neither content nor tool calls"
             )
-        return "\n".join(parts)
+        return text
 
     def _observation(
         self, messages: Sequence[Mapping[str, Any]], start: int
@@ -132,38 +130,61 @@ class ConversationRenderer:
         """The messages between two assistant turns as the environment gives them: tool results
         answered as the tool format answers them (consecutive ones together), others as they
         are."""
-        out: list[dict[str, Any]] = []
-        results: list[ToolResult] = []
         for offset, message in enumerate(messages):
-            if message["role"] == "tool":
-                results.append(ToolResult(str(message.get("name") or "tool"), message["content"]))
-                continue
-            if results:
-                out += self.format.observe(results)
-                results = []
             if message["role"] == "system":
                 raise ConversationError(
                     f"message {start + offset} is a system message after the conversation "
                     "began; put the system message first"
                 )
-            out.append({"role": message["role"], "content": message["content"]})
+        return answered(self.format, messages)
+
+
+def assistant_text(tool_format: ToolFormat, message: Mapping[str, Any], where: str) -> str:
+    """An assistant turn as the model writes it: its content, then each call in the tool
+    format, a line each (empty for neither)."""
+    parts = [message["content"]] if message.get("content") else []
+    for k, call in enumerate(message.get("tool_calls") or ()):
+        name, arguments = _call(call, f"{where} tool_calls[{k}]")
+        parts.append(tool_format.format_call(name, arguments))
+    return "\n".join(parts)
+
+
+def answered(tool_format: ToolFormat, messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """Messages other than the assistant's as the environment gives them: tool results
+    answered as the tool format answers them (consecutive ones together, each named by its
+    `name`), others as they are."""
+    out: list[Message] = []
+    results: list[ToolResult] = []
+    for message in messages:
+        if message["role"] == "tool":
+            results.append(ToolResult(str(message.get("name") or "tool"), message["content"]))
+            continue
         if results:
-            out += self.format.observe(results)
-        return out
+            out += tool_format.observe(results)
+            results = []
+        out.append({"role": message["role"], "content": message["content"]})
+    if results:
+        out += tool_format.observe(results)
+    return out
 
 
 def tools_from_schemas(schemas: Sequence[Mapping[str, Any]], where: str = "tools") -> list[Tool]:
     """`Tool`s described by OpenAI-style schemas (`{"type": "function", "function": {"name",
     "description", "parameters"}}`, or the inner object): what the model is shown of them.
-    They cannot be run (a demonstration carries its tools' answers)."""
+    They cannot be run (a demonstration carries its tools' answers; an agent runs its own).
+    The parameters' JSON-schema `examples[0]` is the call the tagged format shows."""
     tools = []
     for k, schema in enumerate(schemas):
         spec = schema.get("function", schema) if isinstance(schema, Mapping) else None
         if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
             raise ConversationError(f"{where}[{k}] is not a function schema with a name")
-        parameters = spec.get("parameters") or {"type": "object", "properties": {}}
+        parameters = dict(spec.get("parameters") or {"type": "object", "properties": {}})
+        examples = parameters.get("examples")
+        example = examples[0] if isinstance(examples, list) and examples else None
+        if not isinstance(example, Mapping):
+            example = None
         tools.append(
-            Tool(spec["name"], str(spec.get("description", "")), dict(parameters), _not_run)
+            Tool(spec["name"], str(spec.get("description", "")), parameters, _not_run, example)
         )
     return tools
 

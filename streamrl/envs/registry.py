@@ -22,6 +22,7 @@ __all__ = [
     "ENVIRONMENTS",
     "EnvLoadError",
     "EnvResolutionError",
+    "check_agent_name",
     "check_env_name",
     "registered_envs",
     "resolve_env",
@@ -65,6 +66,15 @@ def check_env_name(name_or_path: str) -> None:
         EnvResolutionError: the message says what to change.
     """
     _import_path(name_or_path)
+
+
+def check_agent_name(path: str) -> None:
+    """Fail fast, importing nothing, on an agent path that is not 'package.module:function'."""
+    if split_import_path(path) is None:
+        raise EnvResolutionError(
+            f"agent import path {path!r} must look like 'package.module:function' "
+            "(generator.env.agent)"
+        )
 
 
 def resolve_env(name_or_path: str) -> type[Environment]:

@@ -37,6 +37,7 @@ when a worker dies, every call in flight in that pool at the moment fails with i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -46,6 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
+from streamrl.envs.agent import AgentResult, AgentSpec, call_agent, check_agent_name, load_agent
 from streamrl.envs.base import EnvContext, Environment, Message, SingleTurnEnv, Step, Task
 from streamrl.envs.formats import TOOL_FORMATS, resolve_tool_format
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, check_env_name
@@ -73,7 +75,9 @@ __all__ = ["EnvRunner", "EnvStats", "Episode", "FinishReason", "Reply", "Scored"
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["done", "max_turns", "max_tokens", "env_error", "timeout"]
+FinishReason = Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "split"]
+"""Why an episode (or an agent episode's segment) ended; `split`: an agent's segment that its
+next request did not continue (`streamrl.generator.agent_chat`)."""
 EnvFailure = Literal["env_error", "timeout"]
 _T = TypeVar("_T")
 _MALFORMED = (EnvValueError, RewardValueError)  # their message says it all: no traceback
@@ -188,7 +192,22 @@ class EnvRunner:
         self._inline: Environment | None = None
         self._scorer: RewardScorer | None = None
         self._pool: IsolatedPool | None = None
-        if config.multi_turn:
+        if config.agent is not None:  # `streamrl.envs.agent`: scored by the reward's workers
+            check_agent_name(config.agent)
+            self._pool = IsolatedPool(
+                load_agent,
+                AgentSpec(config.agent),
+                subject=f"agent {config.agent!r}",
+                setting="generator.env",
+                workers=config.workers,
+                memory_mb=config.memory_mb,
+                nice=config.nice,
+                startup_timeout_s=config.startup_timeout_s,
+                resolution_error=EnvResolutionError,
+                load_error=EnvLoadError,
+            )
+            self._scorer = RewardScorer.from_config(reward)
+        elif config.multi_turn:
             self._pool = IsolatedPool(
                 load_environment,
                 spec,
@@ -205,6 +224,7 @@ class EnvRunner:
             self._inline = SingleTurnEnv(_inline_context(spec))
             self._scorer = RewardScorer.from_config(reward)
         self._stats = EnvStats()
+        self.stopping = False  # set on stop: calls cut short by it are not failures to report
         self._lock = threading.Lock()
         self._tracebacks_logged: set[str] = set()
 
@@ -233,14 +253,13 @@ class EnvRunner:
     @property
     def worker_pids(self) -> list[int]:
         """The processes user code runs in: the environment's, or (single-turn) the reward's."""
-        workers = self._pool or self._scorer
-        assert workers is not None
-        return workers.worker_pids
+        return [pid for w in self._workers() for pid in w.worker_pids]
 
     def __enter__(self) -> EnvRunner:
-        workers = self._pool or self._scorer
-        assert workers is not None
-        workers.__enter__()
+        with contextlib.ExitStack() as started:
+            for workers in self._workers():
+                started.enter_context(workers)
+            started.pop_all()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -248,9 +267,12 @@ class EnvRunner:
 
     def close(self) -> None:
         """Stop the workers, after the calls already submitted have ended."""
-        workers = self._pool or self._scorer
-        assert workers is not None
-        workers.close()
+        for workers in self._workers():
+            workers.close()
+
+    def _workers(self) -> list[IsolatedPool | RewardScorer]:
+        """The environment's (or agent's) workers, then the reward's when it scores apart."""
+        return [w for w in (self._pool, self._scorer) if w is not None]
 
     # -- the three calls ---------------------------------------------------------------------
 
@@ -273,6 +295,36 @@ class EnvRunner:
         args = (episode.task, episode.state, text)
         return self._call(episode, "step", call_step, args, stepped)
 
+    def run_agent(self, task: Task, base_url: str, token: str) -> Future[Episode]:
+        """Run the agent on `task` against the endpoint at `base_url` with the episode's
+        `token` (`streamrl.envs.agent`), within `episode_timeout_s`: the episode as it ended
+        (`done`, its reward in `state["reward"]` when the agent returned one, its answer in
+        `final`), or failed (`env_error`, `timeout`)."""
+        assert self.config.agent is not None, "run_agent() needs generator.env.agent"
+        assert self._pool is not None
+        with self._lock:
+            self._stats.episodes += 1
+        limit = self.config.episode_timeout_s
+        outcome = self._pool.submit(call_agent, base_url, token, task, limit, timeout_s=limit)
+
+        def ended(outcome: Outcome) -> Episode:
+            episode = Episode(task, env_s=outcome.elapsed_s)
+            if outcome.failure is not None:
+                failure = self._count(episode, "agent", outcome)
+                return episode.finish(failure, _describe(outcome))
+            result: AgentResult = outcome.value
+            state = None if result.reward is None else {"reward": result.reward}
+            done = dataclasses.replace(episode, state=state, final=result.final or "")
+            return done.finish("done")
+
+        return _then(outcome, ended)
+
+    def count_finished(self, reason: str) -> None:
+        """Count an episode that ended without being scored (an agent's that sampled nothing:
+        `no_request`, or its failure)."""
+        with self._lock:
+            self._stats.finished[reason] += 1
+
     def score(self, episode: Episode) -> Future[Scored]:
         """Score a finished `episode`: 0.0 and its failure if it failed, else the environment's
         score of its final turn."""
@@ -285,6 +337,8 @@ class EnvRunner:
         if reason in ("env_error", "timeout"):
             failure: Failure = "timeout" if reason == "timeout" else "error"
             return _resolved(Scored(0.0, rewards, reason, failure))
+        if self.config.agent is not None and episode.state is not None:  # its agent's reward
+            return _resolved(Scored(float(episode.state["reward"]), rewards, reason))
         if self._scorer is not None:  # the reward function, in its workers (which log failures)
             task = episode.task
             score = self._scorer.submit(episode.final, task.ground_truth, task.prompt_text)
@@ -381,13 +435,18 @@ class EnvRunner:
             self._tracebacks_logged.add(kind)
         hint = ""
         if failure == "timeout":
-            limits = "generator.reward.timeout_s" if what == "score" else (
-                "generator.env.call_timeout_s / episode_timeout_s"
-            )  # fmt: skip
+            limits = {"score": "generator.reward.timeout_s", "agent": "generator.env."
+                      "episode_timeout_s"}.get(what, "generator.env.call_timeout_s / "
+                                                 "episode_timeout_s")  # fmt: skip
             hint = f" Raise {limits} if such calls are legitimately slow."
-        log.warning(
-            "environment %r: a %s call failed (%s) at turn %d: %s; the episode scores 0.%s",
-            self.config.fn, what, failure, episode.turns, _describe(outcome), hint,
+        subject = f"agent {self.config.agent!r}" if self.config.agent else (
+            f"environment {self.config.fn!r}"
+        )  # fmt: skip
+        log.log(
+            logging.DEBUG if self.stopping else logging.WARNING,
+            "%s: %s %s call failed (%s) at turn %d: %s; the episode scores 0.%s",
+            subject, "an" if what[0] in "aeiou" else "a", what, failure, episode.turns,
+            _describe(outcome), hint,
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
         return failure

@@ -89,13 +89,17 @@ class Tool:
 
     @property
     def schema(self) -> dict[str, Any]:
-        """The OpenAI-style description a chat template's `tools=` list takes."""
+        """The OpenAI-style description a chat template's `tools=` list takes (its example as
+        the parameters' JSON-schema `examples`)."""
+        parameters = self.parameters
+        if self.example is not None:
+            parameters = {**parameters, "examples": [self.example]}
         return {
             "type": "function",
             "function": {
                 "name": self.name,
                 "description": self.description,
-                "parameters": self.parameters,
+                "parameters": parameters,
             },
         }
 

@@ -207,19 +207,22 @@ class Evaluator:
         rollouts by key; a group dropped (its reset failed, its prompt too long) is absent.
         None when `stop` was set first (the engine's requests are aborted)."""
         driver = EpisodeDriver(self._episode_config, self.engine, self._runner)
-        for i, prompt in enumerate(self.prompts):
-            driver.start(prompt, f"greedy:{i}", greedy=True)
-            driver.start(prompt, f"sampled:{i}", group_size=self.k)
-        done: dict[str, Rollout] = {}
-        while len(done) + len(driver.dropped) < 2 * len(self.prompts):
-            if stop is not None and stop.is_set():
-                self.engine.abort_all()
-                return None
-            finished = self.engine.step() if self.engine.num_in_flight else []
-            if not finished and not self.engine.num_in_flight:
-                time.sleep(0.005)  # the environment or the reward is answering
-            done.update((r.key, r) for r in driver.advance(finished))
-        return done
+        try:
+            for i, prompt in enumerate(self.prompts):
+                driver.start(prompt, f"greedy:{i}", greedy=True)
+                driver.start(prompt, f"sampled:{i}", group_size=self.k)
+            done: dict[str, Rollout] = {}
+            while len(done) + len(driver.dropped) < 2 * len(self.prompts):
+                if stop is not None and stop.is_set():
+                    self.engine.abort_all()
+                    return None
+                finished = self.engine.step() if self.engine.num_in_flight else []
+                if not finished and not self.engine.num_in_flight:
+                    time.sleep(0.005)  # the environment, agent or reward is answering
+                done.update((r.key, r) for r in driver.advance(finished))
+            return done
+        finally:
+            driver.close()
 
     def record(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """`metrics` as an eval.jsonl record: with what was evaluated and how."""

@@ -298,6 +298,11 @@ class Engine:
             )
         return finished
 
+    def abort(self, request_id: str) -> None:
+        """Drop one request in flight (an agent episode that ended while it was sampled)."""
+        if self._in_flight.pop(request_id, None) is not None:
+            self._engine.abort_request([request_id])
+
     def abort_all(self) -> int:
         """Drop every request in flight (their groups are lost); how many there were."""
         request_ids = list(self._in_flight)

@@ -140,6 +140,7 @@ def _build(
             teacher=teacher,
             terms=terms,
         )
+        stack.callback(loop.episodes.close)
         loop.skip_unusable_weights(weights)
         yield loop
 

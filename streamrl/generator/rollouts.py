@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
@@ -45,13 +46,21 @@ from streamrl.data import Prompt
 from streamrl.envs.base import Task
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored
+from streamrl.generator.agent_episodes import AgentGroups, Ended
 from streamrl.generator.engine import Completion, Engine, FinishedGroup
+from streamrl.generator.transcript import Transcript
 from streamrl.scorers.teacher import Teacher, TeacherScores
 from streamrl.scorers.terms import ModelTermScorer, TermInput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EpisodeDriver", "PromptTooLongError", "Rollout", "Transcript"]
+__all__ = [
+    "AgentSamplesNothingError",
+    "EpisodeDriver",
+    "PromptTooLongError",
+    "Rollout",
+    "Transcript",
+]
 
 MAX_TOO_LONG_IN_A_ROW = 32
 DRAIN_SCORERS_S = 10.0  # on stop, how long the groups ended wait for their models' scores
@@ -61,54 +70,8 @@ class PromptTooLongError(RuntimeError):
     """The environment's first prompts do not fit the episode's token budget."""
 
 
-@dataclass
-class Transcript:
-    """One response across its turns: what the stream record stores for it. `length`: its
-    tokens, `sampled`: those the policy sampled (loss mask 1; the rest are the environment's).
-    `ended_at`: when its episode ended (time.time())."""
-
-    chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(
-        default_factory=list
-    )
-    length: int = 0
-    sampled: int = 0
-    turns: int = 0
-    ended_at: float | None = None
-
-    def add_turn(self, completion: Completion) -> None:
-        n = len(completion.token_ids)
-        mask = np.ones(n, np.uint8)
-        self.chunks.append((completion.token_ids, completion.logprobs, mask, completion.versions))
-        self.length += n
-        self.sampled += n
-        self.turns += 1
-
-    def add_observation(self, token_ids: list[int]) -> None:
-        """Environment tokens, with the version of the last sampled token before them."""
-        n = len(token_ids)
-        version = next((int(c[3][-1]) for c in reversed(self.chunks) if len(c[3])), 0)
-        self.chunks.append(
-            (
-                np.asarray(token_ids, np.int32),
-                np.zeros(n, np.float32),
-                np.zeros(n, np.uint8),
-                np.full(n, version, np.int64),
-            )
-        )
-        self.length += n
-
-    def token_ids(self) -> list[int]:
-        return np.concatenate([c[0] for c in self.chunks]).tolist() if self.chunks else []
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """tokens int32, log-probs float32, loss mask uint8, versions int64."""
-        dtypes = (np.int32, np.float32, np.uint8, np.int64)
-        if not self.chunks:
-            return tuple(np.zeros(0, d) for d in dtypes)  # type: ignore[return-value]
-        return tuple(  # type: ignore[return-value]
-            np.concatenate([c[k] for c in self.chunks]).astype(d, copy=False)
-            for k, d in enumerate(dtypes)
-        )
+class AgentSamplesNothingError(RuntimeError):
+    """Many groups in a row, no agent called the endpoint before it ended."""
 
 
 @dataclass
@@ -197,6 +160,10 @@ class EpisodeDriver:
         self.renderer = (
             ChatRenderer(engine.tokenizer, config.model.path) if self.env.multi_turn else None
         )
+        self.agents: AgentGroups | None = None  # a user's agent drives the episodes
+        if self.env.agent is not None:
+            assert self.renderer is not None
+            self.agents = AgentGroups(config, engine, runner, self.renderer)
         self._resets: list[_Reset] = []
         self._first: dict[str, Rollout] = {}  # turn-1 request id → its group
         self._next: dict[str, tuple[Rollout, int]] = {}  # later turns: request → (group, i)
@@ -205,11 +172,17 @@ class EpisodeDriver:
         self.too_long = 0  # groups dropped: their first prompt did not fit the budget
         self.dropped: list[str] = []  # keys of groups dropped (too long, failed reset)
         self._too_long_in_a_row = 0
+        self._unsampled_in_a_row = 0
 
     @property
     def groups_in_flight(self) -> int:
         """Prompts started and not yet handed back scored."""
-        return len(self._resets) + len(self._rollouts)
+        return len(self._resets) + len(self._rollouts) + len(self.agents or ())
+
+    def close(self) -> None:
+        """Stop the agent endpoint, if any."""
+        if self.agents is not None:
+            self.agents.close()
 
     @property
     def groups_scoring(self) -> int:
@@ -228,6 +201,10 @@ class EpisodeDriver:
         """Begin a group, called `key`: reset the environment for `prompt` (its first turn
         follows). `group_size`: its G, instead of the rule's; `greedy`: one episode, every turn
         sampled greedily (an evaluation's greedy answer)."""
+        if self.agents is not None:
+            size = 1 if greedy else group_size or self.group_sizes.size()
+            self.agents.start(prompt, key, size, greedy)
+            return
         task = Task(list(prompt.messages), prompt.ground_truth, prompt.text)
         reset = self.runner.reset(task)
         self._resets.append(_Reset(prompt, key, reset, time.time(), group_size, greedy))
@@ -236,6 +213,11 @@ class EpisodeDriver:
         """Take the engine's finished requests and the environment's answers as far as they
         go; the groups now finished and scored, in the order they finished."""
         self._submit_first_turns()
+        if self.agents is not None:
+            mine = [g for g in finished if self.agents.owns(g.request_id)]
+            finished = [g for g in finished if not self.agents.owns(g.request_id)]
+            for ended in self.agents.advance(mine):
+                self._agent_group_ended(ended)
         for group in finished:
             if group.request_id in self._first:
                 self._begin_episodes(self._first.pop(group.request_id), group)
@@ -263,6 +245,8 @@ class EpisodeDriver:
         """On stop (the engine's requests already aborted): the groups whose episodes have all
         ended, once scored (by the models that score within `DRAIN_SCORERS_S`); every other
         group in flight is dropped."""
+        if self.agents is not None:
+            self.agents.drain()
         self._resets.clear()
         self._first.clear()
         self._next.clear()
@@ -388,6 +372,37 @@ class EpisodeDriver:
             request = self.engine.submit(history, greedy=rollout.greedy, n=1, max_tokens=budget)
             self._next[request] = (rollout, i)
         self._steps = waiting
+
+    def _agent_group_ended(self, ended: Ended) -> None:
+        """A group of agent episodes, all ended: scored like any other (`advance`), or dropped
+        when no agent sampled anything."""
+        if not ended.transcripts:
+            self.dropped.append(ended.key)
+            self._unsampled_in_a_row += 1
+            why = Counter(ended.unsampled)
+            log.warning(
+                "prompt %s: no agent of its group sampled a turn (%s; no_request: it returned "
+                "without a request, max_tokens: its first request did not fit generator.env."
+                "max_episode_tokens=%d); dropped", ended.prompt.prompt_id,
+                ", ".join(f"{reason} ×{n}" for reason, n in why.items()), self.max_episode_tokens,
+            )  # fmt: skip
+            if self._unsampled_in_a_row >= MAX_TOO_LONG_IN_A_ROW:
+                raise AgentSamplesNothingError(
+                    f"the agents of the last {self._unsampled_in_a_row} groups sampled nothing "
+                    f"({self.env.agent!r}: they never called the endpoint, or raised first; the "
+                    "warnings above say why). An agent must call client.chat.completions.create"
+                    " on the client it is given"
+                )
+            return
+        self._unsampled_in_a_row = 0
+        rollout = Rollout(
+            ended.prompt, ended.key, ended.prompt_ids, ended.started, ended.first_version,
+            greedy=ended.greedy,
+        )  # fmt: skip
+        rollout.episodes = ended.episodes
+        rollout.transcripts = ended.transcripts
+        rollout.last_eos = ended.last_eos
+        self._rollouts.append(rollout)
 
     def _turn_budget(self, used: int) -> int:
         """Tokens the next turn may sample, with `used` tokens of the episode already used."""

@@ -1,0 +1,227 @@
+"""Agent groups: a prompt's G episodes, each driven by the user's agent function through the
+generator's endpoint (`generator.env.agent`; `streamrl.envs.agent`).
+
+Consumes prompts (`start`), the endpoint's requests and the engine's finished requests
+(`advance`); produces ended groups as `Rollout`s, which `EpisodeDriver` scores like any other.
+Per prompt, G agents run at once in the environment workers, each with its own episode token;
+each request is matched to its episode's token history and sampled with n = 1
+(`streamrl.generator.agent_chat`); the answer goes back once sampled. Nothing here blocks: the
+loop's thread serves requests between engine steps.
+
+A group ends when all G agent runs have ended. Each episode's segments become responses of
+the group (most episodes are one), whose prompt is the longest token prefix their first
+requests share (the whole first request when the G agents asked alike, as they usually do).
+An episode that sampled nothing (its agent never called the endpoint, or failed first) has
+nothing to train on: it is left out and counted (`no_request`, or its failure); a group left
+with no response is dropped, as a failed reset drops an environment's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from streamrl.config.run import RunConfig
+from streamrl.data import Prompt
+from streamrl.envs.base import Task
+from streamrl.envs.chat import ChatRenderer
+from streamrl.envs.runner import EnvRunner, Episode
+from streamrl.generator.agent_chat import AgentChat, AgentEpisode, RequestRefusedError
+from streamrl.generator.endpoint import AgentEndpoint, Pending
+from streamrl.generator.engine import Engine, FinishedGroup
+from streamrl.generator.transcript import Transcript
+
+__all__ = ["AgentGroups", "Ended"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    prompt: Prompt
+    key: str
+    started: float
+    first_version: int
+    greedy: bool
+    episodes: list[AgentEpisode]
+    runs: list[Future[Episode]]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A group whose agents have all ended: its responses (one per segment) and, for each, its
+    episode as the runner ended it; `prompt_ids`: what they share. No response: dropped."""
+
+    prompt: Prompt
+    key: str
+    started: float
+    first_version: int
+    greedy: bool
+    prompt_ids: list[int]
+    transcripts: list[Transcript]
+    episodes: list[Episode]
+    last_eos: list[bool]
+    unsampled: list[str]  # why each episode that sampled nothing ended
+
+
+class AgentGroups:
+    """One generator's agent groups in flight (module docstring). Close it to stop the
+    endpoint."""
+
+    def __init__(
+        self, config: RunConfig, engine: Engine, runner: EnvRunner, renderer: ChatRenderer
+    ) -> None:
+        self.engine, self.runner = engine, runner
+        self.group_size_limit = config.generator.largest_group_size
+        self.endpoint = AgentEndpoint(config.model.path)
+        max_episode_tokens = config.generator.env.max_episode_tokens or config.model.max_model_len
+        self.chat = AgentChat(
+            renderer, config.generator, config.generator.env, runner.tool_format,
+            max_episode_tokens, config.model.path,
+        )  # fmt: skip
+        self._groups: list[_Group] = []
+        self._episodes: dict[str, AgentEpisode] = {}  # token → its episode, while it runs
+        self._sampling: dict[str, tuple[AgentEpisode, Pending]] = {}  # by engine request
+        self.endpoint.__enter__()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+    def start(self, prompt: Prompt, key: str, group_size: int, greedy: bool) -> None:
+        """Start `group_size` agents on `prompt` (one, greedy, for an evaluation's answer)."""
+        task = Task(list(prompt.messages), prompt.ground_truth, prompt.text)
+        episodes = [AgentEpisode(self.endpoint.open()) for _ in range(group_size)]
+        for episode in episodes:
+            self._episodes[episode.token] = episode
+        url = self.endpoint.base_url
+        runs = [self.runner.run_agent(task, url, e.token) for e in episodes]
+        group = _Group(prompt, key, time.time(), self.engine.policy_version, greedy, episodes, runs)
+        self._groups.append(group)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._sampling
+
+    def advance(self, finished: list[FinishedGroup]) -> list[Ended]:
+        """Answer the requests sampled (`finished`: the engine's, of this object's requests),
+        submit those that came in; the groups whose agents have all ended."""
+        for group in finished:
+            episode, pending = self._sampling.pop(group.request_id)
+            episode.waiting = False
+            pending.answer(200, self.chat.reply(episode, pending.request, group.completions[0]))
+        for pending in self.endpoint.take():
+            self._serve(pending)
+        ended = [g for g in self._groups if all(run.done() for run in g.runs)]
+        self._groups = [g for g in self._groups if g not in ended]
+        return [self._ended(g) for g in ended]
+
+    def drain(self) -> None:
+        """On stop: every group in flight is dropped (the engine's requests are aborted)."""
+        self.runner.stopping = True  # its agents' runs end with the endpoint: not failures
+        self._groups.clear()
+        self._sampling.clear()
+        for token in list(self._episodes):
+            self.endpoint.close_episode(token)
+        self._episodes.clear()
+        for pending in self.endpoint.take():
+            pending.refuse(503, "the generator is stopping")
+
+    def _serve(self, pending: Pending) -> None:
+        episode = self._episodes.get(pending.token)
+        if episode is None:
+            pending.refuse(401, "this episode has ended")
+        elif pending.start:
+            if episode.started:  # `streamrl.envs.agent`: a replayed call
+                pending.refuse(409, "this episode's agent already ran; a second run is refused")
+            else:
+                episode.started = True
+                pending.answer(200, {})
+        elif episode.waiting:
+            pending.refuse(409, "one request at a time per episode: await the one in flight")
+        else:
+            try:
+                ids, budget = self.chat.prompt(episode, pending.request)
+            except RequestRefusedError as refused:
+                pending.refuse(refused.status, str(refused), refused.code)
+                return
+            greedy = next(g.greedy for g in self._groups if episode in g.episodes)
+            request = self.engine.submit(ids, greedy=greedy, n=1, max_tokens=budget)
+            episode.waiting = True
+            self._sampling[request] = (episode, pending)
+
+    def _ended(self, group: _Group) -> Ended:
+        transcripts, episodes, last_eos, unsampled = [], [], [], []
+        for agent, run in zip(group.episodes, group.runs, strict=True):
+            self.endpoint.close_episode(agent.token)
+            self._episodes.pop(agent.token, None)
+            for request, (episode, pending) in list(self._sampling.items()):
+                if episode is agent:  # its agent ended while this was sampled: unseen
+                    self.engine.abort(request)
+                    del self._sampling[request]
+                    pending.refuse(410, "this episode has ended")
+            ended = run.result()
+            segments = _sampled_segments(agent)
+            if not segments:
+                reason = ended.finish_reason or "env_error"
+                if reason == "done":  # a budget refused its first request, or it sent none
+                    reason = agent.finish_reason or "no_request"
+                self.runner.count_finished(reason)
+                unsampled.append(reason)
+                continue
+            reason = ended.finish_reason
+            if reason == "done" and agent.finish_reason is not None:
+                reason = agent.finish_reason  # a budget ended it
+            for i, (segment, calls) in enumerate(segments):
+                segment.ended_at = time.time()
+                last = i == len(segments) - 1
+                episode = replace(
+                    ended,
+                    turns=segment.turns,
+                    tool_calls=calls,
+                    tools_offered=agent.tools_offered,
+                    final=ended.final or agent.final,
+                    finish_reason=reason if last else "split",
+                )
+                transcripts.append(segment)
+                episodes.append(episode)
+                last_eos.append(agent.last_eos if last else True)
+        prompt_ids = _shared_prefix([t.chunks[0][0] for t in transcripts])
+        transcripts = [t.without_prefix(len(prompt_ids)) for t in transcripts]
+        return Ended(
+            group.prompt, group.key, group.started, group.first_version, group.greedy,
+            prompt_ids, transcripts, episodes, last_eos, unsampled,
+        )  # fmt: skip
+
+
+def _sampled_segments(agent: AgentEpisode) -> list[tuple[Transcript, int]]:
+    """The episode's segments that sampled a turn, with their tool calls, each ending on its
+    last sampled turn (environment tokens after it were never followed by a sample)."""
+    kept = []
+    for segment, calls in zip(agent.segments, agent.segment_tool_calls, strict=True):
+        if not segment.turns:
+            continue
+        while not segment.chunks[-1][2].any():
+            dropped = segment.chunks.pop()
+            segment.length -= len(dropped[0])
+        kept.append((segment, calls))
+    return kept
+
+
+def _shared_prefix(contexts: list[np.ndarray]) -> list[int]:
+    """The longest token prefix all `contexts` share (each response's first, environment
+    chunk: its first request)."""
+    if not contexts:
+        return []
+    shortest = min(len(c) for c in contexts)
+    first = contexts[0][:shortest]
+    for other in contexts[1:]:
+        differs = np.flatnonzero(first != other[: len(first)])
+        if len(differs):
+            first = first[: differs[0]]
+    return first.tolist()
