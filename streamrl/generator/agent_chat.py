@@ -69,6 +69,7 @@ _HARMLESS = frozenset(
      "parallel_tool_calls", "stream_options", "return_token_ids", "request_id", "logprobs",
      "include_reasoning", "reasoning_effort"}
 )  # fmt: skip
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 _FIX = "leave it unset: the learner's importance weights need the run's own sampling"
 
 
@@ -144,7 +145,8 @@ class AgentChat:
         """
         if episode.finish_reason is not None:
             raise RequestRefusedError(
-                f"this episode has ended ({episode.finish_reason}); return your answer"
+                f"this episode has ended ({episode.finish_reason}); return your answer",
+                ended=True,
             )
         self.check_sampling(request)
         messages = [_normalized(m) for m in request.messages]
@@ -155,7 +157,8 @@ class AgentChat:
         if episode.requests >= self.env.max_turns:
             episode.finish_reason = "max_turns"
             raise RequestRefusedError(
-                f"this episode used its {self.env.max_turns} requests (max_turns)"
+                f"this episode used its {self.env.max_turns} requests (max_turns)",
+                ended=True,
             )
         tools = _tools(request)
         tools_key = json.dumps(tools, sort_keys=True) if tools else None
@@ -182,7 +185,9 @@ class AgentChat:
         episode.seen = keys
         episode.tools_offered |= bool(tools)
         episode.requests += 1
-        asked = request.max_completion_tokens or request.max_tokens or self.turn_max_tokens
+        fields = vars(request)  # reading `max_tokens` as an attribute warns: it is deprecated
+        asked = fields.get("max_completion_tokens") or fields.get("max_tokens")
+        asked = asked or self.turn_max_tokens
         budget = max(1, min(self.turn_max_tokens, asked, self.max_episode_tokens - used))
         return episode.segments[-1].token_ids(), budget
 
@@ -204,6 +209,8 @@ class AgentChat:
             if name == "stream" and not value:
                 continue
             if name == "tool_choice" and value in ("auto", "none"):
+                continue
+            if _NEUTRAL.get(name) == value:
                 continue
             if value == type(request).model_fields[name].default:
                 continue

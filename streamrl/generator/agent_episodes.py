@@ -125,6 +125,8 @@ class AgentGroups:
         """On stop: every group in flight is dropped (the engine's requests are aborted)."""
         self.runner.stopping = True  # its agents' runs end with the endpoint: not failures
         self._groups.clear()
+        for _, pending in self._sampling.values():
+            pending.refuse(503, "the generator is stopping")
         self._sampling.clear()
         for token in list(self._episodes):
             self.endpoint.close_episode(token)

@@ -115,10 +115,10 @@ class AgentEndpoint:
         """Stop serving; requests still waiting are answered 503."""
         if self._server is not None:
             self._server.should_exit = True
+        for pending in self.take():  # before the server waits for them to be answered
+            pending.refuse(503, "the generator is stopping")
         if self._thread is not None:
             self._thread.join(timeout=10)
-        for pending in self.take():
-            pending.refuse(503, "the generator is stopping")
 
     # -- the ASGI app --------------------------------------------------------------------------
 
