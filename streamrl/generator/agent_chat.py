@@ -195,7 +195,7 @@ class AgentChat:
         """Refuse a request that asks for other sampling than the run's (module docstring)."""
         cfg = self.generator
         for name in sorted(request.model_fields_set & set(type(request).model_fields)):
-            value = getattr(request, name)
+            value = vars(request).get(name)  # `max_tokens` as an attribute warns
             if name in _HARMLESS or value is None:
                 continue
             if name == "temperature" and math.isclose(value, cfg.temperature, rel_tol=1e-6):
