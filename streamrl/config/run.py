@@ -453,11 +453,13 @@ class RunConfig(Section):
     @property
     def user_code(self) -> dict[str, str]:
         """The fields that name a user's code by import path ('package.module:attribute'), by
-        dotted name: generator.reward.fn and generator.env.fn unless they are registered names.
-        Its modules are imported by the generators' worker processes only."""
+        dotted name: generator.reward.fn and generator.env.fn unless they are registered names,
+        and generator.env.agent. Its modules are imported by the generators' worker processes
+        only."""
         fields = {
             "generator.reward.fn": self.generator.reward.fn,
             "generator.env.fn": self.generator.env.fn,
+            "generator.env.agent": self.generator.env.agent or "",
         }
         return {name: path for name, path in fields.items() if ":" in path}
 

@@ -92,6 +92,9 @@ class AgentGroups:
         return len(self._groups)
 
     def close(self) -> None:
+        """Answer every request in flight (their agents end at once, not at their timeout),
+        then stop the endpoint."""
+        self.drain()
         self.endpoint.close()
 
     def start(self, prompt: Prompt, key: str, group_size: int, greedy: bool) -> None:

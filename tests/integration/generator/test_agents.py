@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 import torch
 
 from storage.fs import open_location
@@ -195,7 +194,6 @@ def _greedy(engine, driver, prompt, key):
     raise AssertionError(f"{key}: no answer within 120 s ({driver.groups_in_flight} in flight)")
 
 
-@pytest.mark.slow  # ~5 min on 2 cores: the SDK's agents are slow to start in each worker
 def test_an_openai_agents_sdk_agent_trains_unchanged_but_for_its_client(tmp_path):
     """An agent written with the OpenAI Agents SDK (its Runner, function tool and chat
     completions model) drives its episodes; what it sampled is recorded like any agent's."""
