@@ -13,7 +13,9 @@ call in worker processes boxed in like the reward scorer's (`streamrl.isolation.
 Modules: `config` (EnvConfig), `base`, `limits` (what the policy's text and an environment's
 answers may grow to), `tools`, `formats`, `tool_env`, `registry`, `worker`, `runner`, and the
 bundled environments `calculator`, `python_env` (its code runs in
-`streamrl.isolation.box`), `guess`.
+`streamrl.isolation.box`), `guess`. `agent`: a user's agent function, run in the same workers
+against the generator's endpoint (`generator.env.agent`); `calculator_agent`: the calculator
+task written as such an agent.
 
 Imports: `streamrl.config.base`, `streamrl.isolation`, `streamrl.rewards`.
 """

@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
-from streamrl.envs.agent import AgentResult, AgentSpec, call_agent, check_agent_name, load_agent
+from streamrl.envs.agent import AgentResult, AgentSpec, call_agent, load_agent
 from streamrl.envs.base import EnvContext, Environment, Message, SingleTurnEnv, Step, Task
 from streamrl.envs.formats import TOOL_FORMATS, resolve_tool_format
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, check_env_name
@@ -192,26 +192,12 @@ class EnvRunner:
         self._inline: Environment | None = None
         self._scorer: RewardScorer | None = None
         self._pool: IsolatedPool | None = None
-        if config.agent is not None:  # `streamrl.envs.agent`: scored by the reward's workers
-            check_agent_name(config.agent)
+        if config.multi_turn:  # an agent (`streamrl.envs.agent`) or an environment
+            agent = config.agent
             self._pool = IsolatedPool(
-                load_agent,
-                AgentSpec(config.agent),
-                subject=f"agent {config.agent!r}",
-                setting="generator.env",
-                workers=config.workers,
-                memory_mb=config.memory_mb,
-                nice=config.nice,
-                startup_timeout_s=config.startup_timeout_s,
-                resolution_error=EnvResolutionError,
-                load_error=EnvLoadError,
-            )
-            self._scorer = RewardScorer.from_config(reward)
-        elif config.multi_turn:
-            self._pool = IsolatedPool(
-                load_environment,
-                spec,
-                subject=f"environment {config.fn!r}",
+                load_agent if agent else load_environment,
+                AgentSpec(agent) if agent else spec,
+                subject=f"agent {agent!r}" if agent else f"environment {config.fn!r}",
                 setting="generator.env",
                 workers=config.workers,
                 memory_mb=config.memory_mb,
@@ -222,6 +208,7 @@ class EnvRunner:
             )
         else:  # module docstring: inline, scored by the reward's workers
             self._inline = SingleTurnEnv(_inline_context(spec))
+        if self._inline is not None or config.agent is not None:  # the reward scores apart
             self._scorer = RewardScorer.from_config(reward)
         self._stats = EnvStats()
         self.stopping = False  # set on stop: calls cut short by it are not failures to report

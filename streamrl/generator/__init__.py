@@ -5,8 +5,11 @@
   `build_generator`).
 - `loop`: the generator loop (prompts in, scored groups out to the replay stream).
 - `rollouts`: every group's episodes through the engine and the environment (`EpisodeDriver`);
-  `records`: a finished rollout as a stream record (an episode's exact token history is
-  `streamrl.envs.chat`).
+  `transcript`: one response's exact token history; `records`: a finished rollout as a stream
+  record (how observations become tokens is `streamrl.envs.chat`).
+- `agent_episodes`: a user's agent driving its episodes (`generator.env.agent`) through the
+  `endpoint` (OpenAI-compatible chat completions on 127.0.0.1), its requests matched to the
+  episode's token history by `agent_chat`.
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
 - `group_size`: how many responses each prompt gets (fixed, or adaptive: eq 27).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.

@@ -85,13 +85,14 @@ class RequestRefusedError(Exception):
 Key = tuple[str, str, tuple[tuple[str, str], ...]]
 
 
-@dataclass
+@dataclass(eq=False)
 class AgentEpisode:
     """One agent episode's token history across its requests: its segments (each a response
     of the group), what the engine has seen in the current one (`seen`: message keys, with the
     answer it gave), and its counts. `finish_reason` is set once a budget ended it."""
 
     token: str
+    greedy: bool = False  # every turn sampled greedily (an evaluation's greedy answer)
     segments: list[Transcript] = field(default_factory=list)
     segment_tool_calls: list[int] = field(default_factory=list)
     seen: list[Key] = field(default_factory=list)

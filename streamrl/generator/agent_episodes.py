@@ -100,7 +100,7 @@ class AgentGroups:
     def start(self, prompt: Prompt, key: str, group_size: int, greedy: bool) -> None:
         """Start `group_size` agents on `prompt` (one, greedy, for an evaluation's answer)."""
         task = Task(list(prompt.messages), prompt.ground_truth, prompt.text)
-        episodes = [AgentEpisode(self.endpoint.open()) for _ in range(group_size)]
+        episodes = [AgentEpisode(self.endpoint.open(), greedy) for _ in range(group_size)]
         for episode in episodes:
             self._episodes[episode.token] = episode
         url = self.endpoint.base_url
@@ -155,8 +155,7 @@ class AgentGroups:
             except RequestRefusedError as refused:
                 pending.refuse(refused.status, str(refused), refused.code)
                 return
-            greedy = next(g.greedy for g in self._groups if episode in g.episodes)
-            request = self.engine.submit(ids, greedy=greedy, n=1, max_tokens=budget)
+            request = self.engine.submit(ids, greedy=episode.greedy, n=1, max_tokens=budget)
             episode.waiting = True
             self._sampling[request] = (episode, pending)
 
