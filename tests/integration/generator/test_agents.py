@@ -6,19 +6,23 @@ and the calculator agent recording what the calculator environment records."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from storage.fs import open_location
 from storage.stream.writer import StreamReader
 from storage.weights.publish import WeightWriter
 from streamrl.config.loading import load_config
+from streamrl.data import PromptSource
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.main import build_generator
 from streamrl.generator.rollouts import EpisodeDriver
 from tests.integration.generator.test_episodes import _model_parameters, _runs
 
+QWEN25_TEMPLATE = (Path(__file__).parents[2] / "qwen25_chat_template.jinja").read_text()
 OVERRIDES = [
     "generator.max_tokens=12",
     "generator.group_size=2",
@@ -210,3 +214,105 @@ def test_an_openai_agents_sdk_agent_trains_unchanged_but_for_its_client(tmp_path
         assert group.group_size == 2
         assert set(group.finish_reasons) <= {"done", "max_tokens"}
         assert all(t > 0 for t in group.sampled_lengths)
+
+
+class ScriptedEngine:
+    """An engine that samples what a script says, the same whoever asks: a calculator call,
+    then (once the prompt ends with its result) the answer. The real engine cannot be told to
+    call a tool; this one exercises the tool turns of both paths with the real tokenizer,
+    environment workers, agent workers and endpoint."""
+
+    ANSWER = "The answer is 42."
+
+    def __init__(self, tokenizer, call: str, result_marker: str) -> None:
+        self.tokenizer, self.call, self.result_marker = tokenizer, call, result_marker
+        self.policy_version = 0
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._requests: list[tuple[str, list[int]]] = []
+        self._next = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def submit(self, prompt_token_ids, *, greedy=False, n=None, max_tokens=None) -> str:
+        request = f"s{self._next}"
+        self._next += 1
+        self._requests.append((request, list(prompt_token_ids)))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self._requests = [r for r in self._requests if r[0] != request_id]
+
+    def step(self):
+        from streamrl.generator.engine import Completion, FinishedGroup
+
+        finished = []
+        for request, prompt in self._requests:
+            answered = self.result_marker in self.tokenizer.decode(prompt[-64:])
+            text = self.ANSWER if answered else self.call
+            ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.eos]
+            completion = Completion(
+                np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32), text, "stop",
+                np.zeros(len(ids), np.int64),
+            )  # fmt: skip
+            finished.append(FinishedGroup(request, prompt, [completion], 0, time.time()))
+        self._requests = []
+        return finished
+
+
+FORMATS = {
+    "tagged": (None, '<tool>calculate(expression="7 * 6")</tool>', "<tool_result"),
+    "hermes": (
+        QWEN25_TEMPLATE,
+        '<tool_call>\n{"name": "calculate", "arguments": {"expression": "7 * 6"}}\n</tool_call>',
+        "<tool_response>",
+    ),
+}
+
+
+@pytest.mark.parametrize("tool_format", sorted(FORMATS))
+def test_tool_turns_through_the_agent_are_those_of_the_calculator_environment(tool_format):
+    """A calculator call, its result, the answer: through `CalculatorEnv` and through the
+    calculator agent (the endpoint parsing the call into `tool_calls` — vLLM's hermes parser,
+    or the tagged format's — the agent running it and sending its result as a tool message),
+    the same tokens, masks and log-probs."""
+    from transformers import AutoTokenizer
+
+    from streamrl.models import resolve_model_path
+
+    template, call, marker = FORMATS[tool_format]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
+    if template is not None:
+        tokenizer.chat_template = template
+    extra = [
+        *("model.max_model_len=1024", "generator.env.max_episode_tokens=1024"),
+        *("generator.env.max_turns=3", "generator.stop=[]", "generator.max_tokens=24"),
+    ]
+    configs = {
+        "env": load_config(["grpo", "tiny-cpu"], overrides=[*OVERRIDES, *extra,
+                                                            "generator.env.fn=calculator"]),
+        "agent": _config("streamrl.envs.calculator_agent:solve", *extra),
+    }  # fmt: skip
+    prompt = PromptSource(configs["env"].data, tokenizer=tokenizer).prompts[0]
+    rollouts = {}
+    for name, config in configs.items():
+        engine = ScriptedEngine(tokenizer, call, marker)
+        template = tokenizer.chat_template
+        with EnvRunner.from_config(config.generator.env, config.generator.reward, template) as r:
+            assert r.tool_format == tool_format
+            driver = EpisodeDriver(config, engine, r)
+            try:
+                rollouts[name] = _greedy(engine, driver, prompt, name)
+            finally:
+                driver.close()
+    env, agent = rollouts["env"], rollouts["agent"]
+    assert env.prompt_ids == agent.prompt_ids
+    (x,), (y,) = env.transcripts, agent.transcripts
+    assert x.turns == y.turns == 2
+    for a, b in zip(x.arrays(), y.arrays(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert tokenizer.decode(x.arrays()[0]).count(marker) == 1
+    assert [(e.finish_reason, e.tool_calls) for e in env.episodes] == [
+        (e.finish_reason, e.tool_calls) for e in agent.episodes
+    ]
