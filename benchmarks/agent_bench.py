@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 
 from streamrl.config.loading import load_config
-from streamrl.config.run import RunConfig
 from streamrl.data import Prompt, PromptSource
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine
