@@ -124,8 +124,10 @@ class AgentChat:
         model_name: str,
     ) -> None:
         self.renderer, self.generator, self.env = renderer, generator, env
-        self.format = TOOL_FORMATS[tool_format]
+        # A vLLM tool parser reads the formats of templates that render tools: given one, the
+        # tools go to the template, as for hermes.
         self.tagged = tool_format == "tagged" and env.tool_parser is None
+        self.format = TOOL_FORMATS["tagged" if self.tagged else "hermes"]
         self.tool_parser = env.tool_parser or "hermes"
         self.turn_max_tokens = env.turn_max_tokens or generator.max_tokens
         self.max_episode_tokens = max_episode_tokens
