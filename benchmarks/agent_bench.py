@@ -34,6 +34,7 @@ CALCULATOR = [
     "model.max_model_len=1024",
     "generator.max_tokens=96",
     "generator.env.max_turns=3",
+    "generator.prompts_in_flight=4",  # an agent holds a worker process per running episode
 ]
 ARMS = {
     "environment": ["generator.env.fn=calculator"],
