@@ -34,7 +34,7 @@ CALCULATOR = [
     "model.max_model_len=1024",
     "generator.max_tokens=96",
     "generator.env.max_turns=3",
-    "generator.prompts_in_flight=4",  # an agent holds a worker process per running episode
+    "generator.prompts_in_flight=4",
 ]
 ARMS = {
     "environment": ["generator.env.fn=calculator"],
@@ -70,11 +70,11 @@ def main() -> None:
     }
     agent_config = configs["agent"]
     cfg = agent_config.generator
-    workers = cfg.group_size * cfg.prompts_in_flight  # an agent holds a worker per episode
-    configs["agent"] = load_config(
-        presets,
-        overrides=[*CALCULATOR, *ARMS["agent"], *args.set, f"generator.env.workers={workers}"],
-    )
+    workers = f"generator.env.workers={cfg.prompts_in_flight}"  # a worker per group in flight
+    configs = {
+        arm: load_config(presets, overrides=[*CALCULATOR, *extra, *args.set, workers])
+        for arm, extra in ARMS.items()
+    }
     model_path = resolve_model_path(agent_config.model.path)
     engine = Engine(model_path, agent_config.model, cfg, seed=0)
     source = PromptSource(agent_config.data, tokenizer=engine.tokenizer)

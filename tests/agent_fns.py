@@ -4,6 +4,7 @@ environment workers, as a user's would be."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -57,10 +58,16 @@ async def asks_too_much(client: Any, task: Task) -> None:
     await client.chat.completions.create(model="policy", messages=[*task.messages, huge])
 
 
+_started = itertools.count()
+
+
 async def hangs(client: Any, task: Task) -> None:
-    """Samples once, then never returns (episode_timeout_s ends it)."""
+    """Samples once, then every other run never returns (episode_timeout_s ends it); the
+    others, in the same worker, end normally."""
+    hang = next(_started) % 2 == 0
     await client.chat.completions.create(model="policy", messages=list(task.messages))
-    await asyncio.sleep(3600)
+    if hang:
+        await asyncio.sleep(3600)
 
 
 def never_calls(client: Any, task: Task) -> str:

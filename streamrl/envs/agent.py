@@ -17,24 +17,29 @@ engine samples for it is recorded for training. Its return value:
 - None: its last assistant message is the final answer, scored so;
 - a number or bool in [0, 1]: the episode's reward itself.
 
-It runs like an environment (`streamrl.envs.base`): in one of `generator.env.workers` spawned
-worker processes without credentials, under `memory_mb`, one episode per worker at a time for
-its whole run, which `episode_timeout_s` bounds (sampling included); an agent that raises,
-hangs or returns something else ends its episode as `env_error` / `timeout`, scoring 0.
-The client never retries (a retry would sample again) and ignores proxy settings (the
-endpoint is on 127.0.0.1).
+It runs like an environment (`streamrl.envs.base`), in one of `generator.env.workers` spawned
+worker processes without credentials, under `memory_mb`: a group's G agents run in one worker
+at once (async agents on one event loop, plain ones in threads: `call_agents`), so `workers`
+bounds the groups whose agents run at a time. Each run is bounded by `episode_timeout_s`
+(sampling included); an agent that raises, hangs or returns something else ends its episode as
+`env_error` / `timeout`, scoring 0, without ending its group's other episodes. The client never
+retries (a retry would sample again) and ignores proxy settings (the endpoint is on 127.0.0.1).
 
-An episode's agent runs once: when a worker is killed (another episode's timeout restarts the
+An episode's agent runs once: when a worker is killed (another call's deadline restarts the
 pool) and the pool runs the call again, the endpoint refuses the second start and the
-episode ends with what it sampled (`env_error`).
+episodes end with what they sampled (`env_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import inspect
 import math
 import numbers
+import time
+import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -49,8 +54,9 @@ from streamrl.isolation.worker import loaded
 
 __all__ = [
     "AgentResult",
+    "AgentRun",
     "AgentSpec",
-    "call_agent",
+    "call_agents",
     "load_agent",
 ]
 
@@ -86,40 +92,102 @@ def load_agent(spec: AgentSpec) -> Callable[..., Any]:
     return agent
 
 
-def call_agent(base_url: str, token: str, task: Task, timeout_s: float) -> AgentResult:
-    """Run the loaded agent on `task` against the endpoint at `base_url` (in a worker). A
-    request refused because a budget ended the episode ends the agent's run as it stands."""
+def call_agents(base_url: str, tokens: list[str], task: Task, timeout_s: float) -> list[AgentRun]:
+    """Run the loaded agent on `task` once per episode token, all at once, against the
+    endpoint at `base_url` (in a worker): async agents on one event loop, plain ones in threads.
+    Each run is bounded by `timeout_s` (an async agent is cancelled there; a plain one is left
+    to finish in its thread, which the pool's own deadline ends with the worker). A request
+    refused because a budget ended the episode ends that run as it stands."""
     agent = loaded()
-    options = {"base_url": base_url, "api_key": token, "max_retries": 0, "timeout": timeout_s}
-    _start(base_url, token, timeout_s)
-    try:
-        result = _run(agent, options, task)
-    except Exception as error:
-        if not _episode_ended(error):
-            raise
-        return AgentResult()  # a budget ended the episode: scored as it stands
-    return _checked(result, agent)
-
-
-def _run(agent: Callable[..., Any], options: dict[str, Any], task: Task) -> Any:
-    import openai
-
     if inspect.iscoroutinefunction(agent):
 
-        async def run() -> Any:
-            http = openai.DefaultAsyncHttpxClient(trust_env=False)
-            async with openai.AsyncOpenAI(**options, http_client=http) as client:
-                return await agent(client, task)
+        async def all_runs() -> list[AgentRun]:
+            runs = [_async_run(agent, base_url, t, task, timeout_s) for t in tokens]
+            return list(await asyncio.gather(*runs))
 
-        return asyncio.run(run())
-    with openai.OpenAI(**options, http_client=openai.DefaultHttpxClient(trust_env=False)) as c:
-        result = agent(c, task)
-    if inspect.isawaitable(result):
-        raise EnvValueError(
-            f"agent {_name(agent)} returned an awaitable from a plain function; make it "
-            "`async def` so streamrl awaits it"
-        )
-    return result
+        return asyncio.run(all_runs())
+    pool = concurrent.futures.ThreadPoolExecutor(len(tokens), thread_name_prefix="agent")
+    try:
+        futures = [pool.submit(_sync_run, agent, base_url, t, task, timeout_s) for t in tokens]
+        deadline = time.monotonic() + timeout_s
+        runs = []
+        for future in futures:
+            try:
+                runs.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                runs.append(AgentRun(failure="timeout", error=f"it exceeded {timeout_s:g}s"))
+        return runs
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """One agent run's end: its `result`, or its `failure` ("env_error", "timeout") and why;
+    `elapsed_s` its wall-clock time."""
+
+    result: AgentResult | None = None
+    failure: str | None = None
+    error: str = ""
+    elapsed_s: float = 0.0
+
+
+async def _async_run(
+    agent: Callable[..., Any], base_url: str, token: str, task: Task, timeout_s: float
+) -> AgentRun:
+    import openai
+
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.to_thread(_start, base_url, token, timeout_s)
+            http = openai.DefaultAsyncHttpxClient(trust_env=False)
+            options = _client_options(base_url, token, timeout_s)
+            async with openai.AsyncOpenAI(**options, http_client=http) as client:
+                value = await agent(client, task)
+        return AgentRun(_checked(value, agent), elapsed_s=time.monotonic() - started)
+    except TimeoutError:
+        failed = AgentRun(failure="timeout", error=f"it exceeded {timeout_s:g}s")
+    except Exception as error:
+        failed = _failed(error, agent)
+    return dataclasses.replace(failed, elapsed_s=time.monotonic() - started)
+
+
+def _sync_run(
+    agent: Callable[..., Any], base_url: str, token: str, task: Task, timeout_s: float
+) -> AgentRun:
+    import openai
+
+    started = time.monotonic()
+    try:
+        _start(base_url, token, timeout_s)
+        http = openai.DefaultHttpxClient(trust_env=False)
+        with openai.OpenAI(**_client_options(base_url, token, timeout_s), http_client=http) as c:
+            value = agent(c, task)
+        if inspect.isawaitable(value):
+            raise EnvValueError(
+                f"agent {_name(agent)} returned an awaitable from a plain function; make it "
+                "`async def` so streamrl awaits it"
+            )
+        run = AgentRun(_checked(value, agent))
+    except Exception as error:
+        run = _failed(error, agent)
+    return dataclasses.replace(run, elapsed_s=time.monotonic() - started)
+
+
+def _client_options(base_url: str, token: str, timeout_s: float) -> dict[str, Any]:
+    """The episode's client: its endpoint and token, no retries (a retry samples again)."""
+    return {"base_url": base_url, "api_key": token, "max_retries": 0, "timeout": timeout_s}
+
+
+def _failed(error: Exception, agent: Callable[..., Any]) -> AgentRun:
+    if _episode_ended(error):
+        return AgentRun(AgentResult())  # a budget ended the episode: scored as it stands
+    if isinstance(error, EnvValueError):
+        return AgentRun(failure="env_error", error=str(error))
+    where = "".join(traceback.format_exception(error, limit=-3)).strip().splitlines()
+    shown = " | ".join(line.strip() for line in where[-4:])
+    return AgentRun(failure="env_error", error=f"it raised {type(error).__name__}: {shown}"[:2000])
 
 
 def _episode_ended(error: BaseException | None) -> bool:

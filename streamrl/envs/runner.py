@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
-from streamrl.envs.agent import AgentResult, AgentSpec, call_agent, load_agent
+from streamrl.envs.agent import AgentResult, AgentSpec, call_agents, load_agent
 from streamrl.envs.base import EnvContext, Environment, Message, SingleTurnEnv, Step, Task
 from streamrl.envs.formats import TOOL_FORMATS, resolve_tool_format
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, check_env_name
@@ -81,6 +81,7 @@ next request did not continue (`streamrl.generator.agent_chat`)."""
 EnvFailure = Literal["env_error", "timeout"]
 _T = TypeVar("_T")
 _MALFORMED = (EnvValueError, RewardValueError)  # their message says it all: no traceback
+AGENT_DEADLINE_GRACE_S = 10.0  # past episode_timeout_s, the pool kills a group's agents
 
 
 @dataclass(frozen=True)
@@ -282,29 +283,62 @@ class EnvRunner:
         args = (episode.task, episode.state, text)
         return self._call(episode, "step", call_step, args, stepped)
 
-    def run_agent(self, task: Task, base_url: str, token: str) -> Future[Episode]:
-        """Run the agent on `task` against the endpoint at `base_url` with the episode's
-        `token` (`streamrl.envs.agent`), within `episode_timeout_s`: the episode as it ended
-        (`done`, its reward in `state["reward"]` when the agent returned one, its answer in
-        `final`), or failed (`env_error`, `timeout`)."""
-        assert self.config.agent is not None, "run_agent() needs generator.env.agent"
+    def run_agents(self, task: Task, base_url: str, tokens: list[str]) -> list[Future[Episode]]:
+        """Run the agent on `task` once per episode token, all at once in one worker, against
+        the endpoint at `base_url` (`streamrl.envs.agent`), each within `episode_timeout_s`:
+        each episode as it ended (`done`, its reward in `state["reward"]` when the agent
+        returned one, its answer in `final`), or failed (`env_error`, `timeout`)."""
+        assert self.config.agent is not None, "run_agents() needs generator.env.agent"
         assert self._pool is not None
         with self._lock:
-            self._stats.episodes += 1
+            self._stats.episodes += len(tokens)
         limit = self.config.episode_timeout_s
-        outcome = self._pool.submit(call_agent, base_url, token, task, limit, timeout_s=limit)
+        # The runs time out in the worker first; the pool's deadline is for a worker that
+        # cannot get there (a plain agent stuck in a thread, a worker that stopped answering).
+        deadline = limit + AGENT_DEADLINE_GRACE_S
+        outcome = self._pool.submit(call_agents, base_url, tokens, task, limit, timeout_s=deadline)
+        futures: list[Future[Episode]] = [Future() for _ in tokens]
 
-        def ended(outcome: Outcome) -> Episode:
+        def ended(outcome: Future[Outcome]) -> None:
+            episodes = self._agent_episodes(task, len(tokens), outcome.result())
+            for future, episode in zip(futures, episodes, strict=True):
+                future.set_result(episode)
+
+        outcome.add_done_callback(ended)
+        return futures
+
+    def _agent_episodes(self, task: Task, count: int, outcome: Outcome) -> list[Episode]:
+        if outcome.failure is not None:  # the whole call: its worker died or never answered
             episode = Episode(task, env_s=outcome.elapsed_s)
-            if outcome.failure is not None:
-                failure = self._count(episode, "agent", outcome)
-                return episode.finish(failure, _describe(outcome))
-            result: AgentResult = outcome.value
+            failure = self._count(episode, "agent", outcome)
+            failed = episode.finish(failure, _describe(outcome))
+            return [failed] * count
+        episodes = []
+        for run in outcome.value:
+            episode = Episode(task, env_s=run.elapsed_s)
+            if run.failure is not None:
+                episodes.append(self._agent_failed(episode, run.failure, run.error))
+                continue
+            result: AgentResult = run.result
             state = None if result.reward is None else {"reward": result.reward}
             done = dataclasses.replace(episode, state=state, final=result.final or "")
-            return done.finish("done")
+            episodes.append(done.finish("done"))
+        return episodes
 
-        return _then(outcome, ended)
+    def _agent_failed(self, episode: Episode, failure: str, error: str) -> Episode:
+        """Count and log one agent run that failed in its worker."""
+        with self._lock:
+            if failure == "timeout":
+                self._stats.timeouts += 1
+            else:
+                self._stats.errors += 1
+        hint = " Raise generator.env.episode_timeout_s if agents legitimately take so long."
+        log.log(
+            logging.DEBUG if self.stopping else logging.WARNING,
+            "agent %r: a run failed (%s): %s; the episode scores 0.%s",
+            self.config.agent, failure, error, hint if failure == "timeout" else "",
+        )  # fmt: skip
+        return episode.finish("timeout" if failure == "timeout" else "env_error", error)
 
     def count_finished(self, reason: str) -> None:
         """Count an episode that ended without being scored (an agent's that sampled nothing:

@@ -104,7 +104,7 @@ class AgentGroups:
         for episode in episodes:
             self._episodes[episode.token] = episode
         url = self.endpoint.base_url
-        runs = [self.runner.run_agent(task, url, e.token) for e in episodes]
+        runs = self.runner.run_agents(task, url, [e.token for e in episodes])
         group = _Group(prompt, key, time.time(), self.engine.policy_version, greedy, episodes, runs)
         self._groups.append(group)
 
