@@ -3,10 +3,10 @@ generator's endpoint (`generator.env.agent`; `streamrl.envs.agent`).
 
 Consumes prompts (`start`), the endpoint's requests and the engine's finished requests
 (`advance`); produces ended groups as `Rollout`s, which `EpisodeDriver` scores like any other.
-Per prompt, G agents run at once in the environment workers, each with its own episode token;
-each request is matched to its episode's token history and sampled with n = 1
-(`streamrl.generator.agent_chat`); the answer goes back once sampled. Nothing here blocks: the
-loop's thread serves requests between engine steps.
+Per prompt, G agents run at once in one environment worker (`EnvRunner.run_agents`), each with
+its own episode token; each request is matched to its episode's token history and sampled with
+n = 1 (`streamrl.generator.agent_chat`); the answer goes back once sampled. Nothing here blocks:
+the loop's thread serves requests between engine steps.
 
 A group ends when all G agent runs have ended. Each episode's segments become responses of
 the group (most episodes are one), whose prompt is the longest token prefix their first
