@@ -205,13 +205,18 @@ def test_a_further_interrupt_while_stopping_is_answered_with_a_notice_not_an_exc
     """An impatient second Ctrl-C (or SIGTERM) during a stop must not cut it short: inside
     `stopping_despite_interrupts` it logs a notice; outside, Ctrl-C interrupts again."""
     logger = "streamrl.supervision.supervisor"
-    with caplog.at_level("WARNING", logger=logger), core.stopping_despite_interrupts(25.0):
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.1)  # the handlers run here; nothing is raised
-    notices = [r.getMessage() for r in caplog.records]
-    assert len(notices) == 2
-    assert notices[0].startswith("still stopping: every process of the run ends within")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
-    with pytest.raises(KeyboardInterrupt):
-        signal.raise_signal(signal.SIGINT)
+    # A background job starts with Ctrl-C ignored: the test sets Python's own handler first.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with caplog.at_level("WARNING", logger=logger), core.stopping_despite_interrupts(25.0):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handlers run here; nothing is raised
+        notices = [r.getMessage() for r in caplog.records]
+        assert len(notices) == 2
+        assert notices[0].startswith("still stopping: every process of the run ends within")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
