@@ -309,10 +309,9 @@ class EnvRunner:
 
     def _agent_episodes(self, task: Task, count: int, outcome: Outcome) -> list[Episode]:
         if outcome.failure is not None:  # the whole call: its worker died or never answered
+            failure = "timeout" if outcome.failure == "timeout" else "env_error"
             episode = Episode(task, env_s=outcome.elapsed_s)
-            failure = self._count(episode, "agent", outcome)
-            failed = episode.finish(failure, _describe(outcome))
-            return [failed] * count
+            return [self._agent_failed(episode, failure, _describe(outcome), count)] * count
         episodes = []
         for run in outcome.value:
             episode = Episode(task, env_s=run.elapsed_s)
@@ -325,13 +324,13 @@ class EnvRunner:
             episodes.append(done.finish("done"))
         return episodes
 
-    def _agent_failed(self, episode: Episode, failure: str, error: str) -> Episode:
-        """Count and log one agent run that failed in its worker."""
+    def _agent_failed(self, episode: Episode, failure: str, error: str, runs: int = 1) -> Episode:
+        """Count and log `runs` agent runs that failed alike."""
         with self._lock:
             if failure == "timeout":
-                self._stats.timeouts += 1
+                self._stats.timeouts += runs
             else:
-                self._stats.errors += 1
+                self._stats.errors += runs
         hint = " Raise generator.env.episode_timeout_s if agents legitimately take so long."
         log.log(
             logging.DEBUG if self.stopping else logging.WARNING,
@@ -456,18 +455,14 @@ class EnvRunner:
             self._tracebacks_logged.add(kind)
         hint = ""
         if failure == "timeout":
-            limits = {"score": "generator.reward.timeout_s", "agent": "generator.env."
-                      "episode_timeout_s"}.get(what, "generator.env.call_timeout_s / "
-                                                 "episode_timeout_s")  # fmt: skip
+            limits = "generator.reward.timeout_s" if what == "score" else (
+                "generator.env.call_timeout_s / episode_timeout_s"
+            )  # fmt: skip
             hint = f" Raise {limits} if such calls are legitimately slow."
-        subject = f"agent {self.config.agent!r}" if self.config.agent else (
-            f"environment {self.config.fn!r}"
-        )  # fmt: skip
         log.log(
             logging.DEBUG if self.stopping else logging.WARNING,
-            "%s: %s %s call failed (%s) at turn %d: %s; the episode scores 0.%s",
-            subject, "an" if what[0] in "aeiou" else "a", what, failure, episode.turns,
-            _describe(outcome), hint,
+            "environment %r: a %s call failed (%s) at turn %d: %s; the episode scores 0.%s",
+            self.config.fn, what, failure, episode.turns, _describe(outcome), hint,
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
         return failure

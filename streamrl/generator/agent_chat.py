@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl.envs.agent import EPISODE_ENDED
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.config import EnvConfig
 from streamrl.envs.conversations import (
@@ -61,7 +62,6 @@ from streamrl.generator.transcript import Transcript
 __all__ = ["EPISODE_ENDED", "AgentChat", "AgentEpisode", "RequestRefusedError"]
 
 MAX_REQUEST_MESSAGES = 4096
-EPISODE_ENDED = "episode_ended"  # the error code of a request after a budget ended the episode
 
 # Set in a request without changing what is sampled: read, or ignored.
 _HARMLESS = frozenset(
@@ -177,8 +177,6 @@ class AgentChat:
                 ended=True,
             )
         if context is not None:  # a new segment
-            if episode.segments:
-                episode.segments[-1].ended_at = time.time()
             episode.segments.append(Transcript())
             episode.segment_tool_calls.append(0)
             episode.segments[-1].add_observation(context)
@@ -323,10 +321,11 @@ class AgentChat:
 
     def _tool_calls(self, text: str, request: Any) -> tuple[str | None, list[dict[str, Any]]]:
         """The turn's text before its tool calls (None when empty), and the calls."""
-        if not _tools(request):
+        tools = _tools(request)
+        if not tools:
             return text, []
         if self.tagged:
-            return _tagged_calls(text, _tools(request) or [])
+            return _tagged_calls(text, tools)
         from vllm.tool_parsers import ToolParserManager
 
         parser = ToolParserManager.get_tool_parser(self.tool_parser)(

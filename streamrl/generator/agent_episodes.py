@@ -40,7 +40,7 @@ __all__ = ["AgentGroups", "Ended"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     prompt: Prompt
     key: str
@@ -76,7 +76,6 @@ class AgentGroups:
         self, config: RunConfig, engine: Engine, runner: EnvRunner, renderer: ChatRenderer
     ) -> None:
         self.engine, self.runner = engine, runner
-        self.group_size_limit = config.generator.largest_group_size
         self.endpoint = AgentEndpoint(config.model.path)
         max_episode_tokens = config.generator.env.max_episode_tokens or config.model.max_model_len
         self.chat = AgentChat(
@@ -182,7 +181,9 @@ class AgentGroups:
             if reason == "done" and agent.finish_reason is not None:
                 reason = agent.finish_reason  # a budget ended it
             for i, (segment, calls) in enumerate(segments):
-                segment.ended_at = time.time()
+                # The G runs start together in one worker call: their ends, so measured,
+                # differ as they really did (the group's waits, `Rollout.wait_seconds`).
+                segment.ended_at = group.started + ended.env_s
                 last = i == len(segments) - 1
                 episode = replace(
                     ended,

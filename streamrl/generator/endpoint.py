@@ -24,6 +24,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,7 @@ class AgentEndpoint:
         for _ in range(int(STARTUP_TIMEOUT_S / 0.01)):
             if self._server.started or not self._thread.is_alive():
                 break
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
         if not self._server.started:
             raise RuntimeError("the agent endpoint did not start on 127.0.0.1")
         port = self._server.servers[0].sockets[0].getsockname()[1]

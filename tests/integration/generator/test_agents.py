@@ -152,6 +152,8 @@ def test_hostile_and_failing_agents_end_only_their_episodes_counted(tmp_path):
                 assert max(group.effective_turns) == 3
             if reason == "timeout":  # its group's other agent, in the same worker, was not
                 assert set(group.finish_reasons) - {"timeout"}
+                waits = group.episode_stat("wait_seconds")  # and waited for the one that hung
+                assert max(waits) > 10
         else:
             assert loop.stats.groups == 0, name
 

@@ -428,7 +428,6 @@ def test_an_edited_history_starts_a_new_segment(tagged_tokenizer) -> None:
 
     kept = episode.segments[0]
     assert kept.turns == 1
-    assert kept.ended_at is not None
     assert kept.token_ids() == prompt + sampled.token_ids.tolist()
     assert kept.arrays()[2].sum() == len(sampled.token_ids)
     assert episode.segment_tool_calls == [0, 0]
