@@ -65,8 +65,9 @@ class ScoredGroup:
         raw_scores: `[G] float32` the verifier's score before shaping (for metrics).
         truncated: `[G] bool` the response hit max_tokens without finishing.
         finish_reasons: G episode finish reasons ("done", "max_tokens", "max_turns",
-            "env_error", "timeout"; segments written before environments hold the engine's
-            "stop", "length").
+            "env_error", "timeout", and "split" for an agent's segment its next request did
+            not continue; segments written before environments hold the engine's "stop",
+            "length").
         policy_version: the oldest weight version that sampled any token of the group (for a
             single-turn group: the version its responses were sampled with).
         generator_id: which generator produced the group.
