@@ -7,12 +7,15 @@
 #   make setup   create .venv and install streamrl[cpu,test,dev] (idempotent)
 #   make test    set up if needed, lint, then run the default test suite (THE test command)
 #   make lint    ruff check + format check
+#   make image   the CPU image streamrl:cpu, from a fresh machine with no registry (scripts/image.sh)
+#   make up      the local stack: Prefect server, pools, workers (S3=1: SeaweedFS; DOCKER=1: the
+#                learner and generators in containers, deploy/README.md)
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.setup-complete
 
-.PHONY: setup demo test test-all lint format clean up down
+.PHONY: setup demo test test-all lint format clean up down image
 
 setup: $(STAMP)
 
@@ -41,7 +44,10 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 up: setup
-	S3=$(S3) VENV=$(VENV) bash scripts/stack.sh up
+	S3=$(S3) DOCKER=$(DOCKER) VENV=$(VENV) bash scripts/stack.sh up
+
+image: setup
+	VENV=$(VENV) bash scripts/image.sh
 
 down:
 	VENV=$(VENV) bash scripts/stack.sh down

@@ -14,13 +14,16 @@ lines, streamrl's warnings and errors); everything a process prints is in its lo
 from __future__ import annotations
 
 import logging
+import socket
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from storage.fs import StorageError, open_location
 from streamrl.config.run import RunConfig
 from streamrl.config.stored import open_existing_run
 from streamrl.supervision.output import noteworthy
+from streamrl.supervision.policy import NOT_RESTARTED
 from streamrl.supervision.supervisor import Component, Supervisor
 
 __all__ = ["component_task", "open_run_config", "run_alone"]
@@ -46,7 +49,20 @@ def component_task(supervisor: Supervisor, name: str) -> None:
 
 
 def open_run_config(run_uri: str) -> RunConfig:
-    """The configuration of the existing run at `run_uri`, as this worker reaches it."""
+    """The configuration of the existing run at `run_uri`, as this worker reaches it.
+
+    A run on local disk that this machine does not have was most likely made on another one (a
+    run placed on work pools whose flow runs land in containers or on other nodes): the error
+    says its storage has to be shared, and that a restart would fail the same way (the parent
+    of a run on pools then fails the run at once)."""
+    location = open_location(run_uri, check=False)
+    if location.is_local and not location.fs.exists(location.path):
+        raise StorageError(
+            f"no run at {run_uri} on this machine ({socket.gethostname()}): the run was made on "
+            "another machine's disk, which this flow run does not see. The processes of a run "
+            "on several machines (work pools of containers or nodes) share only its storage: "
+            f"give the run an s3:// run URI (or a path every machine mounts); {NOT_RESTARTED}"
+        )
     config, _ = open_existing_run(run_uri)
     config.storage.run_uri = run_uri
     return config

@@ -4,6 +4,11 @@
 #   generated at each start into <stack>/auth and the Prefect profile), the process work pools `local`
 #   (runs' supervisors), `learner` and `generators` (the processes of runs placed on pools), the
 #   deployments of deploy/prefect.yaml, one process worker per pool, and SeaweedFS (S3) with S3=1.
+# With DOCKER=1, `learner` and `generators` are Docker work pools instead (deploy/docker/pool.json:
+#   each flow run a container of the streamrl image, `make image`), on the internal Docker network
+#   `streamrl`; the Prefect server and SeaweedFS (always on) listen on the host's address there,
+#   the only things the containers reach. The run's S3 keys reach the containers through the
+#   volume `streamrl-secrets` (with <stack>/secrets.env, `NAME=value` lines, when it exists).
 #
 #   scripts/stack.sh up       start what is not running yet (a no-op when all of it is up)
 #   scripts/stack.sh down     stop all of it (safe to repeat)
@@ -16,6 +21,8 @@
 #                            stack is up (default: streamrl; empty: leave profiles alone)
 #   STREAMRL_STACK_TIMEOUT   seconds to wait for each component to come up (default: 180)
 #   S3=1                     also start SeaweedFS; its endpoint and keys go to <stack>/s3.env
+#   DOCKER=1                 Docker pools for the learner and generators (above; implies S3=1)
+#   STREAMRL_IMAGE           their image (default: streamrl:cpu)
 #   VENV                     the virtualenv with streamrl installed (default: ./.venv)
 #
 # The stack dir is private (0700) and what the stack writes there is too (0600): the API
@@ -33,8 +40,13 @@ STACK="${STREAMRL_STACK_DIR:-.stack}"
 [[ "$STACK" = /* ]] || STACK="$ROOT/$STACK"
 PROFILE="${STREAMRL_PREFECT_PROFILE-streamrl}"
 TIMEOUT="${STREAMRL_STACK_TIMEOUT:-180}"
-HOST=127.0.0.1
+HOST=127.0.0.1  # the server's and SeaweedFS's address: Docker mode's is the containers' gateway
+[[ -f "$STACK/host" ]] && HOST="$(<"$STACK/host")"
 POOLS=(local learner generators)
+DOCKER_POOLS=(learner generators)  # Docker pools with DOCKER=1; `local` runs the supervisors
+IMAGE="${STREAMRL_IMAGE:-streamrl:cpu}"
+NETWORK=streamrl                   # the names deploy/docker/pool.json uses
+SECRETS_VOLUME=streamrl-secrets
 USER_UMASK="$(umask)"  # what flow runs get: the runs they write are the user's to share
 umask 077              # everything the stack writes itself is private
 
@@ -108,12 +120,12 @@ launch() {  # launch NAME LOG COMMAND...: detached in its own session, PID file 
 }
 
 port_free() {
-    "$PY" - "$1" <<'PY'
+    "$PY" - "$1" "$HOST" <<'PY'
 import socket, sys
 with socket.socket() as sock:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is fine
     try:
-        sock.bind(("127.0.0.1", int(sys.argv[1])))
+        sock.bind((sys.argv[2], int(sys.argv[1])))
     except OSError:
         sys.exit(1)
 PY
@@ -133,7 +145,7 @@ pick_port() {
             return
         fi
     done
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+    "$PY" -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$HOST"
 }
 
 healthy() {
@@ -161,6 +173,56 @@ active_profile() {
 }
 
 api_url() { printf 'http://%s:%s/api' "$HOST" "$(<"$STACK/port")"; }
+
+# -- Docker mode --------------------------------------------------------------------------------
+
+docker_mode() { [[ -f "$STACK/docker" ]]; }  # the running stack was started with DOCKER=1
+
+network_gateway() {  # the host's address on the containers' network (made when missing)
+    docker network inspect "$NETWORK" >/dev/null 2>&1 \
+        || docker network create --internal "$NETWORK" >/dev/null \
+        || die "could not create the Docker network $NETWORK"
+    docker network inspect -f '{{(index .IPAM.Config 0).Gateway}}' "$NETWORK"
+}
+
+check_docker() {
+    command -v docker >/dev/null && docker info >/dev/null 2>&1 \
+        || die "DOCKER=1 needs a running Docker daemon; make image starts one (as root)"
+    docker image inspect "$IMAGE" >/dev/null 2>&1 \
+        || die "no image $IMAGE; build it: make image"
+}
+
+write_secrets() {  # the run's credentials into the volume the pools mount (0600, the image's user)
+    {
+        cat "$STACK/s3.env"
+        if [[ -f "$STACK/secrets.env" ]]; then cat "$STACK/secrets.env"; fi
+    } | docker run --rm -i --network none --user root -v "$SECRETS_VOLUME:/secrets" \
+        --entrypoint sh "$IMAGE" -c 'umask 077 && cat > /secrets/env && chown -R streamrl: /secrets' \
+        || die "could not write the volume $SECRETS_VOLUME"
+}
+
+remove_containers() {  # the flow runs' containers the stack's Docker workers started
+    command -v docker >/dev/null && docker info >/dev/null 2>&1 || return 0
+    local pool ids
+    for pool in "${DOCKER_POOLS[@]}"; do
+        ids="$(docker ps -aq --filter "label=io.prefect.worker-name=streamrl-$pool")"
+        [[ -z "$ids" ]] || { docker rm -f $ids >/dev/null && say "removed the containers of pool '$pool'"; }
+    done
+    docker volume rm "$SECRETS_VOLUME" >/dev/null 2>&1 || true
+}
+
+pool_type() {  # pool_type POOL: its worker type, empty when there is no such pool
+    "$PY" - "$1" <<'PY'
+import sys
+from prefect.client.orchestration import get_client
+from prefect.exceptions import ObjectNotFound
+with get_client(sync_client=True) as client:
+    try:
+        print(client.read_work_pool(sys.argv[1]).type)
+    except ObjectNotFound:
+        pass
+PY
+}
 
 new_credential() {  # a fresh `admin:<random token>` into <stack>/auth (0600)
     "$PY" -c 'import secrets; print("admin:" + secrets.token_urlsafe(32), end="")' >"$STACK/auth"
@@ -236,9 +298,22 @@ worker_sig() { printf 'worker start --pool %s ' "$1"; }  # a pool's worker's com
 deploy() {
     (
         cd "$ROOT"
+        local pool want have
         for pool in "${POOLS[@]}"; do
-            "$PREFECT" work-pool inspect "$pool" >/dev/null 2>&1 \
-                || "$PREFECT" work-pool create "$pool" --type process >/dev/null
+            want=process
+            docker_mode && [[ " ${DOCKER_POOLS[*]} " == *" $pool "* ]] && want=docker
+            have="$(pool_type "$pool")"
+            if [[ -n "$have" && "$have" != "$want" ]]; then  # the stack's mode changed
+                "$PREFECT" work-pool delete "$pool" >/dev/null
+                have=""
+            fi
+            if [[ "$want" == docker ]]; then
+                [[ -n "$have" ]] || "$PREFECT" work-pool create "$pool" --type docker >/dev/null
+                "$PREFECT" work-pool update "$pool" \
+                    --base-job-template deploy/docker/pool.json >/dev/null
+            elif [[ -z "$have" ]]; then
+                "$PREFECT" work-pool create "$pool" --type process >/dev/null
+            fi
         done
         # STREAMRL_ROOT stays a placeholder in the deployments: the worker fills it in.
         env -u STREAMRL_ROOT "$PREFECT" deploy --all --no-prompt \
@@ -249,14 +324,14 @@ deploy() {
 
 start_seaweedfs() {
     say "starting SeaweedFS (S3) in $(show "$STACK/seaweedfs")"
-    (cd "$ROOT" && "$PY" - "$STACK" <<'PY'
+    (cd "$ROOT" && "$PY" - "$STACK" "$HOST" <<'PY'
 import os, shlex, sys
 from pathlib import Path
 
 from storage.seaweedfs import SeaweedFS
 
-stack = Path(sys.argv[1])
-server = SeaweedFS(data_dir=stack / "seaweedfs").start()
+stack, host = Path(sys.argv[1]), sys.argv[2]
+server = SeaweedFS(data_dir=stack / "seaweedfs", host=host).start()
 # The server outlives this process (its own session); `scripts/stack.sh down` kills it.
 (stack / "seaweedfs.pid").write_text(str(server._process.pid))
 lines = [f"export {key}={shlex.quote(value)}" for key, value in server.env.items()]
@@ -299,8 +374,25 @@ up() {
     mkdir -p "$STACK"
     chmod 700 "$STACK"
     printf '*\n' >"$STACK/.gitignore"
-    local want_s3=0 fresh_s3=0
+    local want_s3=0 fresh_s3=0 want_docker=0 mode=process
     [[ "${S3:-0}" == 1 ]] && want_s3=1
+    [[ "${DOCKER:-0}" == 1 ]] && want_docker=1 want_s3=1
+    if running server "$SERVER_SIG" >/dev/null || running seaweedfs "$S3_SIG" >/dev/null; then
+        local up_docker=0
+        docker_mode && up_docker=1 mode=Docker
+        if ((want_docker != up_docker)); then
+            die "the stack is up with $mode pools; stop it first (make down), then start it again"
+        fi
+    elif ((want_docker)); then
+        check_docker
+        HOST="$(network_gateway)"
+        : >"$STACK/docker"
+    else
+        HOST=127.0.0.1
+        rm -f "$STACK/docker"
+    fi
+    printf '%s' "$HOST" >"$STACK/host"
+    ((want_docker)) && check_docker
     if running server "$SERVER_SIG" >/dev/null && workers_up \
         && { ((want_s3 == 0)) || running seaweedfs "$S3_SIG" >/dev/null; }; then
         say "the stack is already up"
@@ -324,6 +416,7 @@ up() {
     fi
     # A worker started before SeaweedFS lacks its credentials: restart it.
     ((fresh_s3)) && stop_workers
+    docker_mode && write_secrets
     local pool
     for pool in "${POOLS[@]}"; do
         running "worker-$pool" "$(worker_sig "$pool")" >/dev/null || start_worker "$pool"
@@ -333,9 +426,10 @@ up() {
 
 down() {
     stop_workers
+    remove_containers
     stop server "$SERVER_SIG" 30
     stop seaweedfs "$S3_SIG" 0
-    rm -f "$STACK/s3.env"
+    rm -f "$STACK/s3.env" "$STACK/docker" "$STACK/host"
     restore_profile
     say "the stack is down"
 }
@@ -343,6 +437,7 @@ down() {
 status() {
     local pid missing=0
     say "streamrl stack ($(show "$STACK")):"
+    docker_mode && say "  Docker pools    ${DOCKER_POOLS[*]}: image $IMAGE, network $NETWORK (the host is $HOST there)"
     if pid="$(running server "$SERVER_SIG")"; then
         say "  prefect server  up    pid $pid  UI http://$HOST:$(<"$STACK/port")  API $(api_url)"
         [[ -f "$STACK/auth" ]] && say "    basic auth:   the UI's password is the line in $(show "$STACK/auth")"

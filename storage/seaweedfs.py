@@ -52,8 +52,8 @@ def _ephemeral_floor() -> int:
         return 49152
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (every gRPC port is passed explicitly, so
+def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free TCP ports on `host` (every gRPC port is passed explicitly, so
     SeaweedFS's default of port + 10000 never collides), below the ephemeral range when there
     is room: while the server is down for a restart, its clients' outgoing connections cannot
     take one of its ports, which it binds again on `start()`."""
@@ -65,7 +65,7 @@ def _free_ports(count: int) -> list[int]:
         while len(ports) < count:
             sock = socket.socket()
             try:
-                sock.bind(("127.0.0.1", candidates.pop() if candidates else 0))
+                sock.bind((host, candidates.pop() if candidates else 0))
             except OSError:  # taken: try the next candidate
                 sock.close()
                 continue
@@ -78,14 +78,20 @@ def _free_ports(count: int) -> list[int]:
 
 
 class SeaweedFS:
-    """A SeaweedFS S3 endpoint with one bucket, started on enter and killed on exit."""
+    """A SeaweedFS S3 endpoint with one bucket, started on enter and killed on exit.
+
+    It listens on `host` only: 127.0.0.1 by default; the local stack's Docker mode passes the
+    host's address on the containers' network (scripts/stack.sh), which containers reach and
+    nothing outside this machine does."""
 
     def __init__(
         self,
         data_dir: str | os.PathLike[str] | None = None,
         bucket: str = "streamrl",
         startup_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="seaweedfs-"))
         self.bucket = bucket
@@ -128,15 +134,15 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
         config.write_text(json.dumps({"identities": [identity]}))
-        self._ports = self._ports or _free_ports(8)
+        self._ports = self._ports or _free_ports(8, self.host)
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self._ports
-        self.endpoint_url = f"http://127.0.0.1:{s3}"
+        self.endpoint_url = f"http://{self.host}:{s3}"
         command = [
             weed_binary(),
             "server",
             f"-dir={data}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
             f"-master.port={master}",
             f"-master.port.grpc={master_grpc}",
             "-master.volumeSizeLimitMB=256",

@@ -118,6 +118,7 @@ class GeneratorLoop:
         )
         self._started = time.monotonic()
         self._next_log = self._started + 30.0
+        self._sampled = False
 
     def run(self, stop: threading.Event | None = None) -> GeneratorStats:
         """Generate until stopped; flush what was scored; return the counters."""
@@ -152,6 +153,10 @@ class GeneratorLoop:
             self.ledger.take(key, position)
         if self.engine.num_in_flight:
             finished = self.engine.step()
+            if not self._sampled:  # the end of the start-up (benchmarks/container_bench.py)
+                log.info("generator %s: first tokens sampled, weights v%d",
+                         self.generator_id, self.engine.policy_version)  # fmt: skip
+                self._sampled = True
         else:  # nothing to sample (paused by flow control, or waiting for environments)
             finished = []
             in_flight = self.episodes.groups_in_flight

@@ -1,5 +1,6 @@
 """What a run's processes print: each line appended to the component's log file
-(`ComponentLogs`), and the few a user's terminal shows (`noteworthy`).
+(`ComponentLogs`; for a run on object storage also copied there), and the few a user's terminal
+shows (`noteworthy`).
 
 Used by every supervisor of processes (`streamrl.supervision.supervisor`) and by the flows that run
 one.
@@ -7,14 +8,19 @@ one.
 
 from __future__ import annotations
 
+import logging
 import re
+import socket
 import threading
 from pathlib import Path
 from typing import IO
 
 from storage.fs import Location
 
-__all__ = ["RESTART_NOTICE", "ComponentLogs", "noteworthy"]
+__all__ = ["LOG_COPY_EVERY_S", "RESTART_NOTICE", "ComponentLogs", "noteworthy"]
+
+log = logging.getLogger(__name__)
+LOG_COPY_EVERY_S = 30.0  # how often a run on object storage gets its components' logs copied
 
 # What a user's terminal shows of a component's output: the learner's step lines, streamrl's
 # warnings and errors (as logged by `streamrl.cli.main`: "<date> <time> LEVEL logger: message"). The
@@ -43,19 +49,35 @@ def noteworthy(line: str) -> str | None:
 
 
 class ComponentLogs:
-    """Each component's output, appended line by line to `<folder>/<component>.log`."""
+    """Each component's output, appended line by line to `<folder>/<component>.log`; with
+    `copy_to` (a folder of the run's storage) each file is also copied there every
+    `copy_every_s` while it grows, and when the logs close: a container's or a pod's files go
+    with it, the run's storage stays. A copy that fails (storage unreachable) is retried at the
+    next one; it never stops the component."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        copy_to: tuple[Location, str] | None = None,
+        copy_every_s: float = LOG_COPY_EVERY_S,
+    ) -> None:
         self.folder = folder
         self._files: dict[str, IO[str]] = {}
         self._lock = threading.Lock()
+        self._copy_to = copy_to
+        self._copy_every_s = copy_every_s
+        self._copied: dict[str, int] = {}  # component: the size of its last copy
+        self._closed = threading.Event()
+        self._copier: threading.Thread | None = None
 
     @classmethod
     def for_run(cls, run: Location) -> ComponentLogs:
-        """`<run>/logs/` for a run on local disk, else `./streamrl-logs/<run name>/`."""
+        """`<run>/logs/` for a run on local disk; else `./streamrl-logs/<run name>/`, copied to
+        `<run>/logs/<host name>/`."""
         if run.is_local:
             return cls(Path(run.path) / "logs")
-        return cls(Path("streamrl-logs") / run.path.rstrip("/").rsplit("/", 1)[-1])
+        folder = Path("streamrl-logs") / run.path.rstrip("/").rsplit("/", 1)[-1]
+        return cls(folder, copy_to=(run, run.join("logs", socket.gethostname())))
 
     def write(self, component: str, line: str) -> None:
         with self._lock:
@@ -64,10 +86,42 @@ class ComponentLogs:
                 self._files[component] = open(  # noqa: SIM115 (closed by close())
                     self.folder / f"{component}.log", "a", buffering=1
                 )
+                if self._copy_to is not None and self._copier is None:
+                    self._copier = threading.Thread(
+                        target=self._copy_while_open, name="log-copy", daemon=True
+                    )
+                    self._copier.start()
             self._files[component].write(line + "\n")
 
     def close(self) -> None:
         with self._lock:
             for file in self._files.values():
                 file.close()
+            components = list(self._files)
             self._files.clear()
+        self._closed.set()
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
+        self._copy(components)
+
+    def _copy_while_open(self) -> None:
+        while not self._closed.wait(self._copy_every_s):
+            with self._lock:
+                components = list(self._files)
+            self._copy(components)
+
+    def _copy(self, components: list[str]) -> None:
+        if self._copy_to is None:
+            return
+        run, folder = self._copy_to
+        for component in components:
+            path = self.folder / f"{component}.log"
+            try:
+                size = path.stat().st_size
+                if self._copied.get(component) != size:
+                    run.fs.makedirs(folder, exist_ok=True)  # local disk; nothing on S3
+                    run.fs.put_file(str(path), f"{folder}/{component}.log")
+                    self._copied[component] = size
+            except Exception as exc:  # storage down: the next copy tries again
+                log.debug("could not copy %s to %s/: %s", path, folder, exc)

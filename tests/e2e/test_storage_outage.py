@@ -102,6 +102,14 @@ def _identity(group: ScoredGroup) -> tuple:
 
 def _check_stream(run: Location) -> int:
     """Every committed group, read once in commit order: the number of groups."""
+    groups = committed_groups(run)
+    assert {group.generator_id for group in groups} == {"gen0", "gen1"}
+    return len(groups)
+
+
+def committed_groups(run: Location) -> list[ScoredGroup]:
+    """Every committed group, read once in commit order, checked: the commit log is gap-free,
+    no segment is committed twice or quarantined, no group appears twice."""
     log = run.join("stream", "log")
     seqs = sorted(int(path.rsplit("/", 1)[1].removesuffix(".json")) for path in run.fs.ls(log))
     records = list(read_log(run))
@@ -112,13 +120,13 @@ def _check_stream(run: Location) -> int:
 
     expected = sum(record.num_groups for record in records)
     reader = StreamReader(run)
-    groups = reader.groups(timeout_s=60)
-    identities = [_identity(next(groups)) for _ in range(expected)]
-    groups.close()
+    stream = reader.groups(timeout_s=60)
+    groups = [next(stream) for _ in range(expected)]
+    stream.close()
     assert reader.stats.quarantined == [], "committed segments were lost"
-    assert len(set(identities)) == len(identities), "a group was committed twice"
-    assert {identity[0] for identity in identities} == {"gen0", "gen1"}
-    return expected
+    identities = {_identity(group) for group in groups}
+    assert len(identities) == len(groups), "a group was committed twice"
+    return groups
 
 
 def _replay_offline(run: Location, folder: Path) -> Location:
