@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from storage.fs import Location, open_location
+from storage.seaweedfs import read_env_file
 from streamrl.learner.reporting import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,14 +79,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _s3_env(stack: Path) -> dict[str, str]:
-    env = {}
-    for line in (stack / "s3.env").read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        env[name] = shlex.split(value)[0]
-    return env
-
-
 class Stack:
     """A local stack in a temporary folder (`scripts/stack.sh`): Docker pools or process pools."""
 
@@ -108,7 +100,7 @@ class Stack:
         host = (self.dir / "host").read_text()
         self.api = f"http://{host}:{self.env['STREAMRL_PREFECT_PORT']}/api"
         self.auth = (self.dir / "auth").read_text().strip()
-        self.s3 = _s3_env(self.dir)
+        self.s3 = read_env_file(self.dir / "s3.env")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -29,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["SeaweedFS", "weed_binary"]
+__all__ = ["SeaweedFS", "read_env_file", "weed_binary"]
 
 
 def weed_binary() -> str:
@@ -225,3 +226,14 @@ class SeaweedFS:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The variables of a file of `export NAME=value` lines (values shell-quoted), as the local
+    stack writes a server's `env` to `<stack>/s3.env`."""
+    found = {}
+    for line in Path(path).read_text().splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        if name.strip():
+            found[name.strip()] = shlex.split(value)[0] if value.strip() else ""
+    return found

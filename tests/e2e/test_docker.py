@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -39,12 +38,14 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary
 from storage.checkpoints.dcp import CheckpointStore
 from storage.control.manifest import create_run
 from storage.fs import Location, open_location
+from storage.seaweedfs import read_env_file
 from storage.stream.learner_progress import read_learner_progress
 from storage.weights.versions import WeightStore
+from streamrl.config.run import RunConfig
 from streamrl.config.stored import load_run_config
 from streamrl.learner.reporting import read_metrics
 from streamrl.supervision.launch import learner_command
-from tests.e2e.test_pools import _children, _named, _state, _wait_for
+from tests.e2e.test_pools import _children, _named, _state, _wait_for, free_port, stack_sh
 from tests.e2e.test_storage_outage import committed_groups
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,21 +75,6 @@ def _docker(*args: str, check: bool = True) -> str:
     return done.stdout.strip()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _s3_env(stack_dir: Path) -> dict[str, str]:
-    """The stack's S3 keys and endpoint (`<stack>/s3.env`: `export NAME='value'` lines)."""
-    env = {}
-    for line in (stack_dir / "s3.env").read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        env[name] = shlex.split(value)[0]
-    return env
-
-
 @pytest.fixture(scope="module")
 def docker_stack(tmp_path_factory):
     """The image (built when missing) and the stack with Docker pools; yields the env of a
@@ -103,33 +89,25 @@ def docker_stack(tmp_path_factory):
         **os.environ,
         "DOCKER": "1",
         "STREAMRL_STACK_DIR": str(stack_dir),
-        "STREAMRL_PREFECT_PORT": str(_free_port()),
+        "STREAMRL_PREFECT_PORT": str(free_port()),
         "STREAMRL_PREFECT_PROFILE": "",
         "PREFECT_HOME": str(home / "prefect-home"),
     }
     for inherited in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILE", "S3"):
         env.pop(inherited, None)
 
-    def stack_sh(action: str) -> str:
-        done = subprocess.run(
-            ["bash", "scripts/stack.sh", action], cwd=ROOT, env=env, capture_output=True,
-            text=True, timeout=900,
-        )  # fmt: skip
-        assert done.returncode == 0, f"stack.sh {action}:\n{done.stdout}\n{done.stderr}"
-        return done.stdout
-
     try:
-        stack_sh("up")
+        stack_sh("up", env)
         host = (stack_dir / "host").read_text()
         assert host != "127.0.0.1"  # the containers' gateway
         api = f"http://{host}:{env['STREAMRL_PREFECT_PORT']}/api"
         auth = (stack_dir / "auth").read_text().strip()
-        s3 = _s3_env(stack_dir)
+        s3 = read_env_file(stack_dir / "s3.env")
         assert s3["AWS_ENDPOINT_URL"].startswith(f"http://{host}:")
         with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
             yield {**env, **s3, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth}
     finally:
-        print(stack_sh("down"))
+        print(stack_sh("down", env))
     assert not _docker("ps", "-aq", "--filter", "label=io.prefect.worker-name=streamrl-learner")
 
 
@@ -168,17 +146,21 @@ def _still_running(run: Location, what: str) -> None:
 
 def _replay_offline(run: Location, folder: Path) -> Location:
     """A fresh local run holding `run`'s stream, trained by a learner alone: one node of two
-    ranks (the same world size as the run's two nodes of one rank)."""
+    ranks (the same world size as the run's two nodes of one rank), each with as many threads
+    as a node's rank had (each container saw every core of this machine; torchrun would give
+    two ranks one thread each): a rank's bits depend on its threads, which split some of its
+    sums differently."""
     replay = open_location(str(folder))
-    config = load_run_config(run)
-    config.storage.run_uri = str(folder)
-    config.learner.nnodes, config.learner.nproc_per_node = 1, 2
-    config.placement.mode = "local"
+    fields = load_run_config(run).model_dump(mode="json")
+    fields["storage"]["run_uri"] = str(folder)
+    fields["learner"].update(nnodes=1, nproc_per_node=2)
+    fields["placement"] = {"mode": "local"}
+    config = RunConfig.model_validate(fields)
     create_run(replay, config.model_dump(mode="json"))
     run.fs.get(run.join("stream") + "/", str(folder / "stream"), recursive=True)
     learner = subprocess.run(
         learner_command(config), cwd=folder, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(os.cpu_count())},
     )  # fmt: skip
     assert learner.returncode == 0, learner.stderr[-3000:]
     return replay

@@ -47,7 +47,7 @@ TINY = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -57,7 +57,7 @@ def _free_port() -> int:
 def stack(tmp_path_factory):
     """The local stack in a temporary stack dir and Prefect home; yields the client's env."""
     home = tmp_path_factory.mktemp("stack")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "STREAMRL_STACK_DIR": str(home / "stack"),
@@ -69,21 +69,24 @@ def stack(tmp_path_factory):
     for inherited in (*inherited_names, "STREAMRL_ROOT", "S3"):
         env.pop(inherited, None)
 
-    def stack_sh(action: str) -> None:
-        done = subprocess.run(
-            ["bash", "scripts/stack.sh", action], cwd=ROOT, env=env, capture_output=True,
-            text=True, timeout=600,
-        )  # fmt: skip
-        assert done.returncode == 0, f"stack.sh {action}:\n{done.stdout}\n{done.stderr}"
-
     api = f"http://127.0.0.1:{port}/api"
     try:
-        stack_sh("up")
+        stack_sh("up", env)
         auth = (home / "stack" / "auth").read_text().strip()  # the server's own credential
         with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
             yield {**env, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth}
     finally:
-        stack_sh("down")
+        stack_sh("down", env)
+
+
+def stack_sh(action: str, env: dict[str, str]) -> str:
+    """`scripts/stack.sh <action>` with `env`; its output."""
+    done = subprocess.run(
+        ["bash", "scripts/stack.sh", action], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, f"stack.sh {action}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
 
 
 def _start(run_dir: Path, steps: int, generators: int, extra: list[str] | None = None) -> UUID:

@@ -4,10 +4,11 @@ reach the host's 127.0.0.1 (SeaweedFS also listens on 127.0.0.1 itself, which st
 
 from __future__ import annotations
 
+import shlex
 from urllib.parse import urlsplit
 
 from storage.fs import open_location
-from storage.seaweedfs import SeaweedFS
+from storage.seaweedfs import SeaweedFS, read_env_file
 
 OTHER_LOOPBACK = "127.0.0.2"  # any 127/8 address is the host's own: a stand-in for a gateway
 
@@ -18,3 +19,10 @@ def test_the_server_serves_on_the_address_it_is_given(tmp_path):
         run = open_location(f"s3://{server.bucket}/runs/x", storage_options=server.storage_options)
         run.fs.pipe_file(run.join("probe"), b"written")
         assert run.fs.cat_file(run.join("probe")) == b"written"
+
+
+def test_the_stacks_env_file_reads_back_as_written(tmp_path):
+    values = {"AWS_ACCESS_KEY_ID": "streamrl-1a2b", "AWS_SECRET_ACCESS_KEY": "a b'c$d"}
+    path = tmp_path / "s3.env"
+    path.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items()))
+    assert read_env_file(path) == values
