@@ -76,6 +76,7 @@ from benchmarks.learner_measures import (
     ModelShape,
     default_peak_tflops,
     device_name,
+    figures_json,
     memory_meter,
     synchronize,
 )
@@ -530,6 +531,51 @@ def report(
         report_learner(rows, results["learner"], best)
 
 
+def summary(
+    device: str, results: dict[str, dict], repeats: int, flops: list[float], peak: float | None
+) -> dict[str, Any]:
+    """The figures `report` prints, as one JSON-able dict (`--json`; `benchmarks.gpu_check`):
+    per phase tokens/s and MFU (all measured steps and best-of-repeats), s/step and memory; the
+    ratios; the publish figures."""
+    rows = {name: result["steps"] for name, result in results.items()}
+    mfu = lambda steps: None if peak is None else _rate(steps, "flops") / (peak * 1e12)  # noqa: E731
+    phases = {
+        name: {
+            "response_tokens_per_step": statistics.mean(r["tokens"] for r in steps),
+            "s_per_step": statistics.mean(r["step_s"] for r in steps),
+            "tokens_per_s": _rate(steps),
+            "best_tokens_per_s": _best_rate(steps, repeats),
+            "mfu": mfu(steps),
+            "best_mfu": mfu(_best(steps, repeats)),
+            **{k: v for k, v in results[name].items() if k.startswith("mem_")},
+        }
+        for name, steps in rows.items()
+    }
+    best = {name: phase["best_tokens_per_s"] for name, phase in phases.items()}
+    out: dict[str, Any] = {
+        "device": device,
+        "peak_tflops": peak,
+        "phases": phases,
+        "new_over_today": best["new"] / best["today"],
+        "new_over_bare": best["new"] / best["bare"],
+        "publish_bare": {k: results["bare"][k] for k in ("gather_s", "write_s", "bare_weights_MB")},
+    }
+    if "learner" in rows:
+        steps = rows["learner"]
+        uploads = [r for r in steps if "upload_s" in r]
+        out["learner_over_bare"] = best["learner"] / best["bare"]
+        out["learner_over_bare_all_steps"] = _rate(steps) / _rate(rows["bare"])
+        out["publish_learner"] = {
+            "sync_s": statistics.mean(r["sync_s"] for r in steps),
+            "upload_s": statistics.mean(r["upload_s"] for r in uploads) if uploads else None,
+            "stored_MB": statistics.mean(r["stored_bytes"] for r in uploads) / MB
+            if uploads
+            else None,
+            "weights_MB": results["learner"]["weights_MB"],
+        }
+    return out
+
+
 def report_learner(rows: dict[str, list], learner: dict[str, Any], best: dict[str, float]):
     """The learner against the bare step and the new path, and its publishes."""
     print(
@@ -597,6 +643,7 @@ def main() -> None:
         help="comma-separated, of bare, today, new, learner (each a process alive for the whole "
         "run: mind the memory)",
     )  # fmt: skip
+    parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -629,6 +676,9 @@ def main() -> None:
             + (f"{peak:g} TFLOP/s ({source})" if peak else "– (give --peak-tflops)")
         )
         report(results, args.repeats, flops, peak)
+        if args.json:
+            figures = summary(device, results, args.repeats, flops, peak)
+            Path(args.json).write_text(figures_json(figures))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ phase is credited the same FLOPs for the same batch, so MFU ratios are speed rat
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import resource
 import threading
@@ -220,3 +222,18 @@ def device_name(device: str) -> str:
         name = torch.cuda.get_device_name(torch.cuda.current_device())
         return f"{name} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     return f"CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
+
+
+def figures_json(figures: Any) -> str:
+    """`figures` as JSON with every NaN or infinity written as null (JSON has neither)."""
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: finite(v) for key, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(figures), indent=1, allow_nan=False)

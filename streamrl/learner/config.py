@@ -189,6 +189,13 @@ class LearnerConfig(Section):
         "prompt, then each response attending to the prompt and itself). auto: on where the "
         "model's attention takes such a mask (SDPA); off: a row per response.",
     )
+    attention: Literal["auto", "sdpa", "flex_attention"] = Field(
+        "auto",
+        description="The attention kernel of the learner's forward passes. sdpa: PyTorch's "
+        "scaled_dot_product_attention (shared-prompt rows with a dense mask); flex_attention: "
+        "FlexAttention with a block mask, computing only the blocks each row's prompt and "
+        "responses touch (CUDA only: it has no backward on CPU). auto: sdpa.",
+    )
     logprob_chunk_tokens: int = Field(
         1024,
         gt=0,
@@ -225,6 +232,15 @@ class LearnerConfig(Section):
             f"never be reached; set learner.warmup_steps ≤ {updates} or raise "
             "learner.total_steps"
         )
+        return self
+
+    @model_validator(mode="after")
+    def _flex_attention_on_cuda(self) -> LearnerConfig:
+        if self.attention == "flex_attention" and self.device == "cpu":
+            raise ValueError(
+                "learner.attention=flex_attention needs learner.device=cuda (FlexAttention has no "
+                "backward pass on CPU); set learner.attention=sdpa or auto"
+            )
         return self
 
     @model_validator(mode="after")

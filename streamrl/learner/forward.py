@@ -21,6 +21,7 @@ Under FSDP2 the root unit keeps its parameters gathered from its forward to its 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from streamrl.algorithms.logits import (
@@ -29,9 +30,12 @@ from streamrl.algorithms.logits import (
     token_logprobs_and_entropy,
 )
 from streamrl.learner.mini_batches import MicroBatch
+from streamrl.learner.packing import shared_prompt_mask
 
 __all__ = [
     "HiddenStatesHead",
+    "attention_implementation",
+    "set_attention",
     "shares_prompts",
     "token_scores",
     "use_hidden_states_head",
@@ -39,8 +43,8 @@ __all__ = [
     "values",
 ]
 
-# Attention implementations that take a boolean `[R, 1, S, S]` mask as it is.
-BLOCK_MASK_ATTENTION = frozenset({"sdpa"})
+# Attention implementations that take shared-prompt rows' mask (`packing.shared_prompt_mask`).
+BLOCK_MASK_ATTENTION = frozenset({"sdpa", "flex_attention"})
 
 
 class HiddenStatesHead(nn.Module):
@@ -75,10 +79,36 @@ def use_hidden_states_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def attention_implementation(setting: str, device: torch.device) -> str:
+    """`learner.attention` on `device`: `auto` is SDPA (on CUDA until FlexAttention is measured
+    faster there: benchmarks/RESULTS.md); FlexAttention is refused off CUDA (PyTorch has no
+    backward for it on CPU)."""
+    if setting == "flex_attention" and device.type != "cuda":
+        raise ValueError(
+            f"learner.attention=flex_attention needs a CUDA device (FlexAttention has no backward "
+            f"pass on {device.type}); set learner.attention=sdpa or auto"
+        )
+    return "sdpa" if setting == "auto" else setting
+
+
+def set_attention(model: nn.Module, implementation: str) -> nn.Module:
+    """Run `model`'s attention (a causal LM's or a `ValueModel`'s transformer) with
+    `implementation` (transformers' name: sdpa, flex_attention, eager); returns `model`.
+    Meta and sharded models alike: it is read at each forward."""
+    model.base_model.set_attn_implementation(implementation)
+    return model
+
+
+def _attention(model: nn.Module) -> str | None:
+    """The attention implementation `model` runs (None: not a transformers model)."""
+    config = getattr(getattr(model, "base_model", model), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
 def shares_prompts(model: nn.Module, setting: str) -> bool:
     """Whether the learner packs each group's prompt once (`learner.shared_prompt`): `auto`
     where the model's attention takes a block mask, `on` (refused where it does not), `off`."""
-    attention = getattr(model.config, "_attn_implementation", None)
+    attention = _attention(model)
     supported = attention in BLOCK_MASK_ATTENTION
     if setting == "on" and not supported:
         raise ValueError(
@@ -89,8 +119,10 @@ def shares_prompts(model: nn.Module, setting: str) -> bool:
     return setting == "on" or (setting == "auto" and supported)
 
 
-def _inputs(micro: MicroBatch) -> dict[str, Tensor]:
-    mask = micro.attention_mask if micro.block_mask is None else micro.block_mask
+def _inputs(model: nn.Module, micro: MicroBatch) -> dict[str, Tensor]:
+    mask = micro.attention_mask
+    if micro.segments is not None:  # shared-prompt rows: the mask the attention takes
+        mask = shared_prompt_mask(micro.segments, _attention(model))
     return {
         "input_ids": micro.input_ids,
         "attention_mask": mask,
@@ -117,7 +149,7 @@ def token_scores(
     zero elsewhere (environment tokens included)."""
     mask = micro.sampled_mask
     where = micro.gather[mask]
-    output = model(**_inputs(micro), use_cache=False).logits  # [R, S, H] or [R, S, V]
+    output = model(**_inputs(model, micro), use_cache=False).logits  # [R, S, H] or [R, S, V]
     rows = output.reshape(-1, output.shape[-1])[where]
     ids = micro.targets[mask]
     head = model.get_output_embeddings()
@@ -139,7 +171,7 @@ def values(critic: nn.Module, micro: MicroBatch) -> Tensor:
     """V of the state each sampled response target is chosen in (`sampled_mask`): `[n, T−1]`
     float32, zero elsewhere."""
     mask = micro.sampled_mask
-    output = critic(**_inputs(micro))  # [R, S]
+    output = critic(**_inputs(critic, micro))  # [R, S]
     return _scatter(output.reshape(-1)[micro.gather[mask]], mask)
 
 
@@ -148,6 +180,6 @@ def value_outputs(critic: nn.Module, micro: MicroBatch) -> tuple[Tensor, Tensor]
     them (`ValueModel.value`) at the sampled response targets of `micro`: `[n, T−1, K]` and
     `[n, T−1]` float32, both differentiable and zero elsewhere."""
     mask = micro.sampled_mask
-    output = critic(**_inputs(micro), outputs=True)  # [R, S, K]
+    output = critic(**_inputs(critic, micro), outputs=True)  # [R, S, K]
     rows = output.reshape(-1, output.shape[-1])[micro.gather[mask]]
     return _scatter(rows, mask), _scatter(critic.value(rows), mask)

@@ -21,7 +21,12 @@ import torch
 from torch import nn
 
 from streamrl.config.run import RunConfig
-from streamrl.learner.forward import shares_prompts, use_hidden_states_head
+from streamrl.learner.forward import (
+    attention_implementation,
+    set_attention,
+    shares_prompts,
+    use_hidden_states_head,
+)
 from streamrl.learner.lora import BaseReference, lora_policy
 from streamrl.learner.meta import load_sharded, meta_policy, meta_value_model
 from streamrl.learner.model import (
@@ -44,8 +49,10 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
     attention)."""
     cfg, algorithm, model_cfg = config.learner, config.algorithm, config.model
     torch.manual_seed(cfg.seed)
+    attention = attention_implementation(cfg.attention, topology.device)
 
     def shard(model: nn.Module) -> nn.Module:
+        set_attention(model, attention)
         return shard_model(model, topology, cfg.mixed_precision, cfg.activation_checkpointing)
 
     def shard_lm(model: nn.Module) -> nn.Module:
@@ -64,7 +71,6 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
         meta = lora_policy(meta, model_cfg.lora, cfg.seed)
     policy = load_sharded(meta, shard_lm, topology)
     shared_prompt = shares_prompts(policy, cfg.shared_prompt)
-    attention = getattr(policy.config, "_attn_implementation", "?")
     topology.main_only(lambda: log.info(
         "each group's prompt computed %s (learner.shared_prompt=%s, %s attention); LM head "
         "on response positions only", "once" if shared_prompt else "per response",

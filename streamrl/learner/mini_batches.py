@@ -163,7 +163,8 @@ class MicroBatch:
     with shared prompts, one per group — its prompt once, then its responses.
     input_ids           `[R, S]   int64`  the rows' tokens, padded with PAD_ID (0)
     attention_mask      `[R, S]   int64`  1 on real tokens
-    block_mask          `[R, 1, S, S] bool | None`  who attends to whom in shared-prompt rows
+    segments            `[R, S]   int64 | None`  shared-prompt rows: −1 padding, 0 prompt, i + 1
+                                          response i (who attends to whom: `packing.attends`)
     position_ids        `[R, S]   int64`  each token's position in its response's sequence
     gather              `[n, T−1] int64`  flat index (row · S + position) of the hidden state
                                           scoring targets[i, j], where response_mask
@@ -206,7 +207,7 @@ class MicroBatch:
     positive: Tensor
     fresh: Tensor
     num_tokens: int
-    block_mask: Tensor | None = None
+    segments: Tensor | None = None
     teacher_logprobs: Tensor | None = None
     is_dummy: bool = False
 
@@ -402,7 +403,7 @@ def _micro_batch(batch: TrainBatch, units: list[Tensor], overlong_filter: bool) 
     return MicroBatch(
         input_ids=forward.input_ids,
         attention_mask=forward.attention_mask,
-        block_mask=forward.block_mask,
+        segments=forward.segments,
         position_ids=forward.position_ids,
         gather=forward.gather,
         targets=sequences[:, 1:].contiguous(),

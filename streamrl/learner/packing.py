@@ -14,6 +14,11 @@ of `MicroBatch` (`[n, T−1]`: response i, target position j), `gather[i, j]`: t
 `response_mask`. The first response token is scored by the prompt's last position (shared),
 every later one by the response's previous token.
 
+Who attends to whom is one rule, `attends` (a FlexAttention mask function over the rows'
+`segments`), given to the attention kernel in the form it takes (`shared_prompt_mask`): SDPA a
+dense boolean `[R, 1, S, S]` mask, FlexAttention a `BlockMask` (only the blocks a row's
+responses and prompt touch are computed).
+
 A multi-turn response's environment tokens (tool results, user turns) are response tokens here
 like any other: in the row, attended to by the tokens after them, given a `gather` index; the
 learner scores only the sampled ones (`MicroBatch.sampled_mask`), so they never enter a loss.
@@ -21,12 +26,14 @@ learner scores only the sampled ones (`MicroBatch.sampled_mask`), so they never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = ["ForwardRows", "forward_rows"]
+__all__ = ["ForwardRows", "attends", "forward_rows", "shared_prompt_mask"]
 
 PAD_ID = 0
 
@@ -37,14 +44,15 @@ class ForwardRows:
 
     input_ids       `[R, S] int64`        the units' tokens, right-padded with PAD_ID
     attention_mask  `[R, S] int64`        1 on real tokens (rows of one response each), or
-    block_mask      `[R, 1, S, S] bool`   who attends to whom, when a unit shares its prompt
+    segments        `[R, S] int64`        when a unit shares its prompt: −1 padding, 0 the
+                                          prompt, i + 1 the unit's response i (`attends`)
     position_ids    `[R, S] int64`        positions as in each response's own sequence
     gather          `[n, T−1] int64`      flat index of the hidden state scoring target (i, j)
     """
 
     input_ids: Tensor
     attention_mask: Tensor
-    block_mask: Tensor | None
+    segments: Tensor | None
     position_ids: Tensor
     gather: Tensor
 
@@ -92,10 +100,32 @@ def forward_rows(
             offset += L
         first += len(unit)
     real = segment >= 0
-    if all(len(u) == 1 for u in units):
-        return ForwardRows(input_ids, real.long(), None, position_ids, gather)
-    q, kv = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    block = causal & (kv >= 0) & ((kv == 0) | (kv == q)) & (q >= 0)
-    block |= torch.eye(width, dtype=torch.bool) & ~real[:, :, None]  # padding sees itself: no NaN
-    return ForwardRows(input_ids, real.long(), block[:, None], position_ids, gather)
+    shared = None if all(len(u) == 1 for u in units) else segment
+    return ForwardRows(input_ids, real.long(), shared, position_ids, gather)
+
+
+def attends(segments: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The mask function of shared-prompt rows with `segments` `[R, S]` (FlexAttention's
+    `mask_mod(row, head, query, key)`; it broadcasts, so it also builds the dense mask): a token
+    attends causally to its own segment and to the prompt; padding attends to itself only (a
+    row with nothing to attend to would turn attention into NaN)."""
+
+    def mask_mod(row: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
+        seen, seer = segments[row, key], segments[row, query]
+        shared = (query >= key) & (seen >= 0) & (seer >= 0) & ((seen == 0) | (seen == seer))
+        return shared | ((query == key) & (seer < 0))
+
+    return mask_mod
+
+
+def shared_prompt_mask(segments: Tensor, implementation: str | None) -> Tensor | BlockMask:
+    """`attends` over `segments` in the form the attention `implementation` takes, on the
+    segments' device: a `BlockMask` for FlexAttention (`flex_attention`), else a dense boolean
+    `[R, 1, S, S]` mask (SDPA)."""
+    rows, width = segments.shape
+    mask_mod = attends(segments)
+    if implementation == "flex_attention":
+        return create_block_mask(mask_mod, rows, None, width, width, device=segments.device)
+    at = torch.arange(width, device=segments.device)
+    row = torch.arange(rows, device=segments.device)[:, None, None]
+    return mask_mod(row, None, at[None, :, None], at[None, None, :])[:, None]

@@ -10,8 +10,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from streamrl.learner.forward import shares_prompts
+from streamrl.learner.forward import (
+    attention_implementation,
+    set_attention,
+    shares_prompts,
+    token_scores,
+    use_hidden_states_head,
+)
+from streamrl.learner.config import LearnerConfig
 from streamrl.learner.mini_batches import make_mini_batches
 from streamrl.learner.model import load_policy
 from streamrl.learner.topology import Topology
@@ -76,3 +84,30 @@ def test_the_fast_path_trains_exactly_as_todays_path_on_two_ranks(tmp_path):
             assert check["max_update_diff"] <= 1e-5, (algorithm, check)
             assert check["max_update"] > 0, (algorithm, check)
             assert check["metric_mismatches"] == [], (algorithm, check)
+
+
+def test_flex_attention_scores_shared_prompt_rows_as_sdpa_does():
+    """The same rows through FlexAttention with a block mask (`learner.attention=flex_attention`)
+    and through SDPA with the dense mask: the same log-probs and entropies (forward only: CPU
+    has no FlexAttention backward; tests/gpu compares the gradients on CUDA)."""
+    model = use_hidden_states_head(load_policy("tiny-qwen2", config_for("dapo").model)).eval()
+    batch = batch_with_edge_cases(model.config.vocab_size)
+    (mini,) = make_mini_batches(batch, batch.num_groups, 4096, shared_prompt=True)
+    (micro,) = mini.micro_batches
+    assert micro.segments is not None
+    scores = {}
+    with torch.no_grad():
+        for implementation in ("sdpa", "flex_attention"):
+            set_attention(model, implementation)
+            scores[implementation] = token_scores(model, micro)
+    for sdpa, flex in zip(scores["sdpa"], scores["flex_attention"], strict=True):
+        assert sdpa[micro.sampled_mask].abs().sum() > 0
+        torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_attention_is_refused_off_cuda_naming_the_fix():
+    with pytest.raises(ValueError, match=r"flex_attention needs learner\.device=cuda"):
+        LearnerConfig(device="cpu", attention="flex_attention")
+    with pytest.raises(ValueError, match=r"FlexAttention has no backward pass on cpu"):
+        attention_implementation("flex_attention", torch.device("cpu"))
+    assert attention_implementation("auto", torch.device("cpu")) == "sdpa"
