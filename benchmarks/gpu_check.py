@@ -195,7 +195,7 @@ def publish_from_device(device: str, model: str) -> dict[str, Any]:
             if version == 2:  # a few elements moved: the delta's case
                 state = full_state_dict(policy, topology)
                 for tensor in state.values():
-                    tensor.view(-1)[:: 1000] += 1e-2
+                    tensor.view(-1)[::1000] += 1e-2
                 set_model_state_dict(policy, state, options=StateDictOptions(full_state_dict=True))
             synced = publisher.publish(policy, version)
             started = time.perf_counter()
@@ -261,7 +261,8 @@ def _headline(name: str, result: dict[str, Any]) -> str:
     if name == "env" and f:
         line += f"  {f.get('gpu', 'cpu')}, torch {f['versions']['torch']}, cuda {f['cuda']}"
     elif name == "tests" and f:
-        line += f"  {f['passed']} passed, {f['failures'] + f['errors']} failed, {f['skipped']} skipped"
+        failed = f["failures"] + f["errors"]
+        line += f"  {f['passed']} passed, {failed} failed, {f['skipped']} skipped"
     elif name == "learner" and "learner_over_bare" in f:
         mfu = f["phases"]["learner"]["best_mfu"]
         line += f"  learner/bare {f['learner_over_bare']:.3f}×" + (

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from streamrl.learner.config import LearnerConfig
 from streamrl.learner.forward import (
     attention_implementation,
     set_attention,
@@ -19,7 +20,6 @@ from streamrl.learner.forward import (
     token_scores,
     use_hidden_states_head,
 )
-from streamrl.learner.config import LearnerConfig
 from streamrl.learner.mini_batches import make_mini_batches
 from streamrl.learner.model import load_policy
 from streamrl.learner.topology import Topology

@@ -28,7 +28,8 @@ def test_a_group_is_its_prompt_once_then_each_response_at_its_own_positions():
     assert packed.attention_mask.tolist() == [[1] * 6, [1] * 5 + [0]]
     assert packed.segments.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, -1]]
     dense = shared_prompt_mask(packed.segments, "sdpa")
-    assert dense.shape == (2, 1, 6, 6) and dense.dtype == torch.bool
+    assert dense.shape == (2, 1, 6, 6)
+    assert dense.dtype == torch.bool
     mask = dense[0, 0].int().tolist()
     assert mask[2] == [1, 1, 1, 0, 0, 0]  # the prompt sees the prompt
     assert mask[4] == [1, 1, 1, 1, 1, 0]  # response 0 sees the prompt and itself
@@ -57,4 +58,3 @@ def test_rows_of_one_response_each_are_todays_rows_with_a_padding_mask():
         j = torch.arange(VIEW)
         valid = (j >= PROMPT[i] - 1) & (j < PROMPT[i] + RESPONSE[i] - 1)
         assert packed.gather[i][valid].tolist() == (i * width + j[valid]).tolist()
-
