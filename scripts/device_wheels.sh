@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Download into .whl/ the wheels a GPU device machine lacks for the learner, the learner
-# benchmark and the GPU tests, and print the one command to run there.
+# benchmark and the GPU tests, and print the one command to run there (scripts/gpu_check.sh,
+# which installs them).
 #
 # That machine has Python 3.12 with PyTorch (CUDA), transformers, safetensors, numpy, fsspec,
 # pyarrow, pyyaml, xxhash, tqdm, regex, matplotlib, pytest and pytest-timeout, but no network.
@@ -10,7 +11,7 @@
 # manylinux x86-64 wheels. The folder travels with the working tree (64 MiB at most in all),
 # so the total is checked against LIMIT_MB.
 #
-#   scripts/device_wheels.sh            # then carry `.whl` and run the printed command
+#   scripts/device_wheels.sh            # then carry `.whl` and run scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,7 +63,7 @@ fi
 
 cat <<'CMD'
 
-On the device machine (carry .whl), from the repository root:
+On the device machine (carry .whl), from the repository root: one call, figures in $OUT
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site STREAMRL_CACHE=/tmp/streamrl-cache PYTHONUNBUFFERED=1 || exit; python3 -m pytest -m gpu -q tests/gpu && python3 -m benchmarks.learner_bench --device cuda --model qwen2.5-0.5b-shape --group-size 16 --min-response-len 512 --max-response-len 2048 --phases bare,today,new,learner
+bash scripts/gpu_check.sh
 CMD

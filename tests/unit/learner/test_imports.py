@@ -2,10 +2,10 @@
 
 A GPU box for the learner has PyTorch, transformers and the storage stack, and nothing of the
 generators' or the flows' world; `scripts/device_wheels.sh` carries the rest. So the learner's
-loop (`python -m streamrl learner`), `storage/` and `benchmarks/learner_bench.py` must import
-neither vLLM nor Prefect, wandb (the reporter imports it only when it is enabled), s3fs (fsspec
-imports it for s3:// only) nor math-verify. Each check runs in a fresh interpreter in which
-importing any of them fails.
+loop (`python -m streamrl learner`), `storage/` and the GPU check (`benchmarks/gpu_check.py`,
+its benchmarks and `tests/gpu`) must import neither vLLM nor Prefect, wandb (the reporter
+imports it only when it is enabled), s3fs (fsspec imports it for s3:// only) nor math-verify.
+Each check runs in a fresh interpreter in which importing any of them fails.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ LEARNER_MODULES = (
     "streamrl.config.stored",
     "benchmarks.learner_bench",
     "benchmarks.learner_measures",
+    "benchmarks.attention_bench",  # the GPU check's parts (benchmarks.gpu_check)
+    "benchmarks.gpu_check",
+    "tests.gpu.test_learner_cuda",
 )
 
 # Installed first in the child: a finder that refuses the absent packages.
