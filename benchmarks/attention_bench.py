@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.learner_bench import MODELS, synthetic_groups
+from benchmarks.learner_bench import (
+    MODELS,
+    add_shape_arguments,
+    shape_overrides,
+    synthetic_groups,
+)
 from benchmarks.learner_measures import device_name, figures_json, synchronize
 from streamrl.config.loading import load_config
 from streamrl.config.run import RunConfig
@@ -47,25 +52,8 @@ GRAD_RTOL = {"bf16": 5e-2, "fp32": 1e-3}
 
 
 def bench_config(args: argparse.Namespace) -> RunConfig:
-    preset, model_overrides = MODELS[args.model]
-    on_device = [f"learner.device={args.device}"]
-    if args.device == "cuda":
-        on_device.append("learner.mixed_precision=bf16")
-    return load_config(
-        ["dapo", preset],
-        overrides=[
-            *model_overrides,
-            *on_device,
-            f"generator.group_size={args.group_size}",
-            f"generator.max_tokens={args.max_response_len}",
-            f"data.max_prompt_len={args.prompt_len[1]}",
-            f"model.max_model_len={max(2048, args.prompt_len[1] + args.max_response_len)}",
-            f"learner.batch_groups={args.groups}",
-            f"learner.mini_batch_groups={args.groups}",
-            f"learner.micro_batch_tokens={args.micro_batch_tokens}",
-            "logging.wandb_mode=disabled",
-        ],
-    )
+    """DAPO with the model's size preset at the benchmark's shape (`learner_bench`'s)."""
+    return load_config(["dapo", MODELS[args.model][0]], overrides=shape_overrides(args))
 
 
 def micro_batches(config: RunConfig, vocab: int, args: argparse.Namespace) -> list[MicroBatch]:
@@ -188,16 +176,7 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny-qwen2")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--groups", type=int, default=4, help="B, groups per batch")
-    parser.add_argument("--group-size", type=int, default=4, help="G, responses per group")
-    parser.add_argument(
-        "--prompt-len", type=int, nargs=2, default=[32, 64], metavar=("LOW", "HIGH")
-    )
-    parser.add_argument("--min-response-len", type=int, default=32)
-    parser.add_argument("--max-response-len", type=int, default=128)
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    add_shape_arguments(parser, default_model="tiny-qwen2")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per implementation")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()

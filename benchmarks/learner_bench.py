@@ -123,35 +123,44 @@ def micro_batch_tokens(args: argparse.Namespace) -> int:
     return max(MICRO_BATCH_TOKENS[args.device], args.prompt_len[1] + args.max_response_len)
 
 
-def bench_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
-    """DAPO with the model's size preset, resized to the benchmark's batch, on `--device`
-    (CUDA: bf16 mixed precision, as the GPU presets). No checkpoints, no staleness drops, no
-    wandb: every measured step trains on the next B groups of the stream."""
-    preset, model_overrides = MODELS[args.model]
+def shape_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides of the model's size preset for the benchmark's model, device and batch
+    shape (B groups of G responses, one mini-batch). CUDA: bf16 mixed precision, as the GPU
+    presets."""
+    _, model_overrides = MODELS[args.model]
     on_device = [f"learner.device={args.device}"]
     if args.device == "cuda":
         on_device.append("learner.mixed_precision=bf16")
-    if args.activation_checkpointing:
+    if getattr(args, "activation_checkpointing", False):
         on_device.append("learner.activation_checkpointing=true")
+    return [
+        *model_overrides,
+        *on_device,
+        f"generator.group_size={args.group_size}",
+        f"generator.max_tokens={args.max_response_len}",
+        f"data.max_prompt_len={args.prompt_len[1]}",
+        f"model.max_model_len={max(2048, args.prompt_len[1] + args.max_response_len)}",
+        f"learner.batch_groups={args.groups}",
+        f"learner.mini_batch_groups={args.groups}",
+        f"learner.micro_batch_tokens={micro_batch_tokens(args)}",
+        "logging.wandb_mode=disabled",
+    ]
+
+
+def bench_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
+    """DAPO with the model's size preset, resized to the benchmark's batch, on `--device`
+    (`shape_overrides`). No checkpoints, no staleness drops, no wandb: every measured step
+    trains on the next B groups of the stream."""
     return load_config(
-        ["dapo", preset],
+        ["dapo", MODELS[args.model][0]],
         overrides=[
-            *model_overrides,
-            *on_device,
+            *shape_overrides(args),
             f"storage.run_uri={run_dir}",
-            f"generator.group_size={args.group_size}",
-            f"generator.max_tokens={args.max_response_len}",
-            f"data.max_prompt_len={args.prompt_len[1]}",
-            f"model.max_model_len={max(2048, args.prompt_len[1] + args.max_response_len)}",
-            f"learner.batch_groups={args.groups}",
-            f"learner.mini_batch_groups={args.groups}",
-            f"learner.micro_batch_tokens={micro_batch_tokens(args)}",
             f"learner.total_steps={args.warmup_steps + args.batches * args.repeats + 1}",
             "learner.warmup_steps=0",
             "learner.publish_every=1",
             "learner.checkpoint_every=1000000",
             "learner.max_staleness=1000000",
-            "logging.wandb_mode=disabled",
         ],
     )
 
@@ -606,12 +615,12 @@ def report_learner(rows: dict[str, list], learner: dict[str, Any], best: dict[st
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m-instruct")
+def add_shape_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+    """The options `shape_overrides` reads: model, device and the batch's shape."""
+    parser.add_argument("--model", choices=sorted(MODELS), default=default_model)
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",
-        help="learner.device of every phase; cuda also sets learner.mixed_precision=bf16",
+        help="learner.device; cuda also sets learner.mixed_precision=bf16",
     )  # fmt: skip
     parser.add_argument("--groups", type=int, default=4, help="B, groups per batch")
     parser.add_argument("--group-size", type=int, default=4, help="G, responses per group")
@@ -626,6 +635,11 @@ def main() -> None:
         help="learner.micro_batch_tokens; default 1024 on cpu, 8192 on cuda, at least the longest "
         "sequence",
     )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_shape_arguments(parser, default_model="smollm2-135m-instruct")
     parser.add_argument(
         "--activation-checkpointing", action="store_true",
         help="learner.activation_checkpointing=true (every phase)",

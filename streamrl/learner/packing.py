@@ -125,7 +125,12 @@ def shared_prompt_mask(segments: Tensor, implementation: str | None) -> Tensor |
     rows, width = segments.shape
     mask_mod = attends(segments)
     if implementation == "flex_attention":
-        return create_block_mask(mask_mod, rows, None, width, width, device=segments.device)
+        # Compiled on CUDA, the mask is evaluated block by block; uncompiled it is materialised
+        # whole ([R, S, S] per intermediate), which only tiny CPU checks can afford.
+        return create_block_mask(
+            mask_mod, rows, None, width, width, device=segments.device,
+            _compile=segments.device.type == "cuda",
+        )  # fmt: skip
     at = torch.arange(width, device=segments.device)
     row = torch.arange(rows, device=segments.device)[:, None, None]
     return mask_mod(row, None, at[None, :, None], at[None, None, :])[:, None]
