@@ -122,10 +122,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             policy.zero_grad(set_to_none=True)
             started = time.perf_counter()
             logp = one_round(policy, micros[:1], backward, chunk)  # the first micro-batch alone
-            one_round(policy, micros[1:], False, chunk)  # the rest: compile their shapes
+            first[implementation] = (logp[0], flat_grad(policy) if backward else None)
+            policy.zero_grad(set_to_none=True)
+            one_round(policy, micros[1:], backward, chunk)  # the rest: compile their shapes
             synchronize(topology.device)
             warm_s = time.perf_counter() - started
-            first[implementation] = (logp[0], flat_grad(policy) if backward else None)
             policy.zero_grad(set_to_none=True)
             if topology.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
