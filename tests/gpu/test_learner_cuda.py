@@ -122,6 +122,7 @@ def learner_step(
         models, shared_prompt = build_step_models(config, topology)
         policy = models.policy.model
         initial = {k: v.clone() for k, v in full_state_dict(policy, topology).items()}
+        seen["backend"] = topology.backend
         q_proj = decoder_layers(policy)[0].self_attn.q_proj
         hook = q_proj.register_forward_hook(watch_matmul_dtype)
         minis = make_mini_batches(
@@ -155,6 +156,7 @@ def learner_step(
 def test_fp32_on_cuda_matches_the_cpu_step():
     cpu = learner_step("cpu", "fp32", mini_batch_groups=GROUPS)
     cuda = learner_step("cuda", "fp32", mini_batch_groups=GROUPS)
+    assert cuda.seen["backend"] == "nccl"  # FSDP2's collectives over NCCL, on one rank
     assert cuda.seen["matmul_dtype"] == torch.float32
     for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert cuda.metrics[name] == pytest.approx(cpu.metrics[name], rel=FP32_RTOL, abs=1e-7), name
