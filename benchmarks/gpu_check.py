@@ -253,8 +253,9 @@ def run_part(name: str, part: Part, args: argparse.Namespace, log: Any) -> dict[
                 result["error"] = f"its figures could not be read: {exc!r}"
         if status == "failed":
             result["error"] = f"exit code {code}; see gpu_check.log"
-        if name == "tests" and status == "ok" and result["figures"] is None:
-            result["status"], result["error"] = "failed", "pytest wrote no report"
+        if status == "ok" and result["figures"] is None:  # every part writes its figures
+            result["status"] = "failed"
+            result["error"] = result["error"] or "it exited 0 but wrote no figures"
         if status == "timeout":
             result["error"] = f"ran past its budget of {part.budget_s} s; see gpu_check.log"
     return result

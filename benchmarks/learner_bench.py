@@ -131,7 +131,7 @@ def shape_overrides(args: argparse.Namespace) -> list[str]:
     on_device = [f"learner.device={args.device}"]
     if args.device == "cuda":
         on_device.append("learner.mixed_precision=bf16")
-    if getattr(args, "activation_checkpointing", False):
+    if args.activation_checkpointing:
         on_device.append("learner.activation_checkpointing=true")
     return [
         *model_overrides,
@@ -616,7 +616,8 @@ def report_learner(rows: dict[str, list], learner: dict[str, Any], best: dict[st
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
-    """The options `shape_overrides` reads: model, device and the batch's shape."""
+    """The options `shape_overrides` reads: model, device, the batch's shape and activation
+    checkpointing."""
     parser.add_argument("--model", choices=sorted(MODELS), default=default_model)
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",
@@ -635,15 +636,15 @@ def add_shape_arguments(parser: argparse.ArgumentParser, default_model: str) -> 
         help="learner.micro_batch_tokens; default 1024 on cpu, 8192 on cuda, at least the longest "
         "sequence",
     )  # fmt: skip
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="learner.activation_checkpointing=true",
+    )  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_shape_arguments(parser, default_model="smollm2-135m-instruct")
-    parser.add_argument(
-        "--activation-checkpointing", action="store_true",
-        help="learner.activation_checkpointing=true (every phase)",
-    )  # fmt: skip
     parser.add_argument(
         "--peak-tflops", type=float,
         help="peak FLOP/s (in TFLOP/s) for MFU; default: the GPU's dense bf16 peak by its name "

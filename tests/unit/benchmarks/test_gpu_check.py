@@ -105,3 +105,11 @@ def test_a_failed_part_is_recorded_and_the_next_part_still_runs(tmp_path, monkey
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["env", "failed"]
     assert lines[1].split()[:2] == ["publish", "ok"]
+
+
+def test_a_part_that_exits_zero_without_its_figures_is_a_failure(tmp_path):
+    silent = Part(30, lambda args, figures: [sys.executable, "-c", "pass"])
+    with open(tmp_path / "log", "w") as log:
+        result = run_part("tests", silent, _args(tmp_path), log)
+    assert result["status"] == "failed"
+    assert "wrote no figures" in result["error"]
