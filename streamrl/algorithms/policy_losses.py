@@ -17,7 +17,9 @@ Each loss is a config variant that owns its parameters and its per-token surroga
 
 `policy_loss` is the one place the pieces meet: the off-policy correction's weight w and mask
 (`streamrl.algorithms.correction`) multiply ℓ_x, and `aggregate` reduces w·ℓ_x over the
-mini-batch's global denominators, whatever the loss. With one optimiser update per batch
+mini-batch's global denominators, whatever the loss. Every sum above runs over the kept tokens
+(the loss mask after the correction's rejections): a rejected token neither moves s_i nor gets
+a gradient, yet stays in the aggregation's denominators. With one optimiser update per batch
 (logp_prox = logp_θ.detach()) every ratio is 1 in value and the losses differ only in their
 gradients.
 """
@@ -32,8 +34,8 @@ from torch import Tensor
 
 from streamrl.algorithms.correction_config import CorrectionConfig
 from streamrl.algorithms.losses import DEFAULT_CORRECTION, Aggregation, aggregate
-from streamrl.algorithms.masked import masked_mean, zero_outside
-from streamrl.algorithms.reductions import StepMetric
+from streamrl.algorithms.masked import masked_mean, masked_sum, zero_outside
+from streamrl.algorithms.reductions import Mean, StepMetric
 from streamrl.config.base import Section
 
 __all__ = [
@@ -65,8 +67,9 @@ class _Loss(Section):
         self, logp: Tensor, logp_prox: Tensor, advantages: Tensor, mask: Tensor
     ) -> tuple[Tensor, Metrics]:
         """ℓ_x `[N, T]` (before the correction's weight; any value where `mask` is 0) and its
-        metrics over `mask`. `logp` carries the gradient, `logp_prox` none; `advantages` and
-        `mask` are 0 outside the loss tokens."""
+        metrics, `Mean`s over `mask`. `logp` carries the gradient, `logp_prox` none; `mask` is
+        the loss mask narrowed by the correction's rejections (the kept tokens) and
+        `advantages` are 0 outside it."""
         raise NotImplementedError
 
 
@@ -110,8 +113,8 @@ class PPOClipLoss(_Loss):
             dual_taken = (advantages < 0) & (per_token > bound)
             per_token = torch.where(dual_taken, bound, per_token)
         return per_token, {
-            "actor/clip_frac": masked_mean(clip_taken.float(), mask).detach(),
-            "actor/dual_clip_frac": masked_mean(dual_taken.float(), mask).detach(),
+            "actor/clip_frac": _kept_mean(clip_taken, mask),
+            "actor/dual_clip_frac": _kept_mean(dual_taken, mask),
         }
 
 
@@ -148,8 +151,8 @@ class GSPOLoss(_Loss):
         s = seq_ratio.detach()
         outside = ((s < 1.0 - self.clip_low) | (s > 1.0 + self.clip_high)).float()
         return per_token, {
-            "actor/clip_frac": masked_mean(outside.expand_as(mask), mask).detach(),
-            "actor/seq_ratio_mean": masked_mean(s.expand_as(mask), mask).detach(),
+            "actor/clip_frac": _kept_mean(outside.expand_as(mask), mask),
+            "actor/seq_ratio_mean": _kept_mean(s.expand_as(mask), mask),
         }
 
 
@@ -194,7 +197,7 @@ class CISPOLoss(_Loss):
         weight = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
         truncated = (weight != ratio).float()
         return -weight * advantages * zero_outside(logp.float(), mask), {
-            "actor/clip_frac": masked_mean(truncated, mask).detach()
+            "actor/clip_frac": _kept_mean(truncated, mask)
         }
 
 
@@ -215,7 +218,7 @@ class SAPOLoss(_Loss):
         gate = torch.sigmoid(tau * (ratio - 1.0))
         weight = (4.0 * gate * (1.0 - gate)).detach()  # d f / d r: 1 on-policy
         return -(4.0 / tau) * gate * advantages, {
-            "actor/gate_weight_mean": masked_mean(weight, mask).detach()
+            "actor/gate_weight_mean": _kept_mean(weight, mask)
         }
 
 
@@ -250,6 +253,12 @@ def check_loss_fields(data: Any) -> Any:
     return data
 
 
+def _kept_mean(x: Tensor, kept: Tensor) -> Mean:
+    """The mean of `x` over the kept tokens, reduced exactly over the step (a plain scalar
+    would be weighted by the micro-batch's loss tokens, rejected ones included)."""
+    return Mean(masked_sum(x.float(), kept).detach(), kept.float().sum().detach())
+
+
 def _log_ratio(logp: Tensor, logp_prox: Tensor, mask: Tensor) -> Tensor:
     """log r_t, 0 outside `mask` (padding may hold any value; selecting, not multiplying,
     keeps exp() and its gradient finite)."""
@@ -257,8 +266,8 @@ def _log_ratio(logp: Tensor, logp_prox: Tensor, mask: Tensor) -> Tensor:
 
 
 def _sequence_log_ratio(logp: Tensor, logp_prox: Tensor, mask: Tensor) -> Tensor:
-    """`[N, 1]` log s_i: the mean log-ratio over each response's loss tokens (0 for a response
-    without any: its loss tokens, none, carry no loss)."""
+    """`[N, 1]` log s_i: the mean log-ratio over each response's tokens in `mask` (the kept
+    loss tokens; 0 for a response without any: it carries no loss)."""
     tokens = mask.sum(-1, keepdim=True)
     return _log_ratio(logp, logp_prox, mask).sum(-1, keepdim=True) / tokens.clamp(min=1.0)
 
@@ -280,12 +289,17 @@ def policy_loss(
 ) -> tuple[Tensor, Metrics]:
     """`loss`'s term of one micro-batch, its exact share of the mini-batch's: ℓ = w·ℓ_x,
     aggregated (`streamrl.algorithms.losses.aggregate`; tensors `[N, T]`, as
-    `ppo_policy_loss`). Metrics: the loss's own, actor/pg_loss, actor/ppo_kl (logp_prox −
-    logp_θ) and the correction's."""
+    `ppo_policy_loss`). Metrics: the loss's own (over the kept tokens), actor/pg_loss,
+    actor/ppo_kl (logp_prox − logp_θ, over the loss tokens) and the correction's."""
     mask = mask.float()
     corrected = correction.apply(logp_prox, logp_behav, mask, weight_mean)
-    weights, metrics = zero_outside(corrected.weights, corrected.mask), corrected.metrics
-    per_token, own = loss.surrogate(logp, logp_prox, zero_outside(advantages, mask), mask)
+    kept, metrics = corrected.mask, corrected.metrics
+    weights = zero_outside(corrected.weights, kept)
+    # The surrogate sees the kept tokens only: a token rejected by the correction (a band,
+    # IcePop, the veto) must not move GSPO's sequence ratio s_i, which would give it a
+    # gradient through its response's other tokens. The aggregation keeps the full loss mask:
+    # rejected tokens stay in the denominators (streamrl.algorithms.losses).
+    per_token, own = loss.surrogate(logp, logp_prox, zero_outside(advantages, kept), kept)
     total = aggregate(
         weights * zero_outside(per_token, mask),
         mask,
@@ -325,7 +339,7 @@ def ppo_policy_loss(
         aggregation: `policy_loss`'s keywords (correction, weight_mean, aggregation and the
             global denominators).
 
-    Metrics: actor/pg_loss, actor/clip_frac (tokens where the clipped branch is taken),
+    Metrics: actor/pg_loss, actor/clip_frac (kept tokens where the clipped branch is taken),
     actor/dual_clip_frac, actor/ppo_kl and the correction's.
     """
     loss = PPOClipLoss(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)

@@ -91,6 +91,11 @@ def _read_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path} line {number} is not valid JSON: {exc}") from None
+            except RecursionError:  # the decoder recurses once per level: thousands deep
+                raise DatasetError(
+                    f"{path} line {number} nests lists or objects thousands of levels deep, "
+                    "more than can be read; write the row flatter"
+                ) from None
             if not isinstance(row, dict):
                 raise DatasetError(
                     f"{path} line {number} must be a JSON object, got {type(row).__name__}"

@@ -22,7 +22,7 @@ from streamrl.envs.base import EnvContext, Environment, Reset, Step, Task
 from streamrl.envs.limits import truncate
 from streamrl.rewards.code.cases import CallTest, StdioTest, read_tests
 from streamrl.rewards.code.reward import CodeReward
-from streamrl.rewards.code.runner import TestReport
+from streamrl.rewards.code.verdicts import TestReport
 
 __all__ = ["MAX_FAILURES_SHOWN", "NO_PROGRAM", "CodeFeedbackEnv"]
 

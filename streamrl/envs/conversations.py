@@ -17,12 +17,16 @@ way an episode of the same conversation would reach the learner in RL (`streamrl
 So the model is taught to write exactly the calls its environment parses, followed by the token
 that ends its turn, and the token history is the one RL continues. Templates that rewrite
 earlier turns are refused (`TemplateNotAppendOnlyError`), as for multi-turn episodes. Every
-problem with a conversation raises `ConversationError` naming the message and what is wrong.
+problem with a conversation raises `ConversationError` naming the message and what is wrong:
+its shape is checked before anything is rendered — messages objects with a known role and text
+content, `tool_calls` a list of calls each with a function name and arguments (a JSON object or
+its text) nested at most `MAX_JSON_DEPTH` deep, tools' schemas as `streamrl.envs.schema_check`
+checks them — so a malformed row never reaches the template as a `TypeError`.
 """
 
 from __future__ import annotations
 
-import json
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +35,7 @@ import numpy as np
 
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.formats import TOOL_FORMATS, Message, ToolFormat
+from streamrl.envs.schema_check import SchemaError, check_nesting, check_tool_schemas, loads_json
 from streamrl.envs.tools import Tool, ToolResult
 
 __all__ = [
@@ -143,7 +148,7 @@ def assistant_text(tool_format: ToolFormat, message: Mapping[str, Any], where: s
     """An assistant turn as the model writes it: its content, then each call in the tool
     format, a line each (empty for neither)."""
     parts = [message["content"]] if message.get("content") else []
-    for k, call in enumerate(message.get("tool_calls") or ()):
+    for k, call in enumerate(_tool_calls(message, where)):
         name, arguments = _call(call, f"{where} tool_calls[{k}]")
         parts.append(tool_format.format_call(name, arguments))
     return "\n".join(parts)
@@ -173,11 +178,13 @@ def tools_from_schemas(schemas: Sequence[Mapping[str, Any]], where: str = "tools
     "description", "parameters"}}`, or the inner object): what the model is shown of them.
     They cannot be run (a demonstration carries its tools' answers; an agent runs its own).
     The parameters' JSON-schema `examples[0]` is the call the tagged format shows."""
+    try:
+        check_tool_schemas(schemas, where)
+    except SchemaError as problem:
+        raise ConversationError(str(problem)) from None
     tools = []
-    for k, schema in enumerate(schemas):
-        spec = schema.get("function", schema) if isinstance(schema, Mapping) else None
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-            raise ConversationError(f"{where}[{k}] is not a function schema with a name")
+    for schema in schemas:
+        spec = schema.get("function", schema)
         parameters = dict(spec.get("parameters") or {"type": "object", "properties": {}})
         examples = parameters.get("examples")
         example = examples[0] if isinstance(examples, list) and examples else None
@@ -209,10 +216,15 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
             )
         if message["role"] != "assistant" and not isinstance(content, str):
             raise ConversationError(f"message {i} ({message['role']}) has no content")
-        if message.get("tool_calls") and message["role"] != "assistant":
+        where = f"message {i} ({message['role']})"
+        calls = _tool_calls(message, where)
+        if calls and message["role"] != "assistant":
+            raise ConversationError(f"{where} has tool_calls; only assistant messages make calls")
+        for k, call in enumerate(calls):
+            _call(call, f"{where} tool_calls[{k}]")
+        if message.get("name") is not None and not isinstance(message["name"], str):
             raise ConversationError(
-                f"message {i} ({message['role']}) has tool_calls; only "
-                "assistant messages make calls"
+                f"{where}: name must be text, got {type(message['name']).__name__}"
             )
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
@@ -229,22 +241,45 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return list(messages)
 
 
+def _tool_calls(message: Mapping[str, Any], where: str) -> Sequence[Any]:
+    """A message's `tool_calls`: a list (none: empty)."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return ()
+    if not isinstance(calls, list | tuple):
+        raise ConversationError(
+            f"{where}: tool_calls must be a list of calls, got {type(calls).__name__} "
+            f"{_excerpt(calls)}"
+        )
+    return calls
+
+
 def _call(call: Any, where: str) -> tuple[str, dict[str, Any]]:
-    """A tool call's name and arguments (a JSON object, or its JSON text)."""
+    """A tool call's name and arguments (a JSON object, or its JSON text), nested at most
+    `MAX_JSON_DEPTH` deep."""
     spec = call.get("function", call) if isinstance(call, Mapping) else None
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str) or not spec["name"]:
         raise ConversationError(f"{where} needs a function name, got {_excerpt(call)}")
-    arguments = spec.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ConversationError(f"{where}: arguments are not JSON ({exc.msg})") from None
+    arguments, at = spec.get("arguments", {}), f"{where}.function.arguments"
+    try:
+        if isinstance(arguments, str):
+            arguments = loads_json(arguments, at) if arguments.strip() else {}
+        check_nesting(arguments, at)
+    except SchemaError as problem:
+        raise ConversationError(str(problem)) from None
     if not isinstance(arguments, Mapping):
-        raise ConversationError(f"{where}: arguments must be a JSON object")
+        raise ConversationError(
+            f"{at} must be a JSON object (or its text), got {type(arguments).__name__}"
+        )
     return spec["name"], dict(arguments)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
 def _excerpt(value: Any) -> str:
-    text = repr(value)
+    """`value` for a message, cut to 80 characters; bounded in depth too, so a value nested
+    thousands deep prints (`repr` would recurse once per level)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

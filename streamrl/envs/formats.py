@@ -268,8 +268,10 @@ def _example_arguments(example: Tool) -> dict[str, Any]:
             arguments[name] = spec["default"]
         elif spec.get("enum"):
             arguments[name] = spec["enum"][0]
-        else:
-            arguments[name] = placeholders.get(spec.get("type"), "...")
+        else:  # a list of types (["string", "null"]): the first's placeholder
+            kind = spec.get("type")
+            kind = kind[0] if isinstance(kind, list) and kind else kind
+            arguments[name] = placeholders.get(kind, "...") if isinstance(kind, str) else "..."
     return arguments
 
 

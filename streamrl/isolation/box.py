@@ -27,6 +27,13 @@ Each call starts a fresh bubblewrap (`bwrap`) sandbox, runs one program in it an
 * **output**: pipes the caller opened before the program started; the first `output_bytes` of
   stdout and the last `output_bytes` of stderr are kept (an error's last line says what it
   was), the rest is read and dropped, so a program that prints without end costs only its time.
+* **a private channel** (`channel=True`): descriptor 3 of the program's first process, a pipe
+  no other process in the box holds — bwrap's init closes every descriptor but 0-2 before it
+  starts the program, so `/proc/1/fd` offers only stdout, which any process of the box can
+  reach (the init has the program's uid when the caller is not root). What the first process
+  writes there comes back as `BoxResult.channel`. A trusted supervisor in the box (the code
+  harness) reports through it: it marks itself not dumpable (so its own `/proc/<pid>/fd` and
+  ptrace are closed to the box's uid) and closes the descriptor in every process it starts.
 
 There is no fallback: if the box cannot be made (bwrap missing, user namespaces refused),
 `check_box()` raises `BoxUnavailableError` naming the fix, and nothing model-written runs.
@@ -142,7 +149,9 @@ class BoxResult:
     """What a program in the box did. `returncode`: its exit status, negative for the signal
     that ended it (-9 when it was stopped at its time limit; like a shell, bwrap reports a
     signal N as exit status 128+N, so an exit status above 128 reads as a signal); `stdout`:
-    its first and `stderr` its last `output_bytes`; `output_cut`: either was longer."""
+    its first and `stderr` its last `output_bytes`; `output_cut`: either was longer;
+    `channel`: the first `output_bytes` written to the private channel (module docstring),
+    empty without `channel=True`."""
 
     stdout: bytes
     stderr: bytes
@@ -150,14 +159,20 @@ class BoxResult:
     timed_out: bool
     output_cut: bool
     wall_s: float
+    channel: bytes = b""
 
 
 # Runs inside the box as the program's first code: the identity, the limits, then the program.
-# Arguments: a JSON spec. Only fds 0-2 stay open.
+# Arguments: a JSON spec. Only fds 0-2 stay open, and the private channel as fd 3 (a Python
+# program holds it itself: it is not passed on to what it starts).
 _LAUNCHER = """
 import json, os, resource, sys, traceback
 spec = json.loads(sys.argv[1])
-os.closerange(3, 1 << 16)
+if spec["channel"] is not None:
+    os.dup2(spec["channel"], 3, inheritable=not spec["python"])
+    os.closerange(4, 1 << 16)
+else:
+    os.closerange(3, 1 << 16)
 if spec["uid"] is not None:
     os.setgroups([])
     os.setresgid(spec["uid"], spec["uid"], spec["uid"])
@@ -193,19 +208,21 @@ def run_in_box(
     files: Mapping[str, bytes] | None = None,
     stdin: bytes = b"",
     env: Mapping[str, str] | None = None,
+    channel: bool = False,
 ) -> BoxResult:
     """Run `argv` in a fresh box (module docstring) and return what it did.
 
     `argv[0]` is `"python"` to run a Python source file with the box's interpreter (e.g.
     `["python", "/box/main.py"]`), else an executable's absolute path inside the box. `files`:
     name → content, mounted read-only at `/box/<name>`; `stdin`: the program's standard input;
-    `env`: variables added to `BOX_ENVIRONMENT` (never secrets: the program reads them).
+    `env`: variables added to `BOX_ENVIRONMENT` (never secrets: the program reads them);
+    `channel`: give the program's first process the private channel as descriptor 3.
 
     Raises:
         BoxUnavailableError: the box cannot be made here (the message names the fix).
     """
     check_box()
-    return _run(argv, limits, files or {}, stdin, env or {})
+    return _run(argv, limits, files or {}, stdin, env or {}, channel=channel)
 
 
 def _run(
@@ -214,6 +231,8 @@ def _run(
     files: Mapping[str, bytes],
     stdin: bytes,
     env: Mapping[str, str],
+    *,
+    channel: bool = False,
 ) -> BoxResult:
     if not argv:
         raise ValueError("run_in_box needs a program: argv is empty")
@@ -229,11 +248,14 @@ def _run(
             stack.callback(os.close, fd)
         info_read, info_write = os.pipe()
         stack.callback(close_quietly, info_read)
+        channel_read, channel_write = os.pipe() if channel else (None, None)
+        stack.callback(close_quietly, channel_read)
         spec = {
             "uid": uid,
             "rlimits": limits.rlimits(),
             "python": python,
             "argv": list(argv[1:] if python else argv),  # python: the source file and its args
+            "channel": channel_write,
         }
         command = [
             *_bwrap_command(uid is not None, limits, {**BOX_ENVIRONMENT, **env}),
@@ -242,22 +264,24 @@ def _run(
             "--", _python_path(), "-I", *([] if python else ["-S"]),
             "-c", _LAUNCHER, json.dumps(spec),
         ]  # fmt: skip
+        passed = (info_write, syscall_filter, *data_fds)
         try:
             process = subprocess.Popen(
                 command,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(info_write, syscall_filter, *data_fds),
+                pass_fds=passed if channel_write is None else (*passed, channel_write),
                 env={"PATH": os.defpath},
                 start_new_session=True,
             )
         finally:
             os.close(info_write)
+            close_quietly(channel_write)
         with process:
             init = box_init(info_read)
             stack.callback(close_quietly, init)
-            io = Streams(process, limits.output_bytes)
+            io = Streams(process, limits.output_bytes, channel_read)
             timed_out = not io.communicate(stdin, deadline=started + limits.wall_s)
             if timed_out:
                 kill_box(process, init)
@@ -269,6 +293,7 @@ def _run(
         timed_out,
         io.cut,
         time.monotonic() - started,
+        bytes(io.channel),
     )
 
 
@@ -332,8 +357,13 @@ def _system_view() -> tuple[str, ...]:
 
 @functools.cache
 def _python_path() -> str:
-    """The worker's interpreter (the virtualenv's, so its packages are importable)."""
-    return os.path.abspath(sys.executable)
+    """The worker's interpreter (the virtualenv's, so its packages are importable), by the
+    real path of its folder: the box binds the real prefixes (`_system_view`), so a virtualenv
+    reached through a symlink (`.venv -> /elsewhere/.venv`) is found there. The file itself
+    stays a virtualenv's link: Python finds its `pyvenv.cfg` next to the path it was started
+    by."""
+    folder, name = os.path.split(os.path.abspath(sys.executable))
+    return os.path.join(os.path.realpath(folder), name)
 
 
 @functools.cache

@@ -5,8 +5,9 @@ served together until they close.
 The box's init is found through bwrap's `--info-fd` and held as a pidfd, so the kill on timeout
 reaches that process even if its pid were reused. Killing it tears the PID namespace down: the
 kernel kills every process left in the box. Output is read from pipes the caller made before the
-program started: the first `keep` bytes of stdout, the last `keep` of stderr (an error's last
-line says what it was); the rest is read and dropped, so memory stays bounded.
+program started: the first `keep` bytes of stdout (and of the private channel, when the box has
+one), the last `keep` of stderr (an error's last line says what it was); the rest is read and
+dropped, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ def close_quietly(fd: int | None) -> None:
 
 @dataclasses.dataclass
 class Streams:
-    """The program's stdin, stdout and stderr, served together until all are closed."""
+    """The program's stdin, stdout, stderr and the read end of its private channel (if any),
+    served together until all are closed."""
 
     process: subprocess.Popen[bytes]
     keep: int
+    channel_fd: int | None = None
     stdout: bytearray = dataclasses.field(default_factory=bytearray)
     stderr: bytearray = dataclasses.field(default_factory=bytearray)
+    channel: bytearray = dataclasses.field(default_factory=bytearray)
     cut: bool = False
 
     def communicate(self, stdin: bytes, *, deadline: float) -> bool:
@@ -108,9 +112,12 @@ class Streams:
         assert p.stdout is not None
         assert p.stderr is not None
         with selectors.DefaultSelector() as selector:
-            for stream in (p.stdout, p.stderr):
-                os.set_blocking(stream.fileno(), False)
-                selector.register(stream.fileno(), selectors.EVENT_READ, stream is p.stdout)
+            kept = {p.stdout.fileno(): self.stdout, p.stderr.fileno(): None}
+            if self.channel_fd is not None:
+                kept[self.channel_fd] = self.channel
+            for fd, head in kept.items():
+                os.set_blocking(fd, False)
+                selector.register(fd, selectors.EVENT_READ, head)
             pending = memoryview(stdin)
             if pending:
                 os.set_blocking(p.stdin.fileno(), False)
@@ -125,7 +132,7 @@ class Streams:
                     if key.events & selectors.EVENT_WRITE:
                         pending = self._write(selector, key.fd, pending)
                     else:
-                        self._read(selector, key.fd, to_stdout=key.data)
+                        self._read(selector, key.fd, head=key.data)
         if len(self.stderr) > self.keep:
             del self.stderr[: len(self.stderr) - self.keep]
         return True
@@ -141,15 +148,17 @@ class Streams:
             self.process.stdin.close()
         return pending
 
-    def _read(self, selector: selectors.BaseSelector, fd: int, *, to_stdout: bool) -> None:
+    def _read(self, selector: selectors.BaseSelector, fd: int, *, head: bytearray | None) -> None:
+        """Read what `fd` has: kept up to `keep` bytes into `head` (stdout, the channel), or
+        the last `keep` bytes for stderr (`head` None)."""
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             selector.unregister(fd)
             return
-        if to_stdout:
-            room = self.keep - len(self.stdout)
+        if head is not None:
+            room = self.keep - len(head)
             self.cut |= len(chunk) > room
-            self.stdout += chunk[: max(0, room)]
+            head += chunk[: max(0, room)]
         else:
             self.stderr += chunk
             if len(self.stderr) > 2 * self.keep:

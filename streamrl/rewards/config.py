@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Literal
 
@@ -14,12 +15,15 @@ from streamrl.config.base import MAX_WAIT_S, Section
 from streamrl.data.rows import DatasetError
 from streamrl.rewards.code.cases import TestSpecError, read_tests
 from streamrl.rewards.code.config import CodeRewardConfig
+from streamrl.rewards.code.reward import box_wall_s
 from streamrl.rewards.registry import RewardSpec, check_reward_name
 from streamrl.scorers.terms import ModelTerm
 
 __all__ = [
     "RewardConfig",
 ]
+
+_BOX_START_S = 2.0  # the box and its harness starting, on a loaded machine
 
 
 class RewardConfig(Section):
@@ -130,6 +134,22 @@ class RewardConfig(Section):
             raise ValueError(
                 "generator.reward.weight weighs the rule term against model terms "
                 "(generator.reward.models), and there are none; remove it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _code_tests_fit_in_a_call(self) -> RewardConfig:
+        if self.fn != "code":
+            return self
+        needed = self.code.test_timeout_s + _BOX_START_S
+        if box_wall_s(self.timeout_s) < needed:
+            raise ValueError(
+                f"generator.reward.timeout_s={self.timeout_s:g} leaves the code box less than "
+                f"one test's time (generator.reward.code.test_timeout_s="
+                f"{self.code.test_timeout_s:g}, and ~{_BOX_START_S:g}s to start it): raise "
+                f"timeout_s to at least {math.ceil((needed + 1.0) / 0.95)}, or more for every test "
+                "of a problem to fit (the box's whole wall clock, compiling included, stays "
+                "within it)"
             )
         return self
 

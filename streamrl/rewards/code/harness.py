@@ -1,32 +1,35 @@
 """Runs inside the box (`streamrl.rewards.code.runner`): one program on all of a problem's
 tests, each in a process of its own with its own limits. Standard library only.
 
-    python /box/harness.py            # reads /box/spec.json
+    python /box/harness.py            # reads /box/spec.json, reports on descriptor 3
 
 The spec: {"source": "/box/<file>", "compile": argv | null, "run": argv | null, "tests": [...],
-"time_s", "wall_s", "memory_mb", "output_bytes", "compile_s", "budget_s", "stop_on_failure"};
-`run` null
-runs Python in process. A test is {"kind": "stdio", "stdin"} or {"kind": "call", "fn_name",
-"args"}: inputs only. No expected output ever enters the box — the program shares this
-process's memory and files and could read them — so the harness reports what the program did
-and the runner, outside, judges it.
+"time_s", "wall_s", "memory_mb", "output_bytes", "compile_s", "deadline", "stop_on_failure"};
+`run` null runs Python in process; `deadline` is when the tests' time is up, on the monotonic
+clock the box shares with its caller (compiling counts against it: the caller kills the box a
+moment after it). A test is {"kind": "stdio", "stdin"} or {"kind": "call", "fn_name", "args"}:
+inputs only. No expected output ever enters the box — the program shares this process's memory
+and files and could read them — so the harness reports what the program did and the runner,
+outside, judges it.
 
-Output, on stdout, one JSON object per line: {"started": true} once the harness runs (before
-any program code: without it the box itself failed), {"compiled": false, "error": ...} when
-compiling failed, then per test, in order, as each ends: {"test": i, "status": ..., "detail":
-..., "stdout": sha256 of the printed lines (each stripped, trailing blank lines dropped),
-"head": the first characters printed, "result": a call's return value as JSON}. Statuses:
-ran, error (raised or exited non-zero), timeout (past `time_s` of CPU, past `wall_s` of wall
-clock — it waited or slept —, or past the tests' `budget_s`), memory (past `memory_mb`),
-output (printed more than `output_bytes`, or a result larger than `MAX_RESULT_CHARS`), skipped
-(after a test that did not run to its end, with `stop_on_failure`).
+The report goes to descriptor 3, the box's private channel (`streamrl.isolation.box`), one JSON
+object per line: {"started": true} once the harness runs (before any program code: without it
+the box itself failed), {"compiled": false, "error": ...} when compiling failed, then per test,
+in order, as each ends: {"test": i, "status": ..., "detail": ..., "stdout": sha256 of the
+printed lines (each stripped, trailing blank lines dropped), "head": the first characters
+printed, "result": a call's return value as JSON}. Statuses (`STATUSES`): ran, error (raised or
+exited non-zero), timeout (past `time_s` of CPU, past `wall_s` of wall clock — it waited or
+slept —, or past the deadline), memory (past `memory_mb`), output (printed more than
+`output_bytes`, or a result larger than `MAX_RESULT_CHARS`), skipped (after a test that did not
+run to its end, with `stop_on_failure`).
 
 Isolation between tests: each test is a fresh fork of this process made before any program
 code ran (nothing a test does to memory reaches the next), in a new session and working
 directory; after it ends every process left in the box is killed (`kill(-1)`) and every file
 it left under /tmp is removed. A test cannot write into this harness's report: its stdout is
-its own file, every other descriptor is closed, and the harness is not dumpable (its
-/proc/<pid>/fd and ptrace are closed to the test's uid).
+its own file, every other descriptor is closed (the report's too), and the harness is not
+dumpable (its /proc/<pid>/fd and ptrace are closed to the test's uid); the box's stdout, which
+any process in the box can reach through /proc/1/fd, carries nothing the runner reads.
 """
 
 import contextlib
@@ -45,6 +48,9 @@ import time
 import traceback
 
 SCRATCH = "/tmp"
+REPORT = 3  # the box's private channel
+STATUSES = ("ran", "error", "timeout", "memory", "output", "skipped")
+OUT_OF_TIME = "the tests' time (the reward call's limit) ran out"
 EXIT_MEMORY = 211  # the forked test process ran out of memory (a code no program uses)
 MAX_RESULT_CHARS = 1 << 16
 HEAD_CHARS = 200
@@ -56,9 +62,10 @@ def main():
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     with open("/box/spec.json") as f:
         spec = json.load(f)
+    deadline = spec["deadline"]
     report({"started": True})
     if spec["compile"]:
-        error = build(spec)
+        error = build(spec, deadline)
         if error is not None:
             report({"compiled": False, "error": error})
             return
@@ -72,38 +79,41 @@ def main():
         except (SyntaxError, ValueError) as error:
             report({"compiled": False, "error": f"{type(error).__name__}: {error}"})
             return
-    deadline = time.monotonic() + spec["budget_s"]
     failed = False
     for index, test in enumerate(spec["tests"]):
         if failed and spec["stop_on_failure"]:
             outcome = {"status": "skipped", "detail": "an earlier test failed"}
         elif time.monotonic() + spec["time_s"] > deadline:
-            budget = f"the tests' time budget ({spec['budget_s']:g}s) ran out"
-            outcome = {"status": "timeout", "detail": budget}
+            outcome = {"status": "timeout", "detail": OUT_OF_TIME}
         else:
-            outcome = run_test(spec, test, code)
+            outcome = run_test(spec, test, code, deadline)
             clean_up(keep)
         failed = failed or outcome["status"] != "ran"
         report({"test": index, "detail": "", **outcome})
 
 
 def report(record):
-    os.write(1, (json.dumps(record) + "\n").encode())  # unbuffered: a fork copies no buffer
+    os.write(REPORT, (json.dumps(record) + "\n").encode())  # unbuffered: a fork copies none
 
 
-def build(spec):
-    """Compile the program; the compiler's last lines when it fails."""
+def build(spec, deadline):
+    """Compile the program, within `compile_s` and the deadline; the compiler's last lines
+    when it fails."""
+    limit = min(spec["compile_s"], deadline - time.monotonic())
     try:
-        done = subprocess.run(spec["compile"], capture_output=True, timeout=spec["compile_s"])
+        done = subprocess.run(spec["compile"], capture_output=True, timeout=max(0.0, limit))
     except subprocess.TimeoutExpired:
+        if limit < spec["compile_s"]:
+            return f"compiling did not end before {OUT_OF_TIME}"
         return f"compiling took more than {spec['compile_s']:g}s"
     if done.returncode != 0:
         return done.stderr.decode(errors="replace")[-2000:] or f"exit code {done.returncode}"
     return None
 
 
-def run_test(spec, test, code):
-    """Run one test in a fresh fork; what it did, as a report record's fields."""
+def run_test(spec, test, code, deadline):
+    """Run one test in a fresh fork, stopped at its wall clock or the deadline; what it did,
+    as a report record's fields."""
     workdir = os.path.join(SCRATCH, f"test-{os.getpid()}-{time.monotonic_ns()}")
     os.mkdir(workdir)
     paths = {name: os.path.join(workdir, f".{name}") for name in ("stdin", "stdout", "stderr")}
@@ -113,15 +123,21 @@ def run_test(spec, test, code):
     pid = os.fork()
     if pid == 0:
         child(spec, test, code, workdir, paths)
-    status, cpu_s = wait(pid, spec["wall_s"])
+    wall_s = min(spec["wall_s"], deadline - time.monotonic())
+    status, cpu_s = wait(pid, wall_s)
     stdout = read(paths["stdout"], spec["output_bytes"] + 1)
     stderr = read(paths["stderr"], 4000)
+    cpu = {"status": "timeout", "detail": f"used more than {spec['time_s']:g}s of CPU"}
+    if status == "timeout" and cpu_s > spec["time_s"]:
+        return cpu  # stopped at its wall clock, but it had used its CPU time first
+    if status == "timeout" and wall_s < spec["wall_s"]:
+        return {"status": "timeout", "detail": OUT_OF_TIME}
     if status == "timeout":
         return {"status": "timeout", "detail": f"ran past {spec['wall_s']:g}s of wall clock"}
     if status == signal.SIGXFSZ or len(stdout) > spec["output_bytes"]:
         return {"status": "output", "detail": f"printed more than {spec['output_bytes']} bytes"}
     if status in (signal.SIGXCPU, signal.SIGKILL) or cpu_s > spec["time_s"]:
-        return {"status": "timeout", "detail": f"used more than {spec['time_s']:g}s of CPU"}
+        return cpu
     if status == -EXIT_MEMORY or "MemoryError" in stderr[-300:]:
         return {"status": "memory", "detail": f"needed more than {spec['memory_mb']} MiB"}
     if status != 0:
@@ -137,7 +153,7 @@ def run_test(spec, test, code):
 
 def digest(text):
     """The printed lines as the runner compares them: each stripped, trailing blank lines
-    dropped (the same rule as `streamrl.rewards.code.runner.output_digest`)."""
+    dropped (the same rule as `streamrl.rewards.code.verdicts.output_digest`)."""
     lines = [line.strip() for line in text.strip().splitlines()]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
@@ -206,6 +222,7 @@ def wait(pid, wall_s):
     """The child's exit status (its negated exit code for an exit, the signal that ended it,
     0 for success), or "timeout" after `wall_s` seconds of wall clock; and the CPU seconds it
     used (with the children it waited for)."""
+    cpu = lambda usage: usage.ru_utime + usage.ru_stime  # noqa: E731
     deadline = time.monotonic() + wall_s
     handle = os.pidfd_open(pid)
     try:
@@ -213,15 +230,13 @@ def wait(pid, wall_s):
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([handle], [], [], left)[0]:
                 os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return "timeout", 0.0
+                return "timeout", cpu(os.wait4(pid, 0)[2])
             done, status, usage = os.wait4(pid, os.WNOHANG)
             if done:
-                cpu_s = usage.ru_utime + usage.ru_stime
                 if os.WIFSIGNALED(status):
-                    return os.WTERMSIG(status), cpu_s
+                    return os.WTERMSIG(status), cpu(usage)
                 code = os.WEXITSTATUS(status)
-                return (-code if code else 0), cpu_s
+                return (-code if code else 0), cpu(usage)
     finally:
         os.close(handle)
 

@@ -12,33 +12,37 @@ block of the response, run against the problem's tests in the box.
   as a failed call and `generator.reward.on_error` decides (drop the group, or score 0), so an
   infrastructure failure is never taken for the policy's.
 
-The tests' total time stays within the reward call's limit (`generator.reward.timeout_s`, less
-the box's start-up): tests that would start after it time out unrun.
+The whole box — start-up, compiling, every test — ends within the reward call's limit
+(`generator.reward.timeout_s`) with a margin (`box_wall_s`), so the call never outlives its
+limit whatever the program does (sleep in every test, stop its harness): tests past that time
+are the program's failures, and the policy pays for them instead of having its group dropped.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from streamrl.rewards.code.cases import read_tests
 from streamrl.rewards.code.config import CodeRewardConfig
-from streamrl.rewards.code.runner import (
-    LANGUAGES,
-    Language,
-    TestReport,
-    check_language,
-    run_tests,
-)
+from streamrl.rewards.code.runner import LANGUAGES, Language, check_language, run_tests
+from streamrl.rewards.code.verdicts import TestReport
 
-__all__ = ["CodeReward", "Program", "extract_program"]
+__all__ = ["CodeReward", "Program", "box_wall_s", "extract_program"]
 
 # ```tag ... ```: the tag is the fence's first word; a block left open at the end of the
 # response (the model stopped before closing it) counts too.
 _FENCE = re.compile(
     r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.S | re.M
 )
-_START_UP_S = 5.0  # the box and the harness, out of the call's limit
+_CALL_MARGIN_S = 1.0  # between the box's end and the call's limit: returning the score
+_CALL_MARGIN_FRACTION = 0.05  # and a share of the limit, for a loaded machine
+
+
+def box_wall_s(call_limit_s: float) -> float:
+    """The box's whole wall clock within a reward call of `call_limit_s` seconds."""
+    return call_limit_s * (1.0 - _CALL_MARGIN_FRACTION) - _CALL_MARGIN_S
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,17 @@ def _language(tag: str, default: str) -> Language | None:
 class CodeReward:
     """The `code` reward with its settings (`generator.reward.code`), as a reward worker loads
     it: its language's toolchain is checked on loading. `call_limit_s`: the reward call's
-    limit (`generator.reward.timeout_s`)."""
+    limit (`generator.reward.timeout_s`); the box's time is counted from the call's start."""
 
     def __init__(self, settings: CodeRewardConfig, call_limit_s: float) -> None:
         check_language(settings.language)
         self.settings = settings
-        self.budget_s = max(call_limit_s - _START_UP_S, settings.test_timeout_s)
+        self.wall_s = box_wall_s(call_limit_s)
+        if self.wall_s <= 0:
+            raise ValueError(
+                f"a reward call of {call_limit_s:g}s leaves the code box no time: raise "
+                "generator.reward.timeout_s"
+            )
 
     def __call__(self, response: str, ground_truth: str, *, prompt: str | None = None) -> float:
         report = self.report(response, ground_truth)
@@ -89,6 +98,7 @@ class CodeReward:
     ) -> TestReport | None:
         """What the response's program did on the problem's tests (the public ones only, with
         `public_only`); None when the response has no program."""
+        started = time.monotonic()
         tests = read_tests(ground_truth, self.settings.layout)
         program = extract_program(response, self.settings.language)
         if program is None:
@@ -99,6 +109,6 @@ class CodeReward:
             tests.public if public_only else tests.all,
             program.language,
             self.settings.limits(),
-            budget_s=self.budget_s,
+            wall_s=self.wall_s - (time.monotonic() - started),
             stop_on_failure=self.settings.score == "all" and not public_only,
         )

@@ -215,9 +215,9 @@ def ref_policy(
         "actor/is_weight_mean": ref_masked_mean(applied_w, keep),
         "actor/is_clip_frac": ref_masked_mean(over, m),
     }
-    if kind == "ppo":
-        metrics["actor/clip_frac"] = ref_masked_mean(clip_taken, m)
-        metrics["actor/dual_clip_frac"] = ref_masked_mean(dual_taken, m)
+    if kind == "ppo":  # the loss's own metrics count the kept tokens, not rejected ones
+        metrics["actor/clip_frac"] = ref_masked_mean(clip_taken, keep)
+        metrics["actor/dual_clip_frac"] = ref_masked_mean(dual_taken, keep)
     return loss, grad, metrics
 
 

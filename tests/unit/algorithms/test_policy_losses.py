@@ -24,6 +24,7 @@ from streamrl.algorithms.policy_losses import (
     policy_loss,
     ppo_policy_loss,
 )
+from streamrl.algorithms.reductions import Mean
 
 NO_CORRECTION = RolloutCorrection(is_level="none")
 N, T = 4, 6
@@ -95,6 +96,11 @@ def _sapo_reference(logp, logp_prox, advantages, mask, tau_pos, tau_neg) -> torc
     return _seq_mean_token_mean(per_token, mask)
 
 
+def _metric(metric: Mean) -> float:
+    """A loss's metric, a mean over the kept loss tokens, as one number."""
+    return float(metric.total / metric.count.clamp(min=1.0))
+
+
 def _value_and_grad(loss_fn, logp) -> tuple[torch.Tensor, torch.Tensor]:
     logp.grad = None
     value = loss_fn()
@@ -139,7 +145,7 @@ def test_gspo_token_equals_gspo_for_per_response_advantages() -> None:
             loss, logp, logp_prox, behav, advantages, mask, aggregation="seq-mean-token-mean"
         )
         value.backward()
-        results.append((value.detach(), logp.grad.clone(), metrics["actor/clip_frac"]))
+        results.append((value.detach(), logp.grad.clone(), _metric(metrics["actor/clip_frac"])))
     (v1, g1, c1), (v2, g2, c2) = results
     torch.testing.assert_close(v1, v2)
     torch.testing.assert_close(g1, g2)
@@ -165,7 +171,7 @@ def test_gspo_ratio_at_the_band_edges_keeps_its_gradient_and_is_not_counted_as_c
         "seq-mean-token-mean",
     )
     value.backward()
-    assert metrics["actor/clip_frac"] == 0
+    assert _metric(metrics["actor/clip_frac"]) == 0
     assert torch.all(logp.grad != 0)
 
 
@@ -196,7 +202,7 @@ def test_cispo_matches_the_reference_and_keeps_a_gradient_outside_its_band() -> 
     assert outside.any()
     assert torch.all(grad[outside] != 0)  # PPO's clip would give these tokens no gradient
     _, metrics = _ours(loss, logp, logp_prox, advantages, mask, "token-mean")
-    assert metrics["actor/clip_frac"] == pytest.approx(float(outside.sum() / mask.sum()))
+    assert _metric(metrics["actor/clip_frac"]) == pytest.approx(float(outside.sum() / mask.sum()))
 
 
 def test_sapo_matches_the_reference_off_policy() -> None:
@@ -227,7 +233,7 @@ def test_on_policy_sapo_and_cispo_are_the_plain_policy_gradient() -> None:
 
         torch.testing.assert_close(_value_and_grad(ours, logp)[1], _value_and_grad(plain, logp)[1])
     _, metrics = _ours(SAPOLoss(), logp, logp_prox, advantages, mask, "seq-mean-token-mean")
-    assert metrics["actor/gate_weight_mean"] == pytest.approx(1.0)
+    assert _metric(metrics["actor/gate_weight_mean"]) == pytest.approx(1.0)
 
 
 def test_ppo_clip_through_policy_loss_is_ppo_policy_loss() -> None:

@@ -144,7 +144,7 @@ USER, ANSWER = {"role": "user", "content": "hi"}, {"role": "assistant", "content
         (
             [*CONVERSATION[:1], {"role": "assistant", "tool_calls": [
                 {"function": {"name": "f", "arguments": "{not json"}}]}],
-            "message 1 tool_calls\\[0\\]: arguments are not JSON",
+            "message 1 \\(assistant\\) tool_calls\\[0\\]\\.function\\.arguments is not JSON",
         ),
         (
             [*CONVERSATION[:1], {"role": "assistant", "content": ""}],

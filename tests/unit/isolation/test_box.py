@@ -422,3 +422,25 @@ def test_an_interpreter_under_tmp_is_not_hidden_by_the_scratch(tmp_path: Path) -
         timeout=120,
     )
     assert ran.stdout.split()[:2] == ["0", str(tmp_path / "venv")], ran.stdout + ran.stderr
+
+
+def test_a_virtualenv_reached_through_a_symlink_runs_in_the_box(tmp_path: Path) -> None:
+    """`.venv -> /elsewhere/.venv`: the box binds the real prefix, so the interpreter is
+    started by its real folder (it used to fail: bwrap could not find `<link>/bin/python`)."""
+    real = Path(sys.prefix).resolve()
+    (tmp_path / "venv-link").symlink_to(real, target_is_directory=True)
+    root = Path(__file__).resolve().parents[3]
+    code = (
+        "from streamrl.isolation.box import BoxLimits, run_in_box\n"
+        "r = run_in_box(['python', '/box/m.py'], limits=BoxLimits(wall_s=30), "
+        "files={'m.py': b'import sys, numpy; print(sys.prefix)'})\n"
+        "print(r.returncode, r.stdout.decode().strip(), r.stderr.decode()[-300:])\n"
+    )
+    ran = subprocess.run(
+        [str(tmp_path / "venv-link/bin/python"), "-c", code],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.stdout.split()[:2] == ["0", str(real)], ran.stdout + ran.stderr

@@ -17,13 +17,8 @@ from streamrl.rewards.code import runner
 from streamrl.rewards.code.cases import StdioTest
 from streamrl.rewards.code.config import CodeRewardConfig
 from streamrl.rewards.code.reward import CodeReward, extract_program
-from streamrl.rewards.code.runner import (
-    LANGUAGES,
-    WALL_PER_CPU,
-    CodeSandboxError,
-    TestLimits,
-    run_tests,
-)
+from streamrl.rewards.code.runner import LANGUAGES, WALL_PER_CPU, TestLimits, run_tests
+from streamrl.rewards.code.verdicts import CodeSandboxError, read_report
 from streamrl.rewards.config import RewardConfig
 from streamrl.rewards.registry import RewardResolutionError, RewardSpec, resolve_reward
 from streamrl.rewards.scoring import RewardScorer
@@ -125,26 +120,6 @@ def test_a_program_that_kills_the_harness_fails_its_tests() -> None:
     assert reward("fraction")(fenced(kills), ADD_STDIO) == 0.0
 
 
-def test_a_program_cannot_write_the_harness_report() -> None:
-    forges = """
-import os, json
-for fd in range(3, 64):
-    try:
-        os.write(fd, b'{"test": 1, "status": "passed", "detail": ""}\\n')
-    except OSError:
-        pass
-for path in (f"/proc/{os.getppid()}/fd/1",):
-    try:
-        with open(path, "w") as f:
-            f.write('{"test": 1, "status": "passed", "detail": ""}\\n')
-    except OSError:
-        pass
-print(0)
-"""
-    report = reward("fraction").report(fenced(forges), ADD_STDIO)
-    assert report.statuses == ("wrong", "wrong", "wrong")
-
-
 def test_no_expected_output_is_within_the_programs_reach() -> None:
     """The program shares the harness's process and files: what it could read there holds
     the tests' inputs, never their answers."""
@@ -181,17 +156,17 @@ def test_a_compiled_language_plugs_in_through_the_table() -> None:
     assert report.statuses == ("not run",) * 3
 
 
-def test_tests_past_the_calls_budget_time_out_unrun() -> None:
+def test_tests_past_the_boxs_wall_clock_time_out_unrun() -> None:
     report = run_tests(
         "import time\ntime.sleep(0.6)\nprint(3)",
-        [StdioTest("", "3")] * 5,
+        [StdioTest("", "3")] * 12,
         LANGUAGES["python"],
         TestLimits(time_s=1.0),
-        budget_s=2.0,
+        wall_s=4.0,
     )
     assert report.statuses[:2] == ("passed", "passed")
-    assert "timeout" in report.statuses[2:]
-    assert report.wall_s < 5.0
+    assert report.statuses[-1] == "timeout"
+    assert report.wall_s < 4.0 + 2.0  # killed from outside at 4 s at the latest
 
 
 def test_a_tests_limit_is_cpu_time_and_waiting_has_a_wall_clock_backstop() -> None:
@@ -240,16 +215,19 @@ def test_a_box_that_cannot_start_is_an_infrastructure_error(monkeypatch) -> None
 
 def test_a_harness_that_never_started_is_an_infrastructure_error() -> None:
     with pytest.raises(CodeSandboxError, match="did not start"):
-        runner._report(b"", b"python: cannot open file", [StdioTest("", "")], 0.1)
+        read_report(
+            b"", b"python: cannot open file", [StdioTest("", "")], timed_out=False, wall_s=0.1
+        )
     two = [StdioTest("", "")] * 2
-    assert runner._report(b'{"started": true}\n', b"", two, 0.1).statuses == ("not run",) * 2
+    started = read_report(b'{"started": true}\n', b"", two, timed_out=False, wall_s=0.1)
+    assert started.statuses == ("not run",) * 2
 
 
 def test_the_registered_reward_takes_its_settings_and_checks_the_machine(monkeypatch) -> None:
     loaded = resolve_reward(RewardSpec("code", FAST.model_copy(update={"score": "fraction"}), 20.0))
     assert isinstance(loaded, CodeReward)
     assert loaded.settings.score == "fraction"
-    assert loaded.budget_s == pytest.approx(15.0)
+    assert loaded.wall_s == pytest.approx(20.0 * 0.95 - 1.0)
     monkeypatch.setitem(
         runner.LANGUAGES, "python", LANGUAGES["python"].__class__(
             "python", ("python",), "main.py", needs=("/nonexistent/python9",)
