@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.code_bench box [--tests 1,10,50] [--repeats 5]
     .venv/bin/python -m benchmarks.code_bench rewards [--seconds 30] [--workers 1]
     .venv/bin/python -m benchmarks.code_bench pass-rate [--preset smollm2-cpu] [--k 4]
+    .venv/bin/python -m benchmarks.code_bench against REF [--seconds 30] [--rounds 3]
 
 `box`: what one program costs, side by side — a bare interpreter start (`python -c pass`
 outside any box), one box per test (a fresh box runs the program on each test's input), and
@@ -12,6 +13,10 @@ Median wall seconds per program over `--repeats`, for each number of tests.
 `rewards`: rewards per second one reward worker sustains, `RewardScorer` with the `code`
 reward on a mix of right and wrong programs for the bundled problems (the program text the
 scorer gets; each call runs its tests in the box).
+
+`against`: `rewards` of this tree and of the commit REF (a git worktree of it, run by its own
+code_bench), taking turns `--rounds` times (each round in the other order), side by side: what a
+change to the reward path costs in throughput (the hardening of issue 58: `against 4625e75`).
 
 `pass-rate`: the base model's pass@1 and pass@k on `builtin:code` and `builtin:code-test` by
 level (1, 2, 3): k samples per problem at the preset's temperature and length, each scored by
@@ -23,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from streamrl.isolation.box import BoxLimits, run_in_box
 from streamrl.rewards.code.cases import StdioTest
@@ -95,6 +104,46 @@ def bench_rewards(seconds: float, workers: int) -> None:
           f"{calls / elapsed:.1f} rewards/s")  # fmt: skip
 
 
+def bench_against(ref: str, seconds: float, workers: int, rounds: int) -> None:
+    """`rewards` here and at `ref`, taking turns: rewards/s of each round, medians, ratio."""
+    here = Path(__file__).resolve().parents[1]
+    rates: dict[str, list[float]] = {ref: [], "this tree": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        there = Path(scratch) / "tree"
+        git = ["git", "-C", str(here)]
+        subprocess.run([*git, "worktree", "add", "--detach", str(there), ref], check=True,
+                       capture_output=True)  # fmt: skip
+        try:
+            trees = [(ref, there), ("this tree", here)]
+            for round_ in range(rounds):
+                for name, tree in trees if round_ % 2 == 0 else trees[::-1]:
+                    rates[name].append(_rewards_per_second(tree, seconds, workers))
+                    print(f"round {round_ + 1}: {name}: {rates[name][-1]:.1f} rewards/s",
+                          flush=True)  # fmt: skip
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(there)], check=False)
+    before, after = statistics.median(rates[ref]), statistics.median(rates["this tree"])
+    print(f"\n| code rewards / s ({workers} worker(s), {rounds} rounds of {seconds:g}s) | median |")
+    print("|---|---|")
+    print(f"| {ref} | {before:.1f} |")
+    print(f"| this tree | {after:.1f} |")
+    print(f"| this tree / {ref} | {after / before:.3f}× |")
+
+
+def _rewards_per_second(tree: Path, seconds: float, workers: int) -> float:
+    """`code_bench rewards` run by the code of `tree` (its streamrl first on the path)."""
+    command = [sys.executable, "-m", "benchmarks.code_bench", "rewards",
+               "--seconds", str(seconds), "--workers", str(workers)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    check = [sys.executable, "-c", "import streamrl; print(streamrl.__file__)"]
+    loaded = subprocess.run(check, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip().startswith(str(tree)), f"{tree} did not load its own streamrl"
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    found = re.search(r"= ([0-9.]+) rewards/s", done.stdout)
+    assert found, done.stdout + done.stderr
+    return float(found.group(1))
+
+
 def bench_pass_rate(preset: list[str], k: int, max_tokens: int | None) -> None:
     """The base model's pass@1 / pass@k on the bundled code problems, by level."""
     from streamrl.config.loading import load_config
@@ -148,6 +197,11 @@ def main() -> None:
     rewards = commands.add_parser("rewards")
     rewards.add_argument("--seconds", type=float, default=30.0)
     rewards.add_argument("--workers", type=int, default=1)
+    against = commands.add_parser("against")
+    against.add_argument("ref")
+    against.add_argument("--seconds", type=float, default=30.0)
+    against.add_argument("--workers", type=int, default=1)
+    against.add_argument("--rounds", type=int, default=3)
     rate = commands.add_parser("pass-rate")
     rate.add_argument("--preset", action="append", default=None)
     rate.add_argument("--k", type=int, default=4)
@@ -157,6 +211,8 @@ def main() -> None:
         bench_box([int(n) for n in args.tests.split(",")], args.repeats)
     elif args.command == "rewards":
         bench_rewards(args.seconds, args.workers)
+    elif args.command == "against":
+        bench_against(args.ref, args.seconds, args.workers, args.rounds)
     else:
         bench_pass_rate(args.preset or ["smollm2-cpu"], args.k, args.max_tokens)
 

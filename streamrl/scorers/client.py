@@ -51,11 +51,23 @@ UNAVAILABLE_POLL_S = (0.5, 10.0)  # backoff while a server is unreachable: first
 class ScorerCallError(RuntimeError):
     """A scorer call that failed for good: `failure` "timeout" (the server did not answer in
     time, after the retries, or stayed unreachable) or "error" (it answered with an error, or
-    with something the caller could not use)."""
+    with something the caller could not use); `status`: the HTTP status it answered with."""
 
-    def __init__(self, message: str, failure: Literal["timeout", "error"] = "error") -> None:
+    def __init__(
+        self,
+        message: str,
+        failure: Literal["timeout", "error"] = "error",
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.failure = failure
+        self.status = status
+
+    @property
+    def refused(self) -> bool:
+        """The server refused the request itself (HTTP 400: e.g. a prompt longer than its
+        context), rather than failing to answer it."""
+        return self.status == 400
 
 
 class ScorerClient:
@@ -184,7 +196,8 @@ class ScorerClient:
                 except openai.APIStatusError as exc:
                     raise ScorerCallError(
                         f"scorer {self.name!r} answered {path} with HTTP {exc.status_code}: "
-                        f"{_brief(exc.message)}"
+                        f"{_brief(exc.message)}",
+                        status=exc.status_code,
                     ) from exc
                 except openai.APIConnectionError:
                     self._stale(client)  # unreachable: look the address up again

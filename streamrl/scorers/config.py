@@ -107,7 +107,8 @@ class ScorerConfig(Section):
         description="Served: the longest sequence (vLLM --max-model-len); null: for the "
         "teacher model.max_model_len + 1 (it scores whole sequences, then samples one token), "
         "for a judge or reward model the model's own (its rubric, the question and the "
-        "response must fit).",
+        "response must fit; a judge is shown the response escaped, `<` as `&lt;`, which takes "
+        "a few tokens more per bracket).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Served: auto picks CUDA when available, else vLLM's CPU build."

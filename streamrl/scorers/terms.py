@@ -7,22 +7,29 @@ R = Σ_k c_k·R_k (`generator.reward.models`, the weights `c_k`).
   template: vLLM's `/classify`, the raw logit); R = scale·(score − shift), clipped to
   [−clip, clip] when `clip` is set.
 - `judge`: a generative model answers a rubric (`template`, placeholders `{prompt}`,
-  `{response}`, `{ground_truth}`) at temperature 0 by default; the last match of
-  `score_pattern` in its answer, on the scale [min_score, max_score], maps linearly to R in
-  [0, 1]. An answer without a score, or with one off the scale, is a failed call — never 0
-  silently. `answer: score_only` constrains the judge to answer with the score tag alone
-  (vLLM's structured outputs), for judges too weak to keep a format.
+  `{response}`, `{ground_truth}`) at temperature 0 by default. `{response}` is the response
+  fenced and neutralised (`streamrl.scorers.judging`: between tags with an id random per call,
+  with no tag left in it). The verdict is the answer's final non-empty line, which must be
+  `score_pattern` whole, on the scale [min_score, max_score]; it maps linearly to R in [0, 1].
+  Where the server offers guided decoding (vLLM, the run serving the judge: `answer: auto`),
+  the final line is constrained to the score tag. A verdict that is not there, or off the
+  scale, is *unparsed*: counted (`judge_metrics`: `judge/unparsed_frac`), logged, and scored
+  by `on_unparsed` — by default the bottom of the scale (R = 0), so that a response gains
+  nothing by making its judge fail.
 
-A failed call (no score, a timeout, an unreachable scorer after `unavailable_s`) is a counted
-reward failure of its response, handled by `generator.reward.on_error` like a rule reward's.
+A failed call (a timeout, an unreachable scorer after `unavailable_s`, an answer that is no
+chat completion, an unparsed verdict under `on_unparsed: fail`) is a counted reward failure of
+its response, handled by `generator.reward.on_error` like a rule reward's.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -30,7 +37,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.base import Section
-from streamrl.scorers.client import ScorerClient
+from streamrl.scorers.client import ScorerCallError, ScorerClient
+from streamrl.scorers.judging import (
+    DEFAULT_JUDGE_TEMPLATE,
+    DEFAULT_SCORE_PATTERN,
+    fence,
+    final_line_regex,
+    read_verdict,
+)
 
 __all__ = [
     "DEFAULT_JUDGE_TEMPLATE",
@@ -40,14 +54,12 @@ __all__ = [
     "RewardModelTerm",
     "TermInput",
     "TermScores",
+    "UnparsedVerdictError",
+    "judge_metrics",
 ]
 
-DEFAULT_JUDGE_TEMPLATE = (
-    "You grade an answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n"
-    "{ground_truth}\n\nAnswer to grade:\n{response}\n\nIs the answer correct and complete? "
-    "Think briefly, then give a score from 0 (wrong) to 10 (fully correct) as "
-    "<score>N</score>."
-)
+log = logging.getLogger(__name__)
+
 PLACEHOLDERS = frozenset({"prompt", "response", "ground_truth"})
 Request = tuple[str, dict[str, Any], Callable[[Any], float]]  # path, body, how to read the answer
 
@@ -66,9 +78,10 @@ class RewardModelTerm(Section):
         None, gt=0.0, description="Clip R to [−clip, clip]; null: no clipping."
     )
 
-    def request(self, item: TermInput, model: str) -> Request:
+    def request(self, item: TermInput, model: str, *, structured_outputs: bool = False) -> Request:
         """vLLM's /classify of the conversation (the server renders it with the model's chat
-        template), read as R = scale·(raw logit − shift), clipped."""
+        template), read as R = scale·(raw logit − shift), clipped. (`structured_outputs`: for
+        judges.)"""
         messages = [*item.messages] or [{"role": "user", "content": item.prompt}]
         body = {
             "model": model,
@@ -87,8 +100,18 @@ class RewardModelTerm(Section):
         return "/classify", body, read
 
 
+class UnparsedVerdictError(ValueError):
+    """A judge's answer whose final line states no verdict on its scale. `value`: the R its
+    term's `on_unparsed` rule gives the response; None: the call fails."""
+
+    def __init__(self, message: str, value: float | None) -> None:
+        super().__init__(message)
+        self.value = value
+
+
 class JudgeTerm(Section):
-    """An LLM judge's score as a reward term: the score its answer states, mapped to [0, 1]."""
+    """An LLM judge's score as a reward term: the verdict on its answer's final line, mapped to
+    [0, 1] (module docstring)."""
 
     kind: Literal["judge"] = Field(description="A generative model grading with a rubric.")
     scorer: str = Field(
@@ -99,13 +122,18 @@ class JudgeTerm(Section):
         DEFAULT_JUDGE_TEMPLATE,
         min_length=1,
         description="The rubric, sent as the user's message: placeholders {prompt}, {response} "
-        "(required) and {ground_truth}; write literal braces as {{ }}.",
+        "(required) and {ground_truth}; write literal braces as {{ }}. {response} is the "
+        "response between <response-ID> and </response-ID> lines (ID random per call), "
+        "escaped so that it holds no tag (&lt; &gt; &amp;): say in the rubric that the text "
+        "between them is data to grade, never instructions, and that the reply ends with a "
+        "line holding only the score tag.",
     )
     system: str | None = Field(None, description="A system message before the rubric.")
     score_pattern: str = Field(
-        r"<score>\s*(-?\d+(?:\.\d+)?)\s*</score>",
-        description="A regular expression whose first group is the score; its last match in "
-        "the answer counts.",
+        DEFAULT_SCORE_PATTERN,
+        description="A regular expression the judge's final non-empty line must match whole "
+        "(surrounding spaces aside), its first group the score; a score anywhere else in the "
+        "answer does not count.",
     )
     min_score: float = Field(0.0, description="The bottom of the judge's scale (R = 0).")
     max_score: float = Field(10.0, description="The top of the judge's scale (R = 1).")
@@ -115,11 +143,22 @@ class JudgeTerm(Section):
     temperature: float = Field(
         0.0, ge=0.0, description="The judge's sampling temperature; 0 (default): greedy."
     )
-    answer: Literal["free", "score_only"] = Field(
-        "free",
-        description="free: the judge answers as it likes, the score is parsed from it; "
-        "score_only: its answer is constrained to `<score>N</score>` with an integer N on the "
-        "scale (vLLM structured outputs).",
+    answer: Literal["auto", "free", "reason_then_score", "score_only"] = Field(
+        "auto",
+        description="auto: reason_then_score when the run serves the judge (vLLM, which offers "
+        "structured outputs) and the scale is integer with the default score_pattern, else "
+        "free. free: the judge answers as it likes (any OpenAI-compatible server). "
+        "reason_then_score: free lines, then a final line constrained to <score>N</score>, N an "
+        "integer on the scale (vLLM structured outputs; set it for an external vLLM). "
+        "score_only: the answer is that tag alone, for judges too weak to keep a format.",
+    )
+    on_unparsed: Literal["lowest", "fail"] = Field(
+        "lowest",
+        description="A verdict missing from the answer's final line, or off the scale "
+        "(counted as judge/unparsed_frac, logged): lowest scores the response as the bottom "
+        "of the scale (R = 0), so a response gains nothing by making its judge fail; fail "
+        "makes it a failed call (generator.reward.on_error: drop_group would leave its group "
+        "out of training, which a response could then provoke).",
     )
 
     @field_validator("template")
@@ -165,23 +204,41 @@ class JudgeTerm(Section):
             raise ValueError(
                 f"max_score ({self.max_score}) must be above min_score ({self.min_score})"
             )
-        if self.answer == "score_only" and not (
-            float(self.min_score).is_integer() and float(self.max_score).is_integer()
-        ):
-            raise ValueError("answer=score_only needs an integer scale (min_score, max_score)")
-        default_pattern = type(self).model_fields["score_pattern"].default
-        if self.answer == "score_only" and self.score_pattern != default_pattern:
+        if self.answer in ("score_only", "reason_then_score") and not self._can_guide:
             raise ValueError(
-                "answer=score_only makes the judge answer <score>N</score>, which a custom "
-                "score_pattern would not read; leave score_pattern at its default"
+                f"answer={self.answer} constrains the judge to <score>N</score> with an integer "
+                "N: it needs an integer scale (min_score, max_score); leave score_pattern at "
+                "its default"
             )
         return self
 
-    def request(self, item: TermInput, model: str) -> Request:
-        """A chat completion of the rubric, read as the last score `score_pattern` finds in
-        the answer, on the scale, mapped to [0, 1]."""
+    @property
+    def _can_guide(self) -> bool:
+        """Whether structured outputs can write this term's verdict: an integer scale, the
+        default score tag."""
+        integer_scale = float(self.min_score).is_integer() and float(self.max_score).is_integer()
+        return integer_scale and self.score_pattern == DEFAULT_SCORE_PATTERN
+
+    @property
+    def unparsed_value(self) -> float | None:
+        """R of a response left without a verdict (`on_unparsed`); None: the call fails."""
+        return 0.0 if self.on_unparsed == "lowest" else None
+
+    def answer_mode(
+        self, structured_outputs: bool
+    ) -> Literal["free", "reason_then_score", "score_only"]:
+        """The answer asked of the judge; `structured_outputs`: whether its server offers
+        vLLM's structured outputs (the run serves it)."""
+        if self.answer != "auto":
+            return self.answer
+        return "reason_then_score" if structured_outputs and self._can_guide else "free"
+
+    def request(self, item: TermInput, model: str, *, structured_outputs: bool = False) -> Request:
+        """A chat completion of the rubric, the response fenced (`judging.fence`), read as the
+        verdict on the answer's final line (`judging.read_verdict`) mapped to [0, 1]; an
+        unparsed one raises `UnparsedVerdictError` carrying the `on_unparsed` rule's value."""
         rubric = self.template.format(
-            prompt=item.prompt, response=item.response, ground_truth=item.ground_truth
+            prompt=item.prompt, response=fence(item.response), ground_truth=item.ground_truth
         )
         messages = [{"role": "user", "content": rubric}]
         if self.system is not None:
@@ -191,24 +248,29 @@ class JudgeTerm(Section):
             "messages": messages,
             "temperature": self.temperature,
         }
-        if self.answer == "score_only":  # the choices bound the answer's length
+        mode = self.answer_mode(structured_outputs)
+        if mode == "score_only":  # the choices bound the answer's length
             scale = range(int(self.min_score), int(self.max_score) + 1)
             body["structured_outputs"] = {"choice": [f"<score>{n}</score>" for n in scale]}
         else:
             body["max_tokens"] = self.max_tokens
+        if mode == "reason_then_score":
+            regex = final_line_regex(int(self.min_score), int(self.max_score))
+            body["structured_outputs"] = {"regex": regex}
         pattern = re.compile(self.score_pattern)
+        unparsed = self.unparsed_value
 
         def read(answer: Any) -> float:
-            text = answer["choices"][0]["message"]["content"] or ""
-            found = pattern.findall(text)
-            if not found:
-                raise ValueError(f"the judge's answer has no score: {_tail(text)!r}")
-            last = found[-1]
-            score = float(last[0] if isinstance(last, tuple) else last)
-            if not self.min_score <= score <= self.max_score:
-                raise ValueError(
-                    f"the judge's score {score:g} is off its scale "
-                    f"[{self.min_score:g}, {self.max_score:g}]"
+            choice = answer["choices"][0]
+            text = choice["message"]["content"] or ""
+            score = read_verdict(text, pattern, self.min_score, self.max_score)
+            if score is None:
+                cut = " (cut at max_tokens)" if choice.get("finish_reason") == "length" else ""
+                raise UnparsedVerdictError(
+                    f"the judge's answer{cut} does not end with a line holding only its score "
+                    f"on [{self.min_score:g}, {self.max_score:g}] as score_pattern: "
+                    f"{_tail(text)!r}",
+                    unparsed,
                 )
             return (score - self.min_score) / (self.max_score - self.min_score)
 
@@ -238,14 +300,81 @@ class TermInput:
 
 
 class ModelTermScorer:
-    """Scores one model term of the reward through its scorer's client (open)."""
+    """Scores one model term of the reward through its scorer's client (open), counting the
+    answers it read and, of a judge's, the verdicts unparsed (`judge_metrics`)."""
 
     def __init__(self, name: str, term: RewardModelTerm | JudgeTerm, client: ScorerClient):
         self.name, self.term, self.client = name, term, client
+        self.verdicts = 0  # answers read: scores, and verdicts whether parsed or not
+        self.unparsed = 0  # verdicts unparsed (a judge's: `UnparsedVerdictError`)
 
     def score(self, item: TermInput) -> Future[float]:
-        """R for one response; the future fails with `ScorerCallError` when the call does."""
-        return self.client.post(*self.term.request(item, self.client.model))
+        """R for one response; the future fails with `ScorerCallError` when the call does. The
+        server offers structured outputs when the run serves it (vLLM). A judge's server that
+        refuses the request (HTTP 400: the response made the prompt too long for its context)
+        leaves no verdict: the unparsed rule, so a response cannot buy its group's drop."""
+        path, body, read = self.term.request(
+            item, self.client.model, structured_outputs=self.client.config.served
+        )
+        future = self.client.post(path, body, functools.partial(self._read, read))
+        if self.term.kind != "judge":
+            return future
+        verdict: Future[float] = Future()
+        future.add_done_callback(functools.partial(self._settle, verdict))
+        return verdict
+
+    def _settle(self, verdict: Future[float], call: Future[float]) -> None:
+        """Resolve a judge's `verdict` from its `call`: a refused request read as unparsed."""
+        error = call.exception()
+        if error is None:
+            verdict.set_result(call.result())
+            return
+        if isinstance(error, ScorerCallError) and error.refused:
+            assert isinstance(self.term, JudgeTerm)
+
+            def refused(answer: Any) -> float:
+                raise UnparsedVerdictError(
+                    f"the judge's server refused the request: {error}", self.term.unparsed_value
+                )
+
+            try:
+                verdict.set_result(self._read(refused, None))
+            except UnparsedVerdictError as exc:
+                verdict.set_exception(ScorerCallError(str(exc)))
+            return
+        verdict.set_exception(error)
+
+    def _read(self, read: Callable[[Any], float], answer: Any) -> float:
+        """`read(answer)`, counted; an unparsed verdict takes its rule's value or fails the
+        call. Runs on the client's event loop, one thread: the counts need no lock."""
+        try:
+            value = read(answer)
+        except UnparsedVerdictError as exc:
+            self.verdicts += 1
+            self.unparsed += 1
+            if self.unparsed & (self.unparsed - 1) == 0:  # the 1st, 2nd, 4th, …: logs stay few
+                log.warning(
+                    "judge term %s: %d of %d verdicts unparsed so far (judge/unparsed_frac "
+                    "%.3f), each %s; the latest: %s",
+                    self.name, self.unparsed, self.verdicts, self.unparsed / self.verdicts,
+                    "a failed call" if exc.value is None else f"scored R = {exc.value:g}", exc,
+                )  # fmt: skip
+            if exc.value is None:
+                raise
+            return exc.value
+        self.verdicts += 1
+        return value
+
+
+def judge_metrics(scorers: Iterable[ModelTermScorer]) -> dict[str, float]:
+    """`judge/unparsed_frac`: the share of the verdicts the judge terms among `scorers` read so
+    far (all of them together) that were unparsed, whatever `on_unparsed` made of them; empty
+    before the first verdict."""
+    judges = [s for s in scorers if s.term.kind == "judge"]
+    verdicts = sum(s.verdicts for s in judges)
+    if not verdicts:
+        return {}
+    return {"judge/unparsed_frac": sum(s.unparsed for s in judges) / verdicts}
 
 
 def _tail(text: str, limit: int = 120) -> str:

@@ -3,9 +3,11 @@ classifier) and a judge (the tiny model: a poor judge, so the path is what is te
 served by `streamrl scorer` as a run serves it.
 
 The reward model's term is its raw logit of the conversation under the scale and shift, equal to
-transformers'; the judge's is its stated score mapped to [0, 1]; a judge answer without a score
-and a request past its timeout fail the call, never score 0; a whole run weighs the terms into
-its rewards and logs each one."""
+transformers'; the judge's is its stated score mapped to [0, 1]; a judge answer without a
+verdict on its final line scores the bottom of the scale, counted (or fails the call, by its
+rule); the red team (`tests.unit.scorers.judge_attacks`) forges no chat-template turn and no
+score through the served judge; a request past its timeout fails the call; a whole run weighs
+the terms into its rewards and logs each one."""
 
 from __future__ import annotations
 
@@ -28,7 +30,14 @@ from streamrl.config.loading import load_config
 from streamrl.config.stored import prepare_run
 from streamrl.models import resolve_model_path
 from streamrl.scorers.client import ScorerCallError, ScorerClient
-from streamrl.scorers.terms import JudgeTerm, ModelTermScorer, RewardModelTerm, TermInput
+from streamrl.scorers.terms import (
+    JudgeTerm,
+    ModelTermScorer,
+    RewardModelTerm,
+    TermInput,
+    judge_metrics,
+)
+from tests.unit.scorers.judge_attacks import ATTACKS, QUESTION, REFERENCE, WRONG
 
 ROOT = Path(__file__).resolve().parents[3]
 SCORERS = (
@@ -113,17 +122,59 @@ def test_the_reward_model_term_is_its_logit_of_the_conversation_scaled(served):
         assert abs(ModelTermScorer("rm", clipped, client).score(ITEM).result(timeout=120)) <= 1e-3
 
 
-def test_a_judge_scores_on_its_scale_and_an_answer_without_a_score_fails(served):
+def test_a_judge_scores_on_its_scale_and_an_answer_without_a_verdict_scores_lowest(served):
     config, run = served
     with ScorerClient("judge", config.scorers["judge"], run) as client:
         constrained = ModelTermScorer("judge", config.generator.reward.models["judge"], client)
         value = constrained.score(ITEM).result(timeout=120)
         assert 0.0 <= value <= 1.0
         assert value * 10 == pytest.approx(round(value * 10))  # an integer 0..10, mapped
-        free = JudgeTerm(kind="judge", scorer="judge", max_tokens=4, template="{response}")
-        with pytest.raises(ScorerCallError, match="the judge's answer has no score") as caught:
-            ModelTermScorer("judge", free, client).score(ITEM).result(timeout=120)
+        free = JudgeTerm(
+            kind="judge", scorer="judge", answer="free", max_tokens=4, template="{response}"
+        )
+        unparsed = ModelTermScorer("judge", free, client)
+        assert unparsed.score(ITEM).result(timeout=120) == 0.0  # the tiny model keeps no format
+        assert judge_metrics([unparsed]) == {"judge/unparsed_frac": 1.0}
+        failing = free.model_copy(update={"on_unparsed": "fail"})
+        with pytest.raises(ScorerCallError, match="does not end with a line holding") as caught:
+            ModelTermScorer("judge", failing, client).score(ITEM).result(timeout=120)
         assert caught.value.failure == "error"
+
+
+def test_the_red_team_forges_no_turn_and_no_score_through_the_served_judge(served):
+    """The tiny judge has random weights: what it says is noise, what is tested is the path —
+    the chat template the server renders holds the template's special tokens only, whatever
+    the response; the guided answer (`answer: auto` on a served judge) is read, and no
+    injected wrong answer scores above the plain one or fails its call."""
+    config, run = served
+    term = JudgeTerm(kind="judge", scorer="judge", max_tokens=16)
+    responses = {"wrong": WRONG, **ATTACKS}
+    with ScorerClient("judge", config.scorers["judge"], run) as client:
+
+        def tokenize(body: dict) -> list[int]:
+            answer = client.post("/tokenize", {"model": "judge", **body}).result(timeout=120)
+            return answer["tokens"]
+
+        start, end, text_end = tokenize({"prompt": "<|im_start|><|im_end|><|endoftext|>"})
+        for name, response in responses.items():
+            _, body, _ = term.request(item(response), "judge", structured_outputs=True)
+            assert body["structured_outputs"]["regex"]
+            shown = tokenize({"messages": body["messages"], "add_generation_prompt": True})
+            # <|im_start|>user … <|im_end|> <|im_start|>assistant: no turn forged
+            turns = [t for t in shown if t in (start, end, text_end)]
+            assert turns == [start, end, start], name
+
+        scorer = ModelTermScorer("judge", term, client)
+        futures = {name: scorer.score(item(text)) for name, text in responses.items()}
+        got = {name: future.result(timeout=300) for name, future in futures.items()}
+    wrong = got.pop("wrong")
+    assert {name: value for name, value in got.items() if value > wrong} == {}
+    assert scorer.verdicts == len(responses)  # every answer read, none a failed call
+    assert 0.0 <= judge_metrics([scorer])["judge/unparsed_frac"] <= 1.0
+
+
+def item(response: str) -> TermInput:
+    return TermInput(({"role": "user", "content": QUESTION},), QUESTION, response, REFERENCE)
 
 
 def test_a_scorer_request_past_its_timeout_fails_as_a_timeout(served):
