@@ -202,6 +202,8 @@ _OBJECT_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.
 no leading '/', so the object lies inside its segment's folder."""
 
 _REWARD_FAILURES = ("reward_errors", "reward_timeouts", "reward_dropped_groups")
+GENERATOR_COUNTS = (*_REWARD_FAILURES, "judge_verdicts", "judge_unparsed")
+"""What a writer counts between its commits and each commit record carries (`CommitRecord`)."""
 
 
 def segment_name(writer_id: str, incarnation: str, number: int) -> str:
@@ -244,6 +246,10 @@ class CommitRecord:
       * `reward_dropped_groups`: groups left out of the stream because one of their calls
         failed (`generator.reward.on_error=drop_group`); none with `score_zero`, whose failed
         responses are in the segment with score 0.
+    And, counted the same way, the verdicts of the reward's judge terms: `judge_verdicts` the
+    judges' answers read, `judge_unparsed` those without a verdict on their scale
+    (`streamrl.scorers.terms`: scored by the term's `on_unparsed` rule), so
+    judge/unparsed_frac = unparsed / verdicts.
     Records written before these fields existed read as 0.
 
     `rollout`: the sums of the segment's responses (`RolloutSums`), so a reader that skips a
@@ -266,6 +272,8 @@ class CommitRecord:
     reward_errors: int = 0
     reward_timeouts: int = 0
     reward_dropped_groups: int = 0
+    judge_verdicts: int = 0
+    judge_unparsed: int = 0
     rollout: RolloutSums | None = None
     rejected: str = ""  # never stored: why a stored record was rejected (`rejected_record`)
 
@@ -277,8 +285,10 @@ class CommitRecord:
             return
         _check_int(self.seq, -1, f"{where}: seq")
         for name in ("num_groups", "num_responses", "num_tokens", "min_policy_version",
-                     *_REWARD_FAILURES):  # fmt: skip
+                     *GENERATOR_COUNTS):  # fmt: skip
             _check_int(getattr(self, name), 0, f"{where}: {name}")
+        if self.judge_unparsed > self.judge_verdicts:
+            raise InvalidRecordError(f"{where}: judge_unparsed exceeds judge_verdicts")
         _check_int(self.max_policy_version, self.min_policy_version, f"{where}: max_policy_version")
         if self.rollout is not None:
             self._check_rollout(where)

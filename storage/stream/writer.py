@@ -48,7 +48,14 @@ from storage.stream.reader import (
     StreamTimeoutError,
     quarantined,
 )
-from storage.stream.records import WRITER_ID, CommitRecord, RolloutSums, ScoredGroup, segment_name
+from storage.stream.records import (
+    GENERATOR_COUNTS,
+    WRITER_ID,
+    CommitRecord,
+    RolloutSums,
+    ScoredGroup,
+    segment_name,
+)
 from storage.stream.segments import Compression, encode_segment
 from storage.stream.sweep import (
     COMMIT_DEADLINE_S,
@@ -77,7 +84,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_REWARD_FAILURES = ("reward_errors", "reward_timeouts", "reward_dropped_groups")
 _MAX_UNRESOLVED_CLAIMS = 20
 _MAX_REUPLOADS = 3  # of one segment past its commit deadline, before the writer gives up
 
@@ -137,7 +143,7 @@ class StreamWriter:
         self._next_seq = 0
         self._pending: list[ScoredGroup] = []
         self._pending_since: float | None = None
-        self._reward_failures = dict.fromkeys(_REWARD_FAILURES, 0)
+        self._counts = dict.fromkeys(GENERATOR_COUNTS, 0)
 
     # -- buffered appends --------------------------------------------------------------------
 
@@ -152,8 +158,14 @@ class StreamWriter:
         self, *, errors: int = 0, timeouts: int = 0, dropped_groups: int = 0
     ) -> None:
         """Add reward failures to those the next commit record carries (`CommitRecord`)."""
-        for key, count in zip(_REWARD_FAILURES, (errors, timeouts, dropped_groups), strict=True):
-            self._reward_failures[key] += count
+        self._counts["reward_errors"] += errors
+        self._counts["reward_timeouts"] += timeouts
+        self._counts["reward_dropped_groups"] += dropped_groups
+
+    def count_judge_verdicts(self, verdicts: int, unparsed: int) -> None:
+        """Add judge verdicts read, and those unparsed, to the next commit record's."""
+        self._counts["judge_verdicts"] += verdicts
+        self._counts["judge_unparsed"] += unparsed
 
     @property
     def pending_groups(self) -> int:
@@ -241,9 +253,7 @@ class StreamWriter:
         unresolved = 0
         while True:
             uploaded = self._within_deadline(uploaded)
-            record = replace(
-                uploaded.record, seq=seq, committed_at=time.time(), **self._reward_failures
-            )
+            record = replace(uploaded.record, seq=seq, committed_at=time.time(), **self._counts)
             if put_if_absent(fs, log_path(self.stream, seq), record.to_json()):
                 break
             existing = read_record(self.stream, seq)
@@ -262,8 +272,8 @@ class StreamWriter:
             self.stats.commit_conflicts += 1
             seq = first_free(self.stream, seq + 1)
         self._next_seq = seq + 1
-        for key in _REWARD_FAILURES:  # counted from the next commit on
-            self._reward_failures[key] -= getattr(record, key)
+        for key in GENERATOR_COUNTS:  # counted from the next commit on
+            self._counts[key] -= getattr(record, key)
         self.stats.segments += 1
         self.stats.groups += record.num_groups
         return record

@@ -54,7 +54,7 @@ from streamrl.isolation.pool import Failure
 from streamrl.rewards import Scores
 from streamrl.scorers.client import ScorerCallError
 from streamrl.scorers.teacher import Teacher, TeacherScores
-from streamrl.scorers.terms import ModelTermScorer, TermScores
+from streamrl.scorers.terms import ModelTermScorer, TermScores, judge_counts
 
 __all__ = ["BrokenRewardError", "GeneratorLoop"]
 
@@ -110,6 +110,7 @@ class GeneratorLoop:
         self._next_key = 0
         self._corrupt_versions: set[int] = set()
         self._failed_in_a_row = 0  # groups whose every reward call failed
+        self._judged = (0, 0)  # judge verdicts, unparsed ones: counted so far
         self._teacher_failed_in_a_row = 0  # groups the teacher could not score
         self._next_poll = 0.0
         self._stop = threading.Event()
@@ -198,6 +199,13 @@ class GeneratorLoop:
                 self.writer.append(self.records.group(rollout, scored, taught, terms or None))
         while self.episodes.dropped:  # dropped on purpose: as good as collected
             self.ledger.collected(self.episodes.dropped.pop())
+        self._count_judge_verdicts()
+
+    def _count_judge_verdicts(self) -> None:
+        """The judge terms' verdicts since the last count, for the next commit record."""
+        verdicts, unparsed = judge_counts(self.episodes.terms)
+        self.writer.count_judge_verdicts(verdicts - self._judged[0], unparsed - self._judged[1])
+        self._judged = (verdicts, unparsed)
 
     def _dropped_for_failures(self, scores: Scores) -> bool:
         """Count a group's failed reward calls (in `stats` and the next commit record); True

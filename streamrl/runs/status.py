@@ -93,8 +93,9 @@ class GeneratorStatus:
 class StreamStatus:
     """The commit log up to its head when read. `groups` counts every committed group,
     `quarantined_groups` those in the `quarantined` segments (log numbers `quarantined_seqs`),
-    which no reader yields. `reward_*`: the generators' totals. `groups_before[s]` = groups
-    committed at log numbers < s (length commits + 1): turns a cursor into a count of groups."""
+    which no reader yields. `reward_*`, `judge_*`: the generators' totals. `groups_before[s]`
+    = groups committed at log numbers < s (length commits + 1): turns a cursor into a count of
+    groups."""
 
     commits: int = 0
     groups: int = 0
@@ -108,6 +109,8 @@ class StreamStatus:
     reward_errors: int = 0
     reward_timeouts: int = 0
     reward_dropped_groups: int = 0
+    judge_verdicts: int = 0
+    judge_unparsed: int = 0
     groups_before: tuple[int, ...] = field(default=(0,), repr=False)
 
     @property
@@ -306,6 +309,8 @@ def read_stream(run: Location, *, since: StreamStatus | None = None) -> StreamSt
         reward_timeouts=tally.reward_timeouts + sum(r.reward_timeouts for r in records),
         reward_dropped_groups=tally.reward_dropped_groups
         + sum(r.reward_dropped_groups for r in records),
+        judge_verdicts=tally.judge_verdicts + sum(r.judge_verdicts for r in records),
+        judge_unparsed=tally.judge_unparsed + sum(r.judge_unparsed for r in records),
         groups_before=tuple(groups_before),
     )
 

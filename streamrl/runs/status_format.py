@@ -138,6 +138,15 @@ def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
         yield "", f"lag: {s.lag_groups} groups written, not yet consumed"
     if st.commits:
         yield "rewards", f"{_reward_failures(st)} in all"
+    if st.judge_verdicts:
+        frac = st.judge_unparsed / st.judge_verdicts
+        yield (
+            "",
+            (
+                f"judges: {st.judge_unparsed} of {st.judge_verdicts} verdicts unparsed "
+                f"(judge/unparsed_frac {frac:.3f}; scored by each term's on_unparsed rule)"
+            ),
+        )
     yield from _metrics_rows(s)
     if not st.generators:
         yield "generators", "none has committed yet"

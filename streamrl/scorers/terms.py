@@ -366,15 +366,18 @@ class ModelTermScorer:
         return value
 
 
+def judge_counts(scorers: Iterable[ModelTermScorer]) -> tuple[int, int]:
+    """The verdicts the judge terms among `scorers` read so far, and how many of them were
+    unparsed (whatever `on_unparsed` made of them)."""
+    judges = [s for s in scorers if s.term.kind == "judge"]
+    return sum(s.verdicts for s in judges), sum(s.unparsed for s in judges)
+
+
 def judge_metrics(scorers: Iterable[ModelTermScorer]) -> dict[str, float]:
     """`judge/unparsed_frac`: the share of the verdicts the judge terms among `scorers` read so
-    far (all of them together) that were unparsed, whatever `on_unparsed` made of them; empty
-    before the first verdict."""
-    judges = [s for s in scorers if s.term.kind == "judge"]
-    verdicts = sum(s.verdicts for s in judges)
-    if not verdicts:
-        return {}
-    return {"judge/unparsed_frac": sum(s.unparsed for s in judges) / verdicts}
+    far (all of them together) that were unparsed; empty before the first verdict."""
+    verdicts, unparsed = judge_counts(scorers)
+    return {"judge/unparsed_frac": unparsed / verdicts} if verdicts else {}
 
 
 def _tail(text: str, limit: int = 120) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from storage.control.endpoints import read_endpoint
 from storage.fs import open_location
+from storage.stream.log import read_log
 from storage.stream.reader import StreamReader
 from streamrl.config.loading import load_config
 from streamrl.config.stored import prepare_run
@@ -217,6 +218,10 @@ def test_a_run_weighs_the_model_terms_into_its_rewards_and_logs_each(tmp_path):
                           strict=False)
     ]  # fmt: skip
     assert groups
+    records = list(read_log(open_location(str(run_dir))))
+    verdicts = sum(r.judge_verdicts for r in records)  # one per response scored, judged
+    assert verdicts >= sum(r.num_responses for r in records)
+    assert 0 <= sum(r.judge_unparsed for r in records) <= verdicts
     for group in groups:
         terms = group.reward_terms
         assert sorted(terms) == ["judge", "math", "rm"]

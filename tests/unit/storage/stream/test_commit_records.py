@@ -40,6 +40,20 @@ def test_failures_ride_on_the_next_commit_of_their_writer_only(tmp_path):
     assert failures == [("gen1", 0, 0, 0), ("gen0", 3, 1, 2), ("gen0", 0, 0, 0), ("gen0", 0, 4, 0)]
 
 
+def test_judge_verdicts_ride_on_the_next_commit_and_are_checked(tmp_path):
+    run = open_location(str(tmp_path / "run"))
+    writer = StreamWriter(run, "gen0")
+    writer.count_judge_verdicts(5, 2)
+    writer.count_judge_verdicts(3, 0)
+    writer.write(_groups(2))
+    writer.write(_groups(1))
+    counted = [(r.judge_verdicts, r.judge_unparsed) for r in read_log(run)]
+    assert counted == [(8, 2), (0, 0)]
+    stored = json.loads(next(iter(read_log(run))).to_json())
+    with pytest.raises(InvalidRecordError, match="judge_unparsed exceeds judge_verdicts"):
+        CommitRecord.from_json(json.dumps({**stored, "judge_unparsed": 9}).encode(), 0)
+
+
 def test_a_record_without_the_failure_fields_reads_as_zero_failures():
     old = {  # as written before the reward-failure fields existed
         "seq": 7,
@@ -112,3 +126,19 @@ def test_an_invalid_stored_record_reads_as_a_rejected_placeholder_naming_no_path
     assert rejected.segment == ""
     assert rejected.objects == {}
     assert (rejected.num_groups, rejected.num_responses, rejected.num_tokens) == (0, 0, 0)
+
+
+def test_status_shows_the_judges_unparsed_share(tmp_path):
+    from storage.control.manifest import create_run
+    from streamrl.config.loading import load_config
+    from streamrl.runs.status import read_status
+    from streamrl.runs.status_format import format_status
+
+    run = open_location(str(tmp_path / "run"))
+    create_run(run, load_config(["grpo", "tiny-cpu"]).model_dump(mode="json"))
+    writer = StreamWriter(run, "gen0")
+    writer.count_judge_verdicts(8, 2)
+    writer.write(_groups(2))
+    status = read_status(run)
+    assert (status.stream.judge_verdicts, status.stream.judge_unparsed) == (8, 2)
+    assert "judges: 2 of 8 verdicts unparsed (judge/unparsed_frac 0.250" in format_status(status)
