@@ -70,6 +70,23 @@ async def hangs(client: Any, task: Task) -> None:
         await asyncio.sleep(3600)
 
 
+_malformed = itertools.count()
+
+
+async def sends_malformed_tools(client: Any, task: Task) -> None:
+    """Samples a turn; then every other run offers a tool whose `properties` is a list (refused,
+    so it fails), the others go on."""
+    messages: list[Any] = list(task.messages)
+    response = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [response.choices[0].message, GO_ON]
+    malformed = {}
+    if next(_malformed) % 2 == 0:
+        parameters = {"type": "object", "properties": ["expression"]}
+        tool = {"type": "function", "function": {"name": "calculate", "parameters": parameters}}
+        malformed["tools"] = [tool]
+    await client.chat.completions.create(model="policy", messages=messages, **malformed)
+
+
 def never_calls(client: Any, task: Task) -> str:
     """Answers without sampling anything."""
     time.sleep(0.1)

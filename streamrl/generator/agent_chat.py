@@ -30,7 +30,11 @@ sampled text come back as `tool_calls`, read by vLLM's tool parser for the templ
 Budgets are the environment's (`generator.env`): at most `max_turns` requests (the one after is
 refused and ends the episode with `max_turns`), each segment within `max_episode_tokens` (a
 request that does not fit ends it with `max_tokens`), and a turn cut at its token limit ends
-the episode (`max_tokens`), as for an environment; later requests are refused.
+the episode (`max_tokens`), as for an environment; later requests are refused. A request to be
+rendered whole whose messages hold more characters than the budget's tokens could spell (at
+the most characters one of the model's tokens stands for) is refused so before it is
+templated or tokenised. A request the model's chat template refuses (`raise_exception`) is
+refused with the template's message.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from jinja2 import TemplateError
 
 from streamrl.envs.agent import EPISODE_ENDED
 from streamrl.envs.chat import ChatRenderer
@@ -55,13 +61,12 @@ from streamrl.envs.conversations import (
 )
 from streamrl.envs.formats import TOOL_FORMATS, TaggedFormat
 from streamrl.envs.limits import truncate_all
+from streamrl.generator.agent_requests import arguments_too_deep, most_chars_per_token
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.engine import Completion
 from streamrl.generator.transcript import Transcript
 
 __all__ = ["EPISODE_ENDED", "AgentChat", "AgentEpisode", "RequestRefusedError"]
-
-MAX_REQUEST_MESSAGES = 4096
 
 # Set in a request without changing what is sampled: read, or ignored.
 _HARMLESS = frozenset(
@@ -102,6 +107,7 @@ class AgentEpisode:
     requests: int = 0
     final: str = ""  # the text of its latest sampled turn
     finish_reason: str | None = None
+    error: str = ""  # why a request of it could not be served (finish reason env_error)
     started: bool = False  # its agent claimed its one run
     waiting: bool = False  # a request of it is being sampled
 
@@ -131,6 +137,7 @@ class AgentChat:
         self.tool_parser = env.tool_parser or "hermes"
         self.turn_max_tokens = env.turn_max_tokens or generator.max_tokens
         self.max_episode_tokens = max_episode_tokens
+        self.chars_per_token = most_chars_per_token(renderer.tokenizer)
         self.model_name = model_name
         # vLLM's parsers log a traceback for every malformed call: a policy's noise, not ours.
         logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
@@ -155,8 +162,6 @@ class AgentChat:
         messages = [_normalized(m) for m in request.messages]
         if not messages:
             raise RequestRefusedError("messages is empty")
-        if len(messages) > MAX_REQUEST_MESSAGES:
-            raise RequestRefusedError(f"{len(messages)} messages; at most {MAX_REQUEST_MESSAGES}")
         if episode.requests >= self.env.max_turns:
             episode.finish_reason = "max_turns"
             raise RequestRefusedError(
@@ -166,7 +171,14 @@ class AgentChat:
         tools = _tools(request)
         tools_key = json.dumps(tools, sort_keys=True) if tools else None
         keys = [_key(m) for m in messages]
-        extension, context = self._history(episode, messages, keys, tools, tools_key)
+        try:
+            extension, context = self._history(episode, messages, keys, tools, tools_key)
+        except ConversationError as problem:  # a call or tool the tool format cannot write
+            raise RequestRefusedError(str(problem)) from None
+        except TemplateError as refused:  # the template's raise_exception, or its own error
+            raise RequestRefusedError(
+                f"the model's chat template refused this conversation: {refused}"
+            ) from None
         used = len(context) if context is not None else episode.segments[-1].length
         used += len(extension or ())
         if (extension is None and context is None) or used >= self.max_episode_tokens:
@@ -240,12 +252,29 @@ class AgentChat:
                 new, episode.last_eos, self.env.observation_max_tokens
             )
             return ids, None
+        self._check_size(episode, messages)
         rendered = self._render(messages, tools)
         if episode.segments:
             history = episode.segments[-1].token_ids()
             if len(rendered) > len(history) and rendered[: len(history)] == history:
                 return rendered[len(history) :], None
         return None, rendered
+
+    def _check_size(self, episode: AgentEpisode, messages: Sequence[dict[str, Any]]) -> None:
+        """Refuse, before templating and tokenising it, a conversation whose message contents
+        alone are more characters than the episode's token budget could spell (it would be
+        refused after, as too many tokens); the episode ends (`max_tokens`) as it would then."""
+        chars = sum(len(m["content"]) for m in messages)
+        most = self.max_episode_tokens * self.chars_per_token
+        if chars > most:
+            episode.finish_reason = "max_tokens"
+            raise RequestRefusedError(
+                f"the messages hold {chars} characters: more than the {self.max_episode_tokens}"
+                f" tokens of this episode's budget (generator.env.max_episode_tokens) can hold "
+                f"at {self.chars_per_token} characters a token, the most any token of the "
+                "model stands for",
+                ended=True,
+            )
 
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -274,10 +303,7 @@ class AgentChat:
                 continue
             out += answered(self.format, between)
             between = []
-            try:
-                text = assistant_text(self.format, message, "an assistant message")
-            except ConversationError as error:
-                raise RequestRefusedError(str(error)) from None
+            text = assistant_text(self.format, message, "an assistant message")
             out.append({"role": "assistant", "content": text})
         out += answered(self.format, between)
         if cut:
@@ -332,12 +358,15 @@ class AgentChat:
             self.renderer.tokenizer, tools=request.tools
         )
         found = parser.extract_tool_calls(text, request)
-        if not found.tools_called:
+        # A call nested deeper than the tool formats read stays text: echoed back, the
+        # endpoint would refuse it (`streamrl.generator.agent_requests`).
+        readable = [c for c in found.tool_calls if not arguments_too_deep(c.function.arguments)]
+        if not found.tools_called or not readable:
             return text, []
         calls = [
             {"id": c.id, "type": "function",
              "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in found.tool_calls
+            for c in readable
         ]  # fmt: skip
         return found.content or None, calls
 
@@ -391,7 +420,7 @@ def _text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
+    if isinstance(content, Iterable) and not isinstance(content, Mapping):  # vLLM's iterator too
         parts = []
         for part in content:
             if not (isinstance(part, Mapping) and part.get("type") == "text"):

@@ -14,6 +14,12 @@ requests share (the whole first request when the G agents asked alike, as they u
 An episode that sampled nothing (its agent never called the endpoint, or failed first) has
 nothing to train on: it is left out and counted (`no_request`, or its failure); a group left
 with no response is dropped, as a failed reset drops an environment's.
+
+Whatever an agent sends, serving it never raises into the generator loop: a request refused
+for a reason (`RequestRefusedError`) is answered with it; any other error while a request is
+rendered, or its sampled turn answered, is answered 400 (code `episode_ended`, naming the
+error), logged, and ends that episode alone as `env_error` (counted with the finish reasons;
+what it sampled before is kept). The other episodes go on.
 """
 
 from __future__ import annotations
@@ -30,7 +36,12 @@ from streamrl.data import Prompt
 from streamrl.envs.base import Task
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.runner import EnvRunner, Episode
-from streamrl.generator.agent_chat import AgentChat, AgentEpisode, RequestRefusedError
+from streamrl.generator.agent_chat import (
+    EPISODE_ENDED,
+    AgentChat,
+    AgentEpisode,
+    RequestRefusedError,
+)
 from streamrl.generator.endpoint import AgentEndpoint, Pending
 from streamrl.generator.engine import Engine, FinishedGroup
 from streamrl.generator.transcript import Transcript
@@ -76,7 +87,11 @@ class AgentGroups:
         self, config: RunConfig, engine: Engine, runner: EnvRunner, renderer: ChatRenderer
     ) -> None:
         self.engine, self.runner = engine, runner
-        self.endpoint = AgentEndpoint(config.model.path)
+        # Each agent's client holds a connection; twice the episodes that may run at once leaves
+        # room for those closing, and for the agents' starts.
+        generator = config.generator
+        episodes = generator.prompts_in_flight * generator.largest_group_size
+        self.endpoint = AgentEndpoint(config.model.path, max_connections=2 * episodes + 64)
         max_episode_tokens = config.generator.env.max_episode_tokens or config.model.max_model_len
         self.chat = AgentChat(
             renderer, config.generator, config.generator.env, runner.tool_format,
@@ -116,7 +131,12 @@ class AgentGroups:
         for group in finished:
             episode, pending = self._sampling.pop(group.request_id)
             episode.waiting = False
-            pending.answer(200, self.chat.reply(episode, pending.request, group.completions[0]))
+            try:
+                answer = self.chat.reply(episode, pending.request, group.completions[0])
+            except Exception as error:  # deliberate: an agent's request never stops the loop
+                self._failed(episode, pending, error)
+                continue
+            pending.answer(200, answer)
         for pending in self.endpoint.take():
             self._serve(pending)
         ended = [g for g in self._groups if all(run.done() for run in g.runs)]
@@ -154,9 +174,24 @@ class AgentGroups:
             except RequestRefusedError as refused:
                 pending.refuse(refused.status, str(refused), refused.code)
                 return
+            except Exception as error:  # deliberate: an agent's request never stops the loop
+                self._failed(episode, pending, error)
+                return
             request = self.engine.submit(ids, greedy=episode.greedy, n=1, max_tokens=budget)
             episode.waiting = True
             self._sampling[request] = (episode, pending)
+
+    def _failed(self, episode: AgentEpisode, pending: Pending, error: Exception) -> None:
+        """A request that raised while it was served (module docstring): its episode ends as
+        `env_error`, its agent is told why."""
+        why = f"{type(error).__name__}: {error}"[:1000]
+        log.warning("an agent's request could not be served; its episode ends (env_error): %s",
+                    why, exc_info=error)  # fmt: skip
+        episode.finish_reason = "env_error"
+        episode.error = f"a request could not be served: {why}"
+        pending.refuse(
+            400, f"the request could not be served ({why}); this episode has ended", EPISODE_ENDED
+        )
 
     def _ended(self, group: _Group) -> Ended:
         transcripts, episodes, last_eos, unsampled = [], [], [], []
@@ -177,9 +212,9 @@ class AgentGroups:
                 self.runner.count_finished(reason)
                 unsampled.append(reason)
                 continue
-            reason = ended.finish_reason
+            reason, error = ended.finish_reason, ended.error
             if reason == "done" and agent.finish_reason is not None:
-                reason = agent.finish_reason  # a budget ended it
+                reason, error = agent.finish_reason, agent.error  # a budget, or a failure, ended it
             for i, (segment, calls) in enumerate(segments):
                 # The G runs start together in one worker call: their ends, so measured,
                 # differ as they really did (the group's waits, `Rollout.wait_seconds`).
@@ -192,6 +227,7 @@ class AgentGroups:
                     tools_offered=agent.tools_offered,
                     final=ended.final or agent.final,
                     finish_reason=reason if last else "split",
+                    error=error if last else "",
                 )
                 transcripts.append(segment)
                 episodes.append(episode)

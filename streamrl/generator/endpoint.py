@@ -11,9 +11,17 @@ hands requests over: the generator loop's thread, which owns the engine, takes t
 - `GET /v1/models`: the one model, for clients that list models first;
 - `POST /v1/streamrl/start`: an episode's agent claims its one run (`streamrl.envs.agent`).
 
-A request body is at most `MAX_REQUEST_BYTES`; one episode has at most one request in
-sampling at a time (a second one is refused, 409, rather than racing the first for the
-history). On close every request still waiting is answered 503.
+A request is checked as it arrives (`streamrl.generator.agent_requests`: JSON nesting, tool
+schemas; 400 naming the field), so the loop's thread is handed only requests it can render.
+One episode has at most one request in sampling at a time (a second one is refused, 409,
+rather than racing the first for the history). On close every request still waiting is
+answered 503.
+
+Whoever connects is bounded before any token is read: a connection must send a whole
+request's headers (at most 16 KiB, h11's limit) within `HEADER_TIMEOUT_S` of opening or of its
+last answer, else it is closed — idle keep-alive connections too; a body must arrive whole
+within `BODY_TIMEOUT_S` of its headers (408) and be at most `MAX_REQUEST_BYTES` (413); and past
+`max_connections` open connections a request is answered 503 at once.
 """
 
 from __future__ import annotations
@@ -29,12 +37,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_REQUEST_BYTES", "AgentEndpoint", "Pending"]
+from streamrl.generator.agent_requests import parsed_request
+
+__all__ = ["BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "MAX_REQUEST_BYTES", "AgentEndpoint", "Pending"]
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8 * 2**20
+HEADER_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 1024
 STARTUP_TIMEOUT_S = 30.0
+_CLOSES = frozenset({401, 404, 408, 413})  # answered with the body perhaps unread: close
 
 
 @dataclass
@@ -58,10 +72,21 @@ class Pending:
 
 class AgentEndpoint:
     """The server (module docstring). `open()` an episode's token, `close_episode` it; `take()`
-    the requests that came in. Use as a context manager."""
+    the requests that came in. Use as a context manager. `max_connections`: open connections
+    past which a request is answered 503."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
         self.model_name = model_name
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.base_url = ""
         self._tokens: set[str] = set()
         self._lock = threading.Lock()
@@ -94,7 +119,9 @@ class AgentEndpoint:
 
         config = uvicorn.Config(
             self._app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-            interface="asgi3", access_log=False, timeout_keep_alive=30,
+            interface="asgi3", access_log=False, http=_protocol(self.header_timeout_s),
+            timeout_keep_alive=max(1, int(self.header_timeout_s)),
+            limit_concurrency=self.max_connections,
         )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="agent-endpoint", daemon=True)
@@ -129,6 +156,8 @@ class AgentEndpoint:
         status, body = await self._serve(scope, receive)
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        if status in _CLOSES:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
@@ -144,14 +173,18 @@ class AgentEndpoint:
             known = token in self._tokens
         if not known:
             return _error(401, "unknown or ended episode token")
-        body = await _body(receive)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await _body(receive)
+        except TimeoutError:
+            return _error(408, f"the request body did not arrive within {self.body_timeout_s:g}s")
         if body is None:
             return _error(413, f"the request body is larger than {MAX_REQUEST_BYTES} bytes")
         if path == "/v1/streamrl/start":
             pending = Pending(token, start=True)
         else:
             try:
-                pending = Pending(token, _parsed(body))
+                pending = Pending(token, parsed_request(body))
             except ValueError as invalid:
                 return _error(400, str(invalid)[:2000])
         self._queue.put(pending)
@@ -185,21 +218,38 @@ async def _body(receive: Any) -> bytes | None:
             return b"".join(chunks)
 
 
-def _parsed(body: bytes) -> Any:
-    """The body as vLLM's `ChatCompletionRequest`. Raises ValueError naming what is wrong."""
-    from pydantic import ValidationError
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+def _protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request's headers
+    within `header_timeout_s` of opening or of its last answer. uvicorn's own keep-alive timer
+    is cancelled by any byte received, so a client sending half a request would hold its
+    connection for ever; this deadline is not."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ValueError(f"the request body is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError("the request body must be a JSON object")
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except ValidationError as invalid:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in invalid.errors()[:5]
-        )
-        raise ValueError(f"invalid chat completion request: {problems}") from None
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _expire(self) -> None:
+            # A request being served (headers in, answer not yet sent) is the app's to bound.
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol

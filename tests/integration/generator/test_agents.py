@@ -158,6 +158,23 @@ def test_hostile_and_failing_agents_end_only_their_episodes_counted(tmp_path):
             assert loop.stats.groups == 0, name
 
 
+def test_a_malformed_request_fails_only_its_episode_and_the_generator_goes_on(tmp_path):
+    """Every other agent's second request offers a tool whose `properties` is a list (the
+    loop's thread once raised rendering it, and the generator stopped): refused with a 400
+    naming the field, so that agent fails (env_error) with the turn it sampled; the others of
+    its group, and the groups after, are served."""
+    run = open_location(str(tmp_path / "run"))
+    with build_generator(_config("tests.agent_fns:sends_malformed_tools"), run, 0) as loop:
+        runner = loop.episodes.runner
+        _loop_until(
+            loop, lambda: runner.stats.finished["env_error"] >= 2 and loop.stats.groups >= 2
+        )
+        loop._flush()
+    reasons = [r for group in _groups(run, loop.stats.groups) for r in group.finish_reasons]
+    assert "env_error" in reasons
+    assert set(reasons) - {"env_error"}, "the well-behaved agents' episodes are recorded too"
+
+
 def test_the_calculator_agent_records_what_the_calculator_environment_records(tmp_path):
     """The same prompts, greedy, on one engine through `CalculatorEnv` and through the
     calculator agent on the OpenAI client: the same prompt tokens, response tokens, masks and

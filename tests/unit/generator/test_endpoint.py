@@ -1,8 +1,9 @@
 """AgentEndpoint as a real uvicorn server on 127.0.0.1, without vLLM's engine: the real `openai`
 client calls it from a thread while the test thread answers the `Pending` requests it takes —
 as the generator loop does. Per-episode tokens (401), the model list, body size (413) and
-validation (400) limits, answers reaching the client, 503 on close; and the worker side's
-reading of refusals (`streamrl.envs.agent`)."""
+validation (400: JSON, tool schemas, nesting) limits, answers reaching the client, 503 on
+close; and the worker side's reading of refusals (`streamrl.envs.agent`). Connections held
+open: `test_endpoint_connections`."""
 
 from __future__ import annotations
 
@@ -161,8 +162,22 @@ def test_a_body_over_the_limit_is_refused_413(endpoint) -> None:
         (b"\xff\xfe", "not JSON"),
         (b'[{"role": "user"}]', "JSON object"),
         (b'{"model": "m"}', "messages"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": '
+            b'"function", "function": {"name": "f", "parameters": {"properties": ["a"]}}}]}',
+            "tools[0] (f): parameters.properties must be an object of schemas",
+        ),
+        (b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests more than"),
+        (
+            b'{"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c", '
+            b'"type": "function", "function": {"name": "f", "arguments": "'
+            + b"[" * 5000
+            + b"]" * 5000
+            + b'"}}]}]}',
+            "messages[0].tool_calls[0].function.arguments nests more than 64 levels deep",
+        ),
     ],
-    ids=["truncated", "not-utf8", "array", "no-messages"],
+    ids=["truncated", "not-utf8", "array", "no-messages", "tool-schema", "deep", "deep-call"],
 )
 def test_an_invalid_body_is_refused_400(endpoint, content, says) -> None:
     response = _post(endpoint, endpoint.open(), content)
