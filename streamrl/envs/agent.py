@@ -60,7 +60,7 @@ __all__ = [
     "load_agent",
 ]
 
-EPISODE_ENDED = "episode_ended"  # `streamrl.generator.agent_chat`'s error code for it
+EPISODE_ENDED = "episode_ended"  # `streamrl.generator.agent_messages`'s error code for it
 MAX_FINAL_CHARS = 2**20  # a returned answer is scored as text: bounded like a state
 
 

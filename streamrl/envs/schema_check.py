@@ -14,7 +14,10 @@ and the field, so a caller can answer with it (a dataset row, a 400 response).
   list of names, `enum` and `examples` lists, `type` a name or a list of names, `items`,
   `additionalProperties`, `not` a schema, `anyOf` / `oneOf` / `allOf` / `prefixItems` lists of
   schemas, `$defs` / `definitions` / `patternProperties` objects of schemas — and every schema
-  nested at most `MAX_JSON_DEPTH` deep.
+  nested at most `MAX_JSON_DEPTH` deep. The arguments `parameters.required` names must be among
+  `parameters.properties`: the model is shown only the properties, so a required argument
+  beyond them could never be passed. (A nested schema's `required` is not held to its own
+  properties: an `anyOf` alternative may require what its parent declares.)
 - `check_nesting`: a value nested at most `MAX_JSON_DEPTH` deep, counted without recursion
   (`streamrl.envs.limits.nesting_depth`).
 - `loads_json`: `json.loads`, whose own recursion on a text nested thousands deep becomes a
@@ -90,6 +93,19 @@ def check_tool_schemas(schemas: Any, where: str = "tools") -> None:
                     f"{tool}: parameters must be a JSON schema object, got {_kind(parameters)}"
                 )
             _check_schema(parameters, f"{tool}: parameters")
+            _check_required_declared(parameters, f"{tool}: parameters")
+
+
+def _check_required_declared(parameters: Mapping[str, Any], where: str) -> None:
+    """Refuse a tool whose `required` names an argument its `properties` do not declare (its
+    shapes already checked by `_check_schema`)."""
+    declared = parameters.get("properties", {})
+    unknown = [name for name in parameters.get("required", ()) if name not in declared]
+    if unknown:
+        raise SchemaError(
+            f"{where}.required names {json.dumps(unknown[0][:40])}, which is not in its "
+            "properties: declare it under properties or drop it from required"
+        )
 
 
 def _check_schema(root: Mapping[str, Any], where: str) -> None:

@@ -9,7 +9,8 @@
   record (how observations become tokens is `streamrl.envs.chat`).
 - `agent_episodes`: a user's agent driving its episodes (`generator.env.agent`) through the
   `endpoint` (OpenAI-compatible chat completions on 127.0.0.1), its requests matched to the
-  episode's token history by `agent_chat`.
+  episode's token history by `agent_chat` (`agent_requests`: what a request must be on arrival;
+  `agent_messages`: its sampling and messages read; `agent_replies`: the sampled turn answered).
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
 - `group_size`: how many responses each prompt gets (fixed, or adaptive: eq 27).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.

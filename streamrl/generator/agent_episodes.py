@@ -33,15 +33,12 @@ import numpy as np
 
 from streamrl.config.run import RunConfig
 from streamrl.data import Prompt
+from streamrl.envs.agent import EPISODE_ENDED
 from streamrl.envs.base import Task
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.runner import EnvRunner, Episode
-from streamrl.generator.agent_chat import (
-    EPISODE_ENDED,
-    AgentChat,
-    AgentEpisode,
-    RequestRefusedError,
-)
+from streamrl.generator.agent_chat import AgentChat, AgentEpisode
+from streamrl.generator.agent_messages import RequestRefusedError
 from streamrl.generator.endpoint import AgentEndpoint, Pending
 from streamrl.generator.engine import Engine, FinishedGroup
 from streamrl.generator.transcript import Transcript

@@ -13,8 +13,8 @@ naming the field and what it should be (the endpoint answers 400, and the episod
 - what vLLM's `ChatCompletionRequest` does not validate (whatever its validators raise);
 - an assistant tool call whose `arguments` nest more than `MAX_JSON_DEPTH` levels deep (the
   depth the tool formats read, `streamrl.envs.formats`);
-- tools whose schemas the tool formats cannot read (`streamrl.envs.schema_check`, as for an
-  SFT row's tools), or whose `parameters.required` names an argument not in its `properties`.
+- tools whose schemas the tool formats cannot read, or whose `parameters.required` names an
+  argument not in its `properties` (`streamrl.envs.schema_check`, as for an SFT row's tools).
 
 Two more bounds live here for `AgentChat`: `arguments_too_deep`, so that the tool calls it
 answers with are ones this check accepts when the agent sends them back, and
@@ -25,7 +25,7 @@ refused before it is templated or tokenised.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from streamrl.envs.limits import MAX_JSON_DEPTH, nesting_depth
@@ -86,24 +86,8 @@ def parsed_request(body: bytes) -> Any:
     except Exception as invalid:  # deliberate: vLLM's validators raise TypeError and the like
         raise ValueError(f"invalid chat completion request: {invalid!r}"[:2000]) from None
     if request.tools:
-        _check_tools([t.model_dump(exclude_none=True) for t in request.tools])
+        check_tool_schemas([t.model_dump(exclude_none=True) for t in request.tools])
     return request
-
-
-def _check_tools(tools: Sequence[Mapping[str, Any]]) -> None:
-    """`check_tool_schemas`, and each tool's required arguments among its properties: the
-    model is shown only the properties, so a required name beyond them could never be
-    passed."""
-    check_tool_schemas(tools)
-    for k, tool in enumerate(tools):
-        parameters = tool["function"].get("parameters") or {}
-        properties = parameters.get("properties", {})
-        unknown = [name for name in parameters.get("required", ()) if name not in properties]
-        if unknown:
-            raise SchemaError(
-                f"tools[{k}] ({tool['function']['name'][:40]}): parameters.required names "
-                f"{json.dumps(unknown[0][:40])}, which is not in its properties"
-            )
 
 
 def arguments_too_deep(arguments: Any) -> bool:

@@ -6,8 +6,9 @@ is refused (401), so no other process can sample through it. The server only val
 hands requests over: the generator loop's thread, which owns the engine, takes them
 (`take`), samples, and answers each through its future (`Pending.answer`). Routes:
 
-- `POST /v1/chat/completions`: a chat completion (`streamrl.generator.agent_chat` says what is
-  served and how it is recorded); errors come back as OpenAI error objects;
+- `POST /v1/chat/completions`: a chat completion (`streamrl.generator.agent_chat` says how it
+  is recorded, `streamrl.generator.agent_messages` what is served); errors come back as OpenAI
+  error objects;
 - `GET /v1/models`: the one model, for clients that list models first;
 - `POST /v1/streamrl/start`: an episode's agent claims its one run (`streamrl.envs.agent`).
 

@@ -1,9 +1,9 @@
 """Malformed SFT rows, written as an attacker would (`streamrl.envs.conversations`,
 `streamrl.envs.schema_check`, `streamrl.learner.supervised`): `tool_calls` a number, arguments
-nested 100,000 deep (as an object and as JSON text), a tool's `properties` a list, and their
-kin are each refused as a `ConversationError` naming the message and the field — never a
-`TypeError`, `RecursionError` or `AttributeError` — and an SFT dataset holding one is refused
-naming its row."""
+nested 100,000 deep (as an object and as JSON text), a tool's `properties` a list or its
+`required` naming an argument it does not declare, and their kin are each refused as a
+`ConversationError` naming the message and the field — never a `TypeError`, `RecursionError`
+or `AttributeError` — and an SFT dataset holding one is refused naming its row."""
 
 from __future__ import annotations
 
@@ -117,6 +117,10 @@ def test_arguments_nested_100k_deep_are_refused_naming_the_call(renderers, as_te
          r"^tools\[0\] \(calc\): parameters\.required must be a list of property names"),
         ({"type": "object", "properties": {"a": {"type": "number"}}, "required": [["a"]]},
          r"parameters\.required must be a list of property names"),
+        ({"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a", "b"]},
+         r'^tools\[0\] \(calc\): parameters\.required names "b", which is not in its '
+         "properties: declare it under properties or drop it from required"),
+        ({"type": "object", "required": ["a"]}, r'parameters\.required names "a", which is not'),
         ({"type": "object", "properties": {"a": {"enum": "mft"}}},
          r"^tools\[0\] \(calc\): parameters\.properties\.a\.enum must be a list, got text"),
         ({"type": "object", "properties": {"a": {"enum": {"m": 1}}}},
@@ -200,6 +204,7 @@ def test_an_sft_dataset_with_a_malformed_row_is_refused_naming_the_row(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
     good = json.dumps({"messages": [USER, ANSWER]})
     tools = [_tool({"type": "object", "properties": {"a": {"type": "number"}}})]
+    undeclared = [_tool({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]})]
     rows = {
         "tool_calls": (
             json.dumps({"messages": [USER, {"role": "assistant", "tool_calls": 5}]}),
@@ -221,6 +226,11 @@ def test_an_sft_dataset_with_a_malformed_row_is_refused_naming_the_row(tmp_path)
             json.dumps({"messages": [USER, ANSWER], "tools": [_tool({"properties": ["a"]})]}),
             r"row 1 \(0-based\) of .*rows\.jsonl: tools\[0\] \(calc\): parameters\.properties "
             "must be an object of schemas by name, got a list",
+        ),
+        "required": (
+            json.dumps({"messages": [USER, ANSWER], "tools": undeclared}),
+            r"row 1 \(0-based\) of .*rows\.jsonl: tools\[0\] \(calc\): parameters\.required "
+            'names "b", which is not in its properties',
         ),
     }
     for name, (row, match) in rows.items():

@@ -16,16 +16,13 @@ import pytest
 from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+from streamrl.envs.agent import EPISODE_ENDED
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.config import EnvConfig
 from streamrl.envs.conversations import tools_from_schemas
 from streamrl.envs.formats import TaggedFormat
-from streamrl.generator.agent_chat import (
-    EPISODE_ENDED,
-    AgentChat,
-    AgentEpisode,
-    RequestRefusedError,
-)
+from streamrl.generator.agent_chat import AgentChat, AgentEpisode
+from streamrl.generator.agent_messages import RequestRefusedError
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.engine import Completion
 from streamrl.generator.transcript import Transcript

@@ -31,11 +31,11 @@ from transformers import AutoTokenizer
 
 from streamrl.config.loading import load_config
 from streamrl.data import Prompt
+from streamrl.envs.agent import EPISODE_ENDED
 from streamrl.envs.base import Task
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.limits import MAX_JSON_DEPTH
 from streamrl.envs.runner import Episode
-from streamrl.generator.agent_chat import EPISODE_ENDED
 from streamrl.generator.agent_episodes import AgentGroups, Ended
 from streamrl.generator.engine import Completion, FinishedGroup
 from streamrl.models import resolve_model_path

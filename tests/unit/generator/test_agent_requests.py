@@ -16,15 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from streamrl.envs.agent import EPISODE_ENDED
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.config import EnvConfig
 from streamrl.envs.limits import MAX_JSON_DEPTH
-from streamrl.generator.agent_chat import (
-    EPISODE_ENDED,
-    AgentChat,
-    AgentEpisode,
-    RequestRefusedError,
-)
+from streamrl.generator.agent_chat import AgentChat, AgentEpisode
+from streamrl.generator.agent_messages import RequestRefusedError
 from streamrl.generator.agent_requests import (
     MAX_REQUEST_DEPTH,
     MAX_REQUEST_MESSAGES,

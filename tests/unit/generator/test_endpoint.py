@@ -20,11 +20,18 @@ import pytest
 from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from streamrl.envs.agent import MAX_FINAL_CHARS, AgentResult, _checked, _episode_ended, _start
+from streamrl.envs.agent import (
+    EPISODE_ENDED,
+    MAX_FINAL_CHARS,
+    AgentResult,
+    _checked,
+    _episode_ended,
+    _start,
+)
 from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.config import EnvConfig
 from streamrl.envs.worker import EnvValueError
-from streamrl.generator.agent_chat import EPISODE_ENDED, AgentChat, AgentEpisode
+from streamrl.generator.agent_chat import AgentChat, AgentEpisode
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.endpoint import MAX_REQUEST_BYTES, AgentEndpoint, Pending
 from streamrl.generator.engine import Completion
