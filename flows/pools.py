@@ -13,7 +13,7 @@ under it in the UI):
 
 each with the job variables its pool's template declares: `gpu_count` from the configuration
 (the learner's ranks per node, an engine's tensor-parallel GPUs), `image` and `env`
-(`placement.image`, `placement.env`).
+(`placement.image`, `placement.env`), a learner node's `nano_cpus` (`learner.cpu_cores`).
 
 `PoolSupervisor.poll()` reads the children's states and `<run>/control/fleet.json` (`streamrl
 scale`), hands what changed to the restart policy (`streamrl.supervision.policy`: the same rules as
@@ -156,8 +156,10 @@ def job_variables(
 ) -> dict[str, Any]:
     """The job variables a flow run of `kind` (of `scorer`, for a scorer) gets on a pool whose
     template declares `declared`: `gpu_count` (the learner's ranks per node, or an engine's
-    GPUs; 0 on CPU), `image` and `env` from `placement`. Variables the pool does not declare
-    are left out."""
+    GPUs; 0 on CPU), `image` and `env` from `placement`, and a learner node's `nano_cpus`
+    (CPUs × 10⁹: `learner.cpu_cores`, the cores its node binds its ranks to; an engine binds to
+    every core its container shows, so its CPUs stay the pool's). Variables the pool does not
+    declare are left out."""
     if kind == "learner":
         gpus = 0 if config.learner.device == "cpu" else config.learner.nproc_per_node
     elif scorer is not None:
@@ -165,6 +167,9 @@ def job_variables(
     else:
         gpus = 0 if config.generator.device == "cpu" else config.generator.tensor_parallel_size
     wanted: dict[str, Any] = {"gpu_count": gpus}
+    cores = config.learner.cpu_cores if kind == "learner" else None
+    if cores is not None:
+        wanted["nano_cpus"] = (cores if isinstance(cores, int) else len(cores)) * 10**9
     if config.placement.image:
         wanted["image"] = config.placement.image
     if config.placement.env:

@@ -43,6 +43,7 @@ ensure_docker() {
     command -v docker >/dev/null || apt_install docker.io
     docker info >/dev/null 2>&1 && return 0
     [[ $(id -u) -eq 0 ]] || die "the Docker daemon is not running; start it (sudo systemctl start docker)"
+    command -v dockerd >/dev/null || apt_install docker.io  # a Docker client without its daemon
     say "starting dockerd (log: /var/log/dockerd.log)"
     setsid dockerd >>/var/log/dockerd.log 2>&1 </dev/null &
     for _ in $(seq 60); do

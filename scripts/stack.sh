@@ -4,11 +4,14 @@
 #   generated at each start into <stack>/auth and the Prefect profile), the process work pools `local`
 #   (runs' supervisors), `learner` and `generators` (the processes of runs placed on pools), the
 #   deployments of deploy/prefect.yaml, one process worker per pool, and SeaweedFS (S3) with S3=1.
-# With DOCKER=1, `learner` and `generators` are Docker work pools instead (deploy/docker/pool.json:
-#   each flow run a container of the streamrl image, `make image`), on the internal Docker network
-#   `streamrl`; the Prefect server and SeaweedFS (always on) listen on the host's address there,
-#   the only things the containers reach. The run's S3 keys reach the containers through the
-#   volume `streamrl-secrets` (with <stack>/secrets.env, `NAME=value` lines, when it exists).
+# With DOCKER=1, `learner` and `generators` are Docker work pools instead (deploy/docker/pool.json,
+#   run by deploy/docker/worker.py: each flow run a container of the streamrl image, `make image`),
+#   on the internal Docker network `streamrl`. On the host's address there (the gateway) listen
+#   only SeaweedFS's S3 endpoint (always on) and the API gate (deploy/docker/api_gate.py: each
+#   container may act on its own flow run only, with a credential of its own); a firewall chain
+#   (iptables, root) refuses the containers every other port of the host. The run's S3 keys
+#   reach the containers through the volume `streamrl-secrets` (with <stack>/secrets.env,
+#   `NAME=value` lines, when it exists).
 #
 #   scripts/stack.sh up       start what is not running yet (a no-op when all of it is up)
 #   scripts/stack.sh down     stop all of it (safe to repeat)
@@ -26,9 +29,9 @@
 #   VENV                     the virtualenv with streamrl installed (default: ./.venv)
 #
 # The stack dir is private (0700) and what the stack writes there is too (0600): the API
-# credential (auth), the S3 keys (s3.env), the database, logs. The profile's file (profiles.toml,
-# which then holds the credential) is made 0600. The UI asks for a password: give it the whole
-# `admin:<token>` line of <stack>/auth.
+# credential (auth), the gate's key (flow-run.key), the S3 keys (s3.env), the database, logs.
+# The profile's file (profiles.toml, which then holds the credential) is made 0600. The UI asks
+# for a password: give it the whole `admin:<token>` line of <stack>/auth.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,11 +43,13 @@ STACK="${STREAMRL_STACK_DIR:-.stack}"
 [[ "$STACK" = /* ]] || STACK="$ROOT/$STACK"
 PROFILE="${STREAMRL_PREFECT_PROFILE-streamrl}"
 TIMEOUT="${STREAMRL_STACK_TIMEOUT:-180}"
-HOST=127.0.0.1  # the server's and SeaweedFS's address: Docker mode's is the containers' gateway
-[[ -f "$STACK/host" ]] && HOST="$(<"$STACK/host")"
+HOST=127.0.0.1  # the Prefect server's address, and SeaweedFS's without Docker
+GATEWAY=""      # Docker mode: the host's address on the containers' network (S3, the API gate)
+[[ -f "$STACK/gateway" ]] && GATEWAY="$(<"$STACK/gateway")"
 POOLS=(local learner generators)
 DOCKER_POOLS=(learner generators)  # Docker pools with DOCKER=1; `local` runs the supervisors
 IMAGE="${STREAMRL_IMAGE:-streamrl:cpu}"
+FIREWALL=STREAMRL-GATEWAY          # the iptables chain of what containers may reach on the host
 NETWORK=streamrl                   # the names deploy/docker/pool.json uses
 SECRETS_VOLUME=streamrl-secrets
 USER_UMASK="$(umask)"  # what flow runs get: the runs they write are the user's to share
@@ -53,6 +58,7 @@ umask 077              # everything the stack writes itself is private
 # A phrase of each component's command line: proof that a PID file names a process of ours.
 SERVER_SIG="server start"
 S3_SIG="weed"
+GATE_SIG="deploy.docker.api_gate"
 
 say() { printf '%s\n' "$*"; }
 die() { printf 'stack: %s\n' "$*" >&2; exit 1; }
@@ -145,7 +151,11 @@ pick_port() {
             return
         fi
     done
-    "$PY" -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$HOST"
+    free_port_on "$HOST"
+}
+
+free_port_on() {  # free_port_on ADDRESS: a port the kernel hands out there
+    "$PY" -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$1"
 }
 
 healthy() {
@@ -174,43 +184,10 @@ active_profile() {
 
 api_url() { printf 'http://%s:%s/api' "$HOST" "$(<"$STACK/port")"; }
 
-# -- Docker mode --------------------------------------------------------------------------------
+# -- Docker mode (DOCKER=1) --------------------------------------------------------------------
 
-docker_mode() { [[ -f "$STACK/docker" ]]; }  # the running stack was started with DOCKER=1
-
-network_gateway() {  # the host's address on the containers' network (made when missing)
-    docker network inspect "$NETWORK" >/dev/null 2>&1 \
-        || docker network create --internal "$NETWORK" >/dev/null \
-        || die "could not create the Docker network $NETWORK"
-    docker network inspect -f '{{(index .IPAM.Config 0).Gateway}}' "$NETWORK"
-}
-
-check_docker() {
-    command -v docker >/dev/null && docker info >/dev/null 2>&1 \
-        || die "DOCKER=1 needs a running Docker daemon; make image starts one (as root)"
-    docker image inspect "$IMAGE" >/dev/null 2>&1 \
-        || die "no image $IMAGE; build it: make image"
-}
-
-write_secrets() {  # the run's credentials into the volume the pools mount (0600, the image's user)
-    {
-        cat "$STACK/s3.env"
-        if [[ -f "$STACK/secrets.env" ]]; then cat "$STACK/secrets.env"; fi
-    } | docker run --rm -i --network none --user root -v "$SECRETS_VOLUME:/secrets" \
-        --entrypoint sh "$IMAGE" -c 'umask 077 && cat > /secrets/env && chown -R streamrl: /secrets' \
-        || die "could not write the volume $SECRETS_VOLUME"
-}
-
-remove_containers() {  # the flow runs' containers (labelled by deploy/docker/pool.json)
-    command -v docker >/dev/null && docker info >/dev/null 2>&1 || return 0
-    local ids
-    ids="$(docker ps -aq --filter label=org.streamrl.stack=local)"
-    if [[ -n "$ids" ]]; then
-        docker rm -f $ids >/dev/null
-        say "removed $(wc -w <<<"$ids") container(s) of flow runs"
-    fi
-    docker volume rm "$SECRETS_VOLUME" >/dev/null 2>&1 || true
-}
+# shellcheck source=scripts/stack_docker.sh
+source "$ROOT/scripts/stack_docker.sh"
 
 pool_type() {  # pool_type POOL: its worker type, empty when there is no such pool
     "$PY" - "$1" <<'PY'
@@ -294,7 +271,13 @@ restore_profile() {
     say "Prefect profile '$previous' is active again"
 }
 
-worker_sig() { printf 'worker start --pool %s ' "$1"; }  # a pool's worker's command line
+worker_sig() {  # a pool's worker's command line
+    if docker_pool "$1"; then
+        printf 'deploy.docker.worker --pool %s ' "$1"
+    else
+        printf 'worker start --pool %s ' "$1"
+    fi
+}
 
 deploy() {
     (
@@ -302,7 +285,7 @@ deploy() {
         local pool want have
         for pool in "${POOLS[@]}"; do
             want=process
-            docker_mode && [[ " ${DOCKER_POOLS[*]} " == *" $pool "* ]] && want=docker
+            docker_pool "$pool" && want=docker
             have="$(pool_type "$pool")"
             if [[ -n "$have" && "$have" != "$want" ]]; then  # the stack's mode changed
                 "$PREFECT" work-pool delete "$pool" >/dev/null
@@ -325,7 +308,7 @@ deploy() {
 
 start_seaweedfs() {
     say "starting SeaweedFS (S3) in $(show "$STACK/seaweedfs")"
-    (cd "$ROOT" && "$PY" - "$STACK" "$HOST" <<'PY'
+    (cd "$ROOT" && "$PY" - "$STACK" "${GATEWAY:-$HOST}" <<'PY'
 import os, shlex, sys
 from pathlib import Path
 
@@ -351,8 +334,14 @@ start_worker() {  # start_worker POOL
         cd "$ROOT"
         : >"$log"  # private, as the rest of the stack dir; the flow runs it starts are not
         umask "$USER_UMASK"
-        STREAMRL_ROOT="$ROOT" PATH="$VENV/bin:$PATH" launch "worker-$pool" "$log" \
-            "$PREFECT" worker start --pool "$pool" --name "streamrl-$pool" --install-policy never
+        if docker_pool "$pool"; then  # its containers get the gate and a credential of their own
+            STREAMRL_GATE_URL="$(gate_url)" STREAMRL_GATE_KEY_FILE="$STACK/flow-run.key" \
+                PATH="$VENV/bin:$PATH" launch "worker-$pool" "$log" \
+                "$PY" -m deploy.docker.worker --pool "$pool" --name "streamrl-$pool"
+        else
+            STREAMRL_ROOT="$ROOT" PATH="$VENV/bin:$PATH" launch "worker-$pool" "$log" \
+                "$PREFECT" worker start --pool "$pool" --name "streamrl-$pool" --install-policy never
+        fi
     )
     wait_for "worker-$pool" "$(worker_sig "$pool")" "$log" grep -q "started" "$log"
 }
@@ -388,28 +377,32 @@ up() {
         check_docker
         [[ -z "$(docker ps -q --filter label=org.streamrl.stack=local)" ]] \
             || die "flow-run containers of another Docker stack are running (docker ps --filter label=org.streamrl.stack=local): one Docker stack per machine; stop that one first"
-        HOST="$(network_gateway)"
+        GATEWAY="$(network_gateway)"
+        printf '%s' "$GATEWAY" >"$STACK/gateway"
         : >"$STACK/docker"
     else
-        HOST=127.0.0.1
-        rm -f "$STACK/docker"
+        GATEWAY=""
+        rm -f "$STACK/docker" "$STACK/gateway"
     fi
-    printf '%s' "$HOST" >"$STACK/host"
+    printf '%s' "$HOST" >"$STACK/host"  # the server's address, for clients of the stack
     ((want_docker)) && check_docker
     if running server "$SERVER_SIG" >/dev/null && workers_up \
-        && { ((want_s3 == 0)) || running seaweedfs "$S3_SIG" >/dev/null; }; then
+        && { ((want_s3 == 0)) || running seaweedfs "$S3_SIG" >/dev/null; } \
+        && { ! docker_mode || running gate "$GATE_SIG" >/dev/null; }; then
         say "the stack is already up"
         status
         return 0
     fi
     trap '(($? == 0)) || say "stack: up did not finish; logs in $(show "$STACK"), stop what runs with: make down" >&2' EXIT
     export PREFECT_API_URL
+    local fresh_server=0
     if running server "$SERVER_SIG" >/dev/null; then
         PREFECT_API_URL="$(api_url)"
     else
         start_server
         PREFECT_API_URL="$(api_url)"
         use_profile
+        fresh_server=1
     fi
     use_credential
     deploy
@@ -419,7 +412,16 @@ up() {
     fi
     # A worker started before SeaweedFS lacks its credentials: restart it.
     ((fresh_s3)) && stop_workers
-    docker_mode && write_secrets
+    if docker_mode; then
+        if ((fresh_server)); then  # a new server credential: a new gate, a new key for both
+            stop gate "$GATE_SIG" 5
+            stop_workers
+            new_gate_key
+        fi
+        running gate "$GATE_SIG" >/dev/null || start_gate
+        guard_gateway
+        write_secrets
+    fi
     local pool
     for pool in "${POOLS[@]}"; do
         running "worker-$pool" "$(worker_sig "$pool")" >/dev/null || start_worker "$pool"
@@ -429,10 +431,14 @@ up() {
 
 down() {
     stop_workers
-    if docker_mode; then remove_containers; fi
+    if docker_mode; then
+        remove_containers
+        unguard_gateway
+    fi
+    stop gate "$GATE_SIG" 5
     stop server "$SERVER_SIG" 30
     stop seaweedfs "$S3_SIG" 0
-    rm -f "$STACK/s3.env" "$STACK/docker" "$STACK/host"
+    rm -f "$STACK/s3.env" "$STACK/docker" "$STACK/host" "$STACK/gateway"
     restore_profile
     say "the stack is down"
 }
@@ -440,7 +446,15 @@ down() {
 status() {
     local pid missing=0
     say "streamrl stack ($(show "$STACK")):"
-    docker_mode && say "  Docker pools    ${DOCKER_POOLS[*]}: image $IMAGE, network $NETWORK (the host is $HOST there)"
+    if docker_mode; then
+        say "  Docker pools    ${DOCKER_POOLS[*]}: image $IMAGE, network $NETWORK (the host is $GATEWAY there: S3 and the API gate only)"
+        if pid="$(running gate "$GATE_SIG")"; then
+            say "  API gate        up    pid $pid  $(gate_url) (the containers' API)  log $(show "$STACK/gate.log")"
+        else
+            say "  API gate        down"
+            missing=1
+        fi
+    fi
     if pid="$(running server "$SERVER_SIG")"; then
         say "  prefect server  up    pid $pid  UI http://$HOST:$(<"$STACK/port")  API $(api_url)"
         [[ -f "$STACK/auth" ]] && say "    basic auth:   the UI's password is the line in $(show "$STACK/auth")"

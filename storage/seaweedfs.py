@@ -81,9 +81,10 @@ def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 class SeaweedFS:
     """A SeaweedFS S3 endpoint with one bucket, started on enter and killed on exit.
 
-    It serves on `host`: 127.0.0.1 by default; the local stack's Docker mode passes the host's
-    address on the containers' network (scripts/stack.sh), which containers reach (SeaweedFS
-    listens on 127.0.0.1 as well)."""
+    Its S3 endpoint listens on `host`: 127.0.0.1 by default; the local stack's Docker mode passes
+    the host's address on the containers' network (scripts/stack.sh), which containers reach.
+    Its master, volume server and filer listen on 127.0.0.1 whatever `host` is: only the S3
+    gateway talks to them."""
 
     def __init__(
         self,
@@ -135,15 +136,15 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
         config.write_text(json.dumps({"identities": [identity]}))
-        self._ports = self._ports or _free_ports(8, self.host)
+        self._ports = self._ports or _free_ports(8)  # most of them listen on 127.0.0.1
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self._ports
         self.endpoint_url = f"http://{self.host}:{s3}"
         command = [
             weed_binary(),
             "server",
             f"-dir={data}",
-            f"-ip={self.host}",
-            f"-ip.bind={self.host}",
+            "-ip=127.0.0.1",  # master, volume and filer: for the S3 gateway only
+            "-ip.bind=127.0.0.1",
             f"-master.port={master}",
             f"-master.port.grpc={master_grpc}",
             "-master.volumeSizeLimitMB=256",
@@ -154,6 +155,7 @@ class SeaweedFS:
             f"-filer.port={filer}",
             f"-filer.port.grpc={filer_grpc}",
             "-s3",
+            f"-s3.ip.bind={self.host}",
             f"-s3.port={s3}",
             f"-s3.port.grpc={s3_grpc}",
             "-s3.port.iceberg=0",

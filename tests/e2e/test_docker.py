@@ -78,7 +78,7 @@ def _docker(*args: str, check: bool = True) -> str:
 @pytest.fixture(scope="module")
 def docker_stack(tmp_path_factory):
     """The image (built when missing) and the stack with Docker pools; yields the env of a
-    client of it (Prefect API, S3 keys)."""
+    client of it (Prefect API, S3 keys) and the stack's folder (`STREAMRL_STACK_DIR`)."""
     image = subprocess.run(
         ["bash", "scripts/image.sh"], cwd=ROOT, capture_output=True, text=True, timeout=3600
     )
@@ -98,12 +98,12 @@ def docker_stack(tmp_path_factory):
 
     try:
         stack_sh("up", env)
-        host = (stack_dir / "host").read_text()
-        assert host != "127.0.0.1"  # the containers' gateway
-        api = f"http://{host}:{env['STREAMRL_PREFECT_PORT']}/api"
+        gateway = (stack_dir / "gateway").read_text()  # the host on the containers' network
+        assert gateway != "127.0.0.1"
+        api = f"http://127.0.0.1:{env['STREAMRL_PREFECT_PORT']}/api"  # the server: host only
         auth = (stack_dir / "auth").read_text().strip()
         s3 = read_env_file(stack_dir / "s3.env")
-        assert s3["AWS_ENDPOINT_URL"].startswith(f"http://{host}:")
+        assert s3["AWS_ENDPOINT_URL"].startswith(f"http://{gateway}:")
         with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
             yield {**env, **s3, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth}
     finally:
@@ -227,6 +227,9 @@ def test_a_run_on_docker_pools_survives_preemption_a_partition_and_a_lost_learne
     assert names == ["gen0", "gen0", "gen1", "gen2", "node0", "node0", "node1", "node1"], names
     assert _state(first["gen0"].id).is_crashed()
     assert _state(first["gen1"].id).is_completed()  # the cut-off generator went on
+    # Every call the flow runs made for themselves passed the API gate (deploy/docker/api_gate.py).
+    gate_log = (Path(docker_stack["STREAMRL_STACK_DIR"]) / "gate.log").read_text()
+    assert not [line for line in gate_log.splitlines() if "refused" in line or "dropped" in line]
 
     groups = committed_groups(run)
     writers = {group.generator_id for group in groups}
