@@ -8,12 +8,10 @@ turn) ending it. Sampled turns are faked as `Completion`s of the tiny model's to
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from streamrl.envs.agent import EPISODE_ENDED
@@ -26,9 +24,6 @@ from streamrl.generator.agent_messages import RequestRefusedError
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.engine import Completion
 from streamrl.generator.transcript import Transcript
-from streamrl.models import resolve_model_path
-
-QWEN25_TEMPLATE = (Path(__file__).parents[2] / "qwen25_chat_template.jinja").read_text()
 
 TOOLS = [
     {
@@ -47,20 +42,6 @@ TOOLS = [
 USER = {"role": "user", "content": "What is 2+3?"}
 HERMES_CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+3"}}\n</tool_call>'
 TAGGED_CALL = '<tool>calculate(expression="2+3")</tool>'
-
-
-@pytest.fixture(scope="module")
-def tagged_tokenizer() -> Any:
-    """The tiny model's tokenizer: a plain ChatML template that knows no tools."""
-    return AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
-
-
-@pytest.fixture(scope="module")
-def hermes_tokenizer() -> Any:
-    """The same tokenizer with Qwen2.5's tool-aware (hermes) chat template."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
-    tokenizer.chat_template = QWEN25_TEMPLATE
-    return tokenizer
 
 
 def _chat(

@@ -7,7 +7,6 @@ a policy's tool call nested too deep to be echoed back. With the tiny model's re
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,8 @@ from streamrl.generator.agent_requests import (
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.engine import Completion
 from streamrl.models import resolve_model_path
+from tests.unit.generator.conftest import QWEN25_TEMPLATE
 
-QWEN25_TEMPLATE = (Path(__file__).parents[2] / "qwen25_chat_template.jinja").read_text()
 USER = {"role": "user", "content": "What is 2+3?"}
 CALCULATE = {
     "type": "object",
@@ -65,18 +64,6 @@ def _call(arguments: str) -> dict[str, Any]:
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
         ],
     }
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
-
-
-@pytest.fixture(scope="module")
-def hermes_tokenizer() -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
-    tokenizer.chat_template = QWEN25_TEMPLATE
-    return tokenizer
 
 
 def _chat(tokenizer: Any, tool_format: str = "tagged", max_episode_tokens: int = 8192) -> AgentChat:
@@ -212,11 +199,11 @@ def test_a_templates_raise_exception_is_refused_with_its_message() -> None:
 
 
 def test_a_message_too_long_for_the_budget_is_refused_before_it_is_tokenised(
-    tokenizer, monkeypatch
+    tagged_tokenizer, monkeypatch
 ) -> None:
     """A 2 MiB message against a 256-token budget: refused by its size alone, the episode
     ended as a too-long request ends it, nothing templated or tokenised."""
-    chat = _chat(tokenizer, max_episode_tokens=256)
+    chat = _chat(tagged_tokenizer, max_episode_tokens=256)
     rendered: list[Any] = []
     monkeypatch.setattr(chat.renderer, "encode", lambda text: rendered.append(text))
     monkeypatch.setattr(chat.renderer, "_render", lambda *a, **k: rendered.append(a))
@@ -234,8 +221,10 @@ def test_a_message_too_long_for_the_budget_is_refused_before_it_is_tokenised(
     assert rendered == []
 
 
-def test_a_conversation_within_the_character_bound_is_still_measured_in_tokens(tokenizer) -> None:
-    chat = _chat(tokenizer, max_episode_tokens=64)
+def test_a_conversation_within_the_character_bound_is_still_measured_in_tokens(
+    tagged_tokenizer,
+) -> None:
+    chat = _chat(tagged_tokenizer, max_episode_tokens=64)
     content = "a" * (64 * chat.chars_per_token - 100)  # below the bound, far over in tokens
     with pytest.raises(RequestRefusedError, match="the conversation would be"):
         chat.prompt(
@@ -246,11 +235,11 @@ def test_a_conversation_within_the_character_bound_is_still_measured_in_tokens(t
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(text=st.text(min_size=1, max_size=400))
-def test_no_text_takes_fewer_tokens_than_the_character_bound_says(tokenizer, text) -> None:
+def test_no_text_takes_fewer_tokens_than_the_character_bound_says(tagged_tokenizer, text) -> None:
     """The bound the size refusal rests on: no text is spelt by fewer tokens than its
     characters divided by `most_chars_per_token` (normalisation, merges, special tokens)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    assert len(text) <= len(ids) * most_chars_per_token(tokenizer)
+    ids = tagged_tokenizer.encode(text, add_special_tokens=False)
+    assert len(text) <= len(ids) * most_chars_per_token(tagged_tokenizer)
 
 
 # -- the policy's own calls, echoed back -----------------------------------------------------------
