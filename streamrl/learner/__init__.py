@@ -10,6 +10,8 @@ checkpoints through `storage/`.
   compare against), `objective` (the losses), `step_metrics` (their reduction over ranks),
   `step_inputs` (models, settings).
 - `reporting`: each step's metrics to the run's JSONL, wandb and a console progress bar.
+- `samples`: stream groups decoded into what the model wrote (`streamrl samples`);
+  `sample_table`: a few of each logged step's responses as a wandb table.
 - `stream_source`: rank 0 reads the stream, chooses each batch, records the learner's progress.
 - `checkpointing`: saves and restores the models and the learner's `TrainingState`.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
@@ -38,9 +40,10 @@ def run_learner(
     that saw the previous learner end; `storage.control.lease`). With `learner.checkpoint_on_stop`,
     SIGTERM or Ctrl-C (from the main thread) stops it with a checkpoint: `StopRequested`."""
     import os
+    import signal
 
     from streamrl.config.stored import open_existing_run
-    from streamrl.isolation.lifetime import stop_on_sigterm
+    from streamrl.isolation.lifetime import die_with_parent, stop_on_sigterm
     from streamrl.learner.loop import Learner
     from streamrl.learner.supervised import SupervisedLearner
     from streamrl.learner.topology import Topology
@@ -50,6 +53,8 @@ def run_learner(
     bind_rank(int(os.environ.get("LOCAL_RANK", "0")))
     config, run = open_existing_run(run_uri, storage_options)
     stop = stop_on_sigterm() if config.learner.checkpoint_on_stop else None
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun's: stop (checkpointing) with it
+        die_with_parent(os.getppid(), signal.SIGTERM)
     with Topology.from_env(config.learner.device) as topology:
         learner = Learner if config.sft is None else SupervisedLearner
         return learner(config, run, topology, take_over=take_over, stop=stop).run()

@@ -11,7 +11,9 @@ Backend: gloo on CPU, NCCL on CUDA (device `cuda:<LOCAL_RANK>`). The device mesh
 (`("fsdp",)`): every rank holds one shard of every parameter.
 
 Rank-0-only work (logging, progress bars, writing files) is gated by `main_only`;
-`decide_on_main` runs work on rank 0 and hands its result, or its error, to every rank.
+`decide_on_main` runs work on rank 0 and hands its result, or its error, to every rank;
+`raise_flag` lets any rank tell rank 0 something (a stop signal that reached it alone) while
+rank 0 waits for data and the others wait in a collective.
 
 A learner process ends with `exit_process`, not by returning to the interpreter (see there).
 """
@@ -111,6 +113,18 @@ class Topology:
             raise RuntimeError(f"rank 0 failed: {payload}")
         return payload
 
+    # -- flags: any rank to the main rank, without a collective -----------------------------
+
+    def raise_flag(self, name: str) -> None:
+        """Tell the main rank `name` (`flag_raised`), from any thread of any rank: a key in
+        the job's store (torchrun's rendezvous store), which needs no collective."""
+        if self.world_size > 1:
+            _store().set(f"streamrl/{name}", b"1")
+
+    def flag_raised(self, name: str) -> bool:
+        """Whether any rank raised flag `name` (asked on the main rank; no collective)."""
+        return self.world_size > 1 and _store().check([f"streamrl/{name}"])
+
     # -- collectives (no-ops with one rank) -------------------------------------------------
 
     def barrier(self) -> None:
@@ -195,6 +209,11 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def _store() -> dist.Store:
+    # The default group's store: torch.distributed exposes it under this name only.
+    return dist.distributed_c10d._get_default_store()
 
 
 def exit_process(code: int) -> NoReturn:

@@ -1,5 +1,6 @@
 """What a run achieved, for the console: `run_summary` reads it from the run's metrics, and
-`format_summary` writes it as the lines `streamrl run` and `make demo` end with."""
+`format_summary` writes it as the lines `streamrl run` and `make demo` end with; after a stop,
+`resume_point` says what a resume starts from, read from the run's storage."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from storage.fs import Location
 
-__all__ = ["format_summary", "run_summary"]
+__all__ = ["format_summary", "resume_point", "run_summary"]
 
 
 def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
@@ -91,3 +92,22 @@ def _heldout_line(heldout: list[tuple[int, float]]) -> list[str]:
         return []
     (first_step, first), (last_step, last) = heldout[0], heldout[-1]
     return [f"held-out:  {first:.4f} (step {first_step}) → {last:.4f} (step {last_step})"]
+
+
+def resume_point(run: Location) -> str:
+    """Where a resume of a stopped run starts, against the steps its learner finished: read
+    from its storage (the last committed checkpoint, the learner's progress record), so the
+    line is true whatever the processes said before they ended."""
+    from storage.checkpoints.dcp import CheckpointStore
+    from storage.stream.learner_progress import read_learner_progress
+
+    progress = read_learner_progress(run)
+    finished = progress.step if progress is not None else 0
+    saved = CheckpointStore(run).latest_committed() or 0
+    if saved >= finished:
+        if saved == 0:
+            return "no step was finished: the run resumes from step 1"
+        return f"checkpoint at step {saved} committed: the run resumes from step {saved + 1}"
+    lost = f"step {finished}" if finished == saved + 1 else f"steps {saved + 1}-{finished}"
+    where = f"the last is at step {saved}" if saved else "no checkpoint"
+    return f"{where}: the run resumes from step {saved + 1}, training {lost} again"

@@ -12,23 +12,29 @@ components import; only supervisors import this module.
 
 - `learner_command`, `generator_command`, `evaluator_command`: their argv.
 - `run_process`: run one to its exit, each output line to a callback; SIGTERM when asked to
-  stop, SIGKILL after a grace period; SIGTERM too if the supervisor dies (however it dies); on
-  the cores and with the environment of its `ProcessPlacement` (`streamrl.placement`).
+  stop — to every process of it, a torchrun job's ranks included (`ProcessTree`) — SIGKILL after
+  a grace period; SIGTERM too if the supervisor dies (however it dies); on the cores and with the
+  environment of its `ProcessPlacement` (`streamrl.placement`). It returns once every process
+  the component started has ended.
+- `learner_env`: what torchrun needs to give its ranks the learner's stop grace.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from streamrl.config.run import RunConfig
 from streamrl.isolation.lifetime import dying_with_parent
 from streamrl.placement import PLACED_VARIABLES, ProcessPlacement
+from streamrl.supervision.processes import ProcessTree
 from streamrl.supervision.rendezvous import LearnerNode
 
 __all__ = [
@@ -36,12 +42,16 @@ __all__ = [
     "evaluator_command",
     "generator_command",
     "learner_command",
+    "learner_env",
     "run_process",
     "scorer_command",
 ]
 
 
 STOP_GRACE_S = 30.0
+TREE_REFRESH_S = 2.0  # how often a running component's processes are looked up
+
+log = logging.getLogger(__name__)
 
 
 def _python() -> list[str]:
@@ -75,6 +85,13 @@ def learner_command(
     ]
 
 
+def learner_env(config: RunConfig) -> dict[str, str]:
+    """The learner's environment: torchrun, stopped, waits this long for its ranks (each
+    committing its checkpoint on stop within `learner.stop_grace_s`) before it kills them; its
+    default, 30 s, would cut a longer grace short."""
+    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.learner.stop_grace_s) + 5)}
+
+
 def generator_command(config: RunConfig, index: int, *, take_over: bool = False) -> list[str]:
     """Generator `index`; `take_over` when restarting it after its previous process ended (it
     takes the index at once instead of waiting for that process's lease to lapse)."""
@@ -101,7 +118,9 @@ def run_process(
     grace_s: float = STOP_GRACE_S,
 ) -> int:
     """Run `argv` to its exit and return its exit code; each line it prints (stdout and
-    stderr) goes to `on_line`. When `stop` is set: SIGTERM, then SIGKILL after `grace_s`.
+    stderr) goes to `on_line`. When `stop` is set: SIGTERM to every process of it, then SIGKILL
+    after `grace_s`. Returns once every process it started has ended (what is left when the
+    first one exits is killed).
 
     With `placement` the process starts on its cores (CPU affinity, inherited by every thread
     and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
@@ -125,9 +144,11 @@ def run_process(
         start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
     )
     stop = stop or threading.Event()
+    tree = ProcessTree(process.pid)
     watcher = threading.Thread(
-        target=_stop_when_set, args=(process, stop, grace_s), daemon=True, name="stop-watcher"
-    )
+        target=_stop_when_set, args=(process, tree, stop, grace_s), daemon=True,
+        name="stop-watcher",
+    )  # fmt: skip
     reader = threading.Thread(
         target=_forward_lines, args=(process, on_line), daemon=True, name="output-reader"
     )
@@ -135,8 +156,9 @@ def run_process(
     reader.start()
     code = process.wait()
     # Its helpers (a reward worker pool, torchrun's ranks) may outlive it and hold the output
-    # pipe open: a component's process group ends with it.
-    _signal_group(process, signal.SIGKILL)
+    # pipe open: every process of a component ends with it.
+    if left := tree.end_leftovers():
+        log.warning("%s: processes that could not be ended: %s", argv[-1], "; ".join(left))
     reader.join(timeout=10)
     watcher.join()
     return code
@@ -148,20 +170,22 @@ def _forward_lines(process: subprocess.Popen[str], on_line: Callable[[str], None
         on_line(line.rstrip("\n"))
 
 
-def _stop_when_set(process: subprocess.Popen[str], stop: threading.Event, grace_s: float) -> None:
-    """Until the process exits: when `stop` is set, SIGTERM, then SIGKILL after `grace_s`."""
+def _stop_when_set(
+    process: subprocess.Popen[str], tree: ProcessTree, stop: threading.Event, grace_s: float
+) -> None:
+    """Until the process exits: its tree remembered every `TREE_REFRESH_S`; when `stop` is set,
+    SIGTERM to every process of it, then SIGKILL after `grace_s`."""
+    next_refresh = 0.0
     while not stop.wait(0.2):
         if process.poll() is not None:
             return
+        if (now := time.monotonic()) >= next_refresh:
+            tree.refresh()
+            next_refresh = now + TREE_REFRESH_S
     if process.poll() is not None:
         return
-    _signal_group(process, signal.SIGTERM)
+    tree.terminate(signal.SIGTERM)  # each torchrun rank too: whichever is signalled first
     try:
         process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        _signal_group(process, signal.SIGKILL)
-
-
-def _signal_group(process: subprocess.Popen[str], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, sig)  # torchrun's ranks and vLLM's helpers too
+        tree.terminate(signal.SIGKILL)

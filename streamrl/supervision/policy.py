@@ -10,7 +10,10 @@ at a time.
 
 The rules:
 - **Learner**: one that refused the run or lost it to another learner (`displaced`) aborts the
-  run: a restart would take the run over from the learner that now holds it.
+  run: a restart would take the run over from the learner that now holds it. One stopped from
+  outside (`signalled`: SIGTERM or Ctrl-C sent to its process or to one of its ranks; it
+  checkpointed before it exited) stops the run as an interrupt of the supervisor would: someone
+  asked for the stop, and a restart would undo it.
   `learner_nodes` units per attempt, attempts numbered 1, 2, …. A node that ends
   without completing fails its attempt: one of `learner_retries` is spent, the attempt's other
   nodes are cancelled, and the next attempt (every node, resuming from the last committed
@@ -50,6 +53,7 @@ __all__ = [
     "FENCE_AFTER_S",
     "FINISH_GRACE_S",
     "NOT_RESTARTED",
+    "STOPPED_FROM_OUTSIDE",
     "USER_CODE_EXIT_CODE",
     "Abort",
     "Action",
@@ -80,6 +84,9 @@ USER_CODE_EXIT_CODE = 4
 # How a backend says a unit failed so, in the failure it reports (a flow run's state message
 # carries it to the supervisor of a run on work pools).
 NOT_RESTARTED = "not restarted: a restart would fail the same way"
+# What a learner prints when it stopped on SIGTERM or Ctrl-C (after its checkpoint on stop): under
+# torchrun its exit code is lost, so a supervisor reads this.
+STOPPED_FROM_OUTSIDE = "stopped from outside"
 
 
 class RestartBudget:
@@ -146,6 +153,9 @@ class Ended:
     # It failed as a restart would fail again (USER_CODE_EXIT_CODE, or NOT_RESTARTED in a flow
     # run's state message); `cause` says why, in the unit's own words.
     deterministic: bool = False
+    # It stopped on a signal sent to it from outside (SIGTERM, Ctrl-C to its process or a rank),
+    # its work saved (`STOPPED_FROM_OUTSIDE`).
+    signalled: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,10 +233,12 @@ class Finish:
 @dataclass(frozen=True)
 class Abort:
     """Stop the run now: its stop marker, then everything still running. `failure`: the unit
-    that failed for good, when that is why."""
+    that failed for good, when that is why; `interrupted`: a stop asked for from outside (a
+    signal to a learner), not a failure."""
 
     reason: str
     failure: Failure | None = None
+    interrupted: bool = False
 
 
 Action = Start | ScaleOut | StopGenerator | Cancel | Finish | Abort
@@ -371,6 +383,11 @@ class SupervisionPolicy:
             cause = f"{event.cause}: {DISPLACED}, one learner per run"
             failure = Failure(node, cause, self.learner_attempts.total, 0, 0, math.inf)
             return self._abort(DISPLACED, failure)
+        if event.signalled and not event.completed:
+            self.aborted = True
+            return [
+                Abort(f"the learner was {STOPPED_FROM_OUTSIDE} ({event.cause})", interrupted=True)
+            ]
         if event.deterministic:  # its data cannot be used: another attempt would fail the same
             failure = Failure(node, event.cause, self.learner_attempts.total, 0, 0, math.inf,
                               deterministic=True)  # fmt: skip

@@ -37,12 +37,14 @@ from streamrl.supervision.launch import (
     evaluator_command,
     generator_command,
     learner_command,
+    learner_env,
     run_process,
     scorer_command,
 )
 from streamrl.supervision.output import RESTART_NOTICE, ComponentLogs
 from streamrl.supervision.policy import (
     NOT_RESTARTED,
+    STOPPED_FROM_OUTSIDE,
     USER_CODE_EXIT_CODE,
     Abort,
     Action,
@@ -91,6 +93,9 @@ class Component:
     restarts: int = 0
     stop: threading.Event = field(default_factory=threading.Event)  # set: stopped, not restarted
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    # Its process said it stopped on a signal from outside (`STOPPED_FROM_OUTSIDE`): read as each
+    # line arrives, since torchrun's report of its ranks' exits may follow it by many lines.
+    stopped_from_outside: bool = False
 
     @property
     def name(self) -> str:
@@ -223,15 +228,19 @@ class Supervisor:
         show = on_line or (lambda line: self.on_line(component.name, line))
 
         def line(text: str) -> None:
+            if STOPPED_FROM_OUTSIDE in text and component.unit.kind == "learner":
+                component.stopped_from_outside = True
             component.tail.append(text)
             self.logs.write(component.name, text)
             show(text)
 
         while not component.stop.is_set():
+            component.stopped_from_outside = False
             component.exit_code = run_process(
                 component.argv,
                 line,
                 component.stop,
+                env=learner_env(self.config) if component.unit.kind == "learner" else None,
                 placement=component.placement,
                 grace_s=self._grace_s(component),
             )
@@ -257,16 +266,14 @@ class Supervisor:
             threading.Thread(target=self._keep_running_quietly, args=(c,), name=c.name)
             for c in self.components
         ]
-        with _sigterm_as_interrupt():
+        with _stop_signals() as signalled:
             for thread in threads:
                 thread.start()
-            try:
-                for thread in threads:
-                    while thread.is_alive():
-                        thread.join(timeout=0.5)
-            except KeyboardInterrupt:
+            while any(t.is_alive() for t in threads) and not signalled.wait(0.5):
+                pass
+            if signalled.is_set():
                 with stopping_despite_interrupts(self.config.learner.stop_grace_s):
-                    self.abort("interrupted (Ctrl-C or SIGTERM)", interrupted=True)
+                    self.abort(f"interrupted ({signalled.name})", interrupted=True)
                     for thread in threads:
                         thread.join()
         self.logs.close()
@@ -317,7 +324,7 @@ class Supervisor:
             cause += f": {errors[-1].removeprefix('error: ')}" if errors else ""
         event = Ended(
             component.unit, code == 0, time.monotonic(), cause, displaced=displaced,
-            deterministic=deterministic,
+            deterministic=deterministic, signalled=component.stopped_from_outside,
         )  # fmt: skip
         notice = None
         for action in self._decide(event):
@@ -346,7 +353,9 @@ class Supervisor:
                 for component in self.components:
                     if component.unit in units:
                         component.stop.set()
-            case Abort(reason=reason, failure=failure):
+            case Abort(reason=reason, failure=failure, interrupted=interrupted):
+                if interrupted and self.interrupted is None:
+                    self.interrupted = reason
                 if failure is not None:
                     self.failures.append(self._failed_for_good(failure))
                 self._stop_run(reason)
@@ -412,18 +421,30 @@ def stopping_despite_interrupts(grace_s: float):
             signal.signal(sig, handler)
 
 
+class _Signalled(threading.Event):
+    """Set by a stop signal; `name` says which (SIGINT, SIGTERM)."""
+
+    name = ""
+
+
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM to the supervisor stops the run as Ctrl-C does (main thread only)."""
+def _stop_signals():
+    """SIGINT (Ctrl-C) and SIGTERM to the supervisor set the event it yields (main thread only;
+    elsewhere it is never set). The handler raises nothing: a `KeyboardInterrupt` raised into
+    `Thread.join` marks a running thread as ended (CPython 3.11, bpo-45274's fix), and the
+    supervisor would then report a stop while the learner still runs, its checkpoint unmade."""
+    signalled = _Signalled()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield signalled
         return
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+    def note(signum: int, frame: object) -> None:
+        signalled.name = signal.Signals(signum).name
+        signalled.set()
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield signalled
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -171,6 +171,19 @@ def test_a_learner_displaced_by_another_learner_aborts_without_a_take_over():
     assert len(backend.starts()) == 1  # the first start only: no take-over attempt
 
 
+def test_a_learner_stopped_from_outside_stops_the_run_as_an_interrupt_not_a_failure():
+    """SIGTERM to a learner rank alone: it checkpointed and stopped; another attempt would undo
+    the stop someone asked for, and nothing failed."""
+    backend = _two_node_learner(retries=3)
+    node0, _ = backend.learner()
+    (abort,) = backend.end(node0, at=1.0, signalled=True)
+    assert isinstance(abort, Abort)
+    assert abort.interrupted and abort.failure is None
+    assert abort.reason.startswith("the learner was stopped from outside (")
+    assert len(backend.starts()) == 1
+    assert backend.end(backend.learner()[0], at=2.0) == []  # aborted: nothing follows
+
+
 def test_a_learner_that_cannot_use_its_data_aborts_without_another_attempt():
     """A supervised run's conversation that cannot be trained on fails every attempt alike."""
     backend = _two_node_learner(retries=3)

@@ -4,13 +4,16 @@ process outliving a killed supervisor."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from storage.control.requests import stop_requested
@@ -220,3 +223,80 @@ def test_a_further_interrupt_while_stopping_is_answered_with_a_notice_not_an_exc
             signal.raise_signal(signal.SIGINT)
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+# A stand-in learner: on SIGTERM it takes a while (its step, its checkpoint), writes down that it
+# finished, says so as a learner does, and exits as a stopped learner does.
+SLOW_STOPPER = """
+import pathlib, signal, sys, time
+done = pathlib.Path(sys.argv[1])
+stopped = []
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+print("ready", flush=True)
+while not stopped:
+    time.sleep(0.05)
+time.sleep(3)
+done.write_text("checkpointed")
+print("learner stopped from outside: stopped after step 2", flush=True)
+sys.exit(143)
+"""
+
+
+def test_sigterm_to_the_supervisor_waits_for_the_learner_to_finish_its_stop(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised into `Thread.join` marked the learner's thread as ended
+    (CPython 3.11): the supervisor said the run had stopped while the learner still ran, and
+    the learner, its output pipe gone, died before its checkpoint."""
+    done = tmp_path / "done"
+    learner = [sys.executable, "-c", SLOW_STOPPER, str(done)]
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: learner)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: SLEEPER)
+    shown: list[str] = []
+    supervisor = Supervisor.for_run(
+        _config(tmp_path), generators=1, evaluator=False,
+        on_line=lambda c, text: shown.append(f"{c}: {text}"),
+    )  # fmt: skip
+
+    def signal_once_ready() -> None:
+        while "learner: ready" not in shown:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_ready, daemon=True).start()
+    with pytest.raises(core.RunInterruptedError, match=r"interrupted \(SIGTERM\)"):
+        supervisor.run()
+    assert done.read_text() == "checkpointed"  # it was waited for
+    assert supervisor.result()["learner"]["exit_code"] == 143
+    assert "learner: learner stopped from outside: stopped after step 2" in shown
+
+
+def test_a_learner_stopped_from_outside_stops_the_run_instead_of_restarting(tmp_path, monkeypatch):
+    """SIGTERM to the learner alone (a user's `kill`): it checkpoints and stops, and so does
+    the run — a restart would undo the stop someone asked for."""
+    done = tmp_path / "done"
+    starts: list[bool] = []
+
+    def learner(config, node=None, *, take_over=False):
+        starts.append(take_over)
+        return [sys.executable, "-c", SLOW_STOPPER, str(done)]
+
+    monkeypatch.setattr(core, "learner_command", learner)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: SLEEPER)
+    supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
+
+    def signal_the_learner() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if SLOW_STOPPER in child.cmdline():
+                        time.sleep(1)  # its handler installed
+                        child.send_signal(signal.SIGTERM)
+                        return
+            time.sleep(0.1)
+
+    threading.Thread(target=signal_the_learner, daemon=True).start()
+    with pytest.raises(core.RunInterruptedError, match="the learner was stopped from outside"):
+        supervisor.run()
+    assert starts == [False]  # not restarted
+    assert done.read_text() == "checkpointed"
+    assert stop_requested(supervisor.run_location)  # the generators were stopped too
