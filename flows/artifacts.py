@@ -1,13 +1,16 @@
 """The flow run's artifacts — learner progress, a table of the latest metrics, the learning
-curves, the wandb link — and the run's health events.
+curves, a few of the model's responses, the wandb link — and the run's health events.
 
 `RunArtifacts.refresh()` reads the learner records logged since its last call straight from
 storage and updates what changed: the progress artifact (learner steps / total); when a new
 step arrived, the markdown table (Prefect keeps every version of a keyed artifact; the table
 also shows the generators' failed reward calls, tallied from the stream's commit records) and,
 at most every `CURVES_EVERY_S`, the curves (`streamrl.runs.curves`: one chart grid, as an image in a
-markdown artifact). Keys come from the run's name (`streamrl-<name>-metrics`, `-curves`,
-`-progress`, `-wandb`), so they read well and stay the same when the run moves to S3.
+markdown artifact), and the samples: `logging.log_samples` responses of the batch the latest
+logged step trained on, decoded from the replay stream — the ones the learner's wandb table shows
+(`streamrl.runs.samples.step_samples`), each text cut to `SAMPLE_MAX_CHARS` — also at most every
+`CURVES_EVERY_S`. Keys come from the run's name (`streamrl-<name>-metrics`, `-curves`,
+`-samples`, `-progress`, `-wandb`), so they read well and stay the same when the run moves to S3.
 
 Each health condition a new learner record reports (`streamrl.learner.health`) becomes a Prefect
 event `streamrl.health.<condition>` (resource `streamrl.run.<name>`, related to the flow run;
@@ -18,6 +21,7 @@ cancel.
 from __future__ import annotations
 
 import base64
+import logging
 import math
 import posixpath
 import re
@@ -39,12 +43,19 @@ from storage.fs import Location
 from streamrl.config.run import RunConfig
 from streamrl.evaluation.records import read_eval_records
 from streamrl.learner.reporting import read_wandb_link
+from streamrl.learner.sample_table import SAMPLE_MAX_CHARS
+from streamrl.learner.samples import SampleDecoder
+from streamrl.models import BUNDLED_MODELS, ModelPathError, is_prepared
 from streamrl.runs.curves import Curves, RunCurves, render_png
+from streamrl.runs.samples import step_samples
+from streamrl.runs.samples_format import samples_markdown
 from streamrl.runs.status import StreamStatus, read_stream
 
 __all__ = ["RunArtifacts", "artifact_key", "curves_markdown", "metrics_table", "run_name"]
 
-CURVES_EVERY_S = 60.0  # the curves image is redrawn at most this often while steps arrive
+CURVES_EVERY_S = 60.0  # the curves image (and the samples) at most this often while steps arrive
+
+log = logging.getLogger(__name__)
 
 # (label, metric, format) rows of the table, in order.
 ROWS = (
@@ -163,6 +174,10 @@ class RunArtifacts:
     _curves_at: float = field(default=-math.inf, init=False)
     _curves_id: UUID | None = field(default=None, init=False)
     _stream: StreamStatus | None = field(default=None, init=False)
+    _samples_step: int = field(default=-1, init=False)
+    _samples_at: float = field(default=-math.inf, init=False)
+    _decoder: SampleDecoder | None = field(default=None, init=False)
+    _samples_off: bool = field(default=False, init=False)  # the tokenizer is not on this machine
 
     def __post_init__(self) -> None:
         self.name = run_name(self.config, self.run)
@@ -190,6 +205,10 @@ class RunArtifacts:
         due = time.monotonic() - self._curves_at >= self.curves_every_s
         if step > 0 and ((step != self._curves_step and due) or final):
             self._publish_curves(step)
+        logged = self._logged_step(step)
+        samples_due = time.monotonic() - self._samples_at >= self.curves_every_s
+        if logged and ((logged != self._samples_step and samples_due) or final):
+            self._publish_samples(logged)
         return self._latest
 
     def _take(self, records: list[dict[str, Any]]) -> None:
@@ -246,6 +265,54 @@ class RunArtifacts:
             with get_client(sync_client=True) as client:
                 client.delete_artifact(self._curves_id)
         self._curves_id, self._curves_step, self._curves_at = artifact, step, time.monotonic()
+
+    def _logged_step(self, step: int) -> int:
+        """The newest step the learner logs to wandb (with its samples table) up to `step`; 0:
+        none yet."""
+        if step >= self.config.learner.total_steps:
+            return step
+        return step - step % self.config.logging.log_every
+
+    def _publish_samples(self, step: int) -> None:
+        markdown = self.samples_markdown(step)
+        if markdown is not None:
+            create_markdown_artifact(
+                markdown=markdown,
+                key=artifact_key(self.name, "samples"),
+                description=f"responses of step {step} of {self.run.uri}",
+            )
+        self._samples_step, self._samples_at = step, time.monotonic()
+
+    def samples_markdown(self, step: int) -> str | None:
+        """The samples artifact of learner step `step`; None with `logging.log_samples` 0, or
+        when the run's tokenizer cannot be loaded on this machine (warned once: the other
+        artifacts go on)."""
+        count = self.config.logging.log_samples
+        if not count or self._samples_off:
+            return None
+        if self._decoder is None:
+            tokenizer, problem = self.config.model.tokenizer or self.config.model.path, None
+            if tokenizer in BUNDLED_MODELS and not is_prepared(tokenizer):  # not built for this
+                problem = f"bundled model {tokenizer} is not prepared here"
+            else:
+                try:
+                    self._decoder = SampleDecoder.for_run(self.config)
+                except (ModelPathError, OSError) as exc:  # an artifact is a convenience
+                    problem = str(exc)
+            if problem is not None:
+                self._samples_off = True
+                log.warning(
+                    "no samples artifact for %s: the run's tokenizer does not load on this "
+                    "machine (%s); `streamrl samples` reads them where it does", self.run.uri,
+                    problem,
+                )  # fmt: skip
+                return None
+        samples = step_samples(self.run, self.config, self._decoder, step, count)
+        title = (
+            f"Samples of {self.name} — step {step}: {len(samples)} responses of the batch it "
+            "trained on (`streamrl samples RUN --step N` shows more)"
+        )
+        return samples_markdown(samples, title, SAMPLE_MAX_CHARS)
 
     def link_wandb(self, url: str | None) -> None:
         """Attach the wandb run's link (or where its offline files are) once known."""

@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from storage.fs import StorageError, open_location
 from streamrl.config.run import RunConfig
 from streamrl.config.stored import open_existing_run
-from streamrl.supervision.output import noteworthy
+from streamrl.supervision.output import STEP_LINE, noteworthy
 from streamrl.supervision.policy import NOT_RESTARTED
 from streamrl.supervision.supervisor import Component, Supervisor
 
@@ -41,8 +41,10 @@ def component_task(supervisor: Supervisor, name: str) -> None:
             level, _, message = shown.partition(": ")
             if level in ("WARNING", "ERROR", "CRITICAL"):
                 logger.log(logging.getLevelName(level), "%s", message)
-            else:
+            elif STEP_LINE.match(shown):
                 logger.info("%s", shown)
+            else:  # a progress line before the first step: whose it is
+                logger.info("[%s] %s", name, shown)
 
     supervisor.keep_running(component, on_line)
     logger.info("%s exited with code %s", name, component.exit_code)

@@ -10,12 +10,16 @@ evaluation, an export; each stage a child flow run in a folder of its own under 
 each stage announced, then its step lines; the end prints each run stage's summary and the
 evaluation.
 
-The terminal shows a short header (the run, where its logs are, the placement plan), then one
-line per learner step and streamrl's warnings. Everything else — Prefect's server and engine
-messages, vLLM's and torch's start-up output — goes to `<run>/logs/demo.log` (each process's
-own output to `<run>/logs/<process>.log`). Ctrl-C stops every process of the run; the last
-checkpoint stays intact and the terminal says how to resume. (The flow runs in a child process
-of a session of its own, which the command passes Ctrl-C to: `_flow_in_a_session_of_its_own`.)
+The terminal shows a short header (the run, where its logs are), a line while Prefect's
+temporary server starts (given `TEMPORARY_SERVER_SETTINGS`: up to 3 minutes, its analytics off),
+the placement plan, the processes' progress before the first step (an engine up, the first
+groups committed, a learner still waiting), then one line per learner step and streamrl's
+warnings.
+Everything else — Prefect's server and engine messages, vLLM's and torch's start-up output —
+goes to `<run>/logs/demo.log` (each process's own output to `<run>/logs/<process>.log`).
+Ctrl-C stops every process of the run; the last checkpoint stays intact and the terminal says
+how to resume. (The flow runs in a child process of a session of its own, which the command
+passes Ctrl-C to: `_flow_in_a_session_of_its_own`.)
 """
 
 from __future__ import annotations
@@ -29,12 +33,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
 DEFAULT_STEPS = 16
 FLOWS = str(Path(__file__).resolve().parent)
 _FLOW_PROCESS = "STREAMRL_DEMO_FLOW_PROCESS"  # set in the process that runs the flow
+TEMPORARY_SERVER_SETTINGS = {
+    # Prefect gives its temporary server 20 s to answer, and a busy machine can take a minute:
+    # the demo would fail before it began ("Timed out while attempting to connect to ephemeral
+    # Prefect API server").
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    # Its telemetry, a write to its SQLite database as it starts, can hold the database while
+    # the flow's first calls wait ("database is locked"); it also sends data off this machine.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+"""Prefect settings of the process that runs the flow and starts the temporary server, where
+the user's environment sets none (`flow_environment`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe:
         print(f"streamrl demo: recipe {args.recipe}\n  root: {args.run_uri}\n  logs: {logs}/ "
               "and each stage's <root>/<stage>/logs/", file=terminal)  # fmt: skip
+        _say_the_server_starts(terminal)
         try:
             return _run_recipe(args, terminal)
         except Exception as exc:
@@ -75,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     env += ", LoRA adapters" if args.lora else ""
     print(f"streamrl demo: DAPO, {args.size}{env}, {args.steps} steps, {args.generators} "
           f"generator(s)\n  run:  {args.run_uri}\n  logs: {logs}/", file=terminal)  # fmt: skip
+    _say_the_server_starts(terminal)
     try:
         return _run(args, terminal)
     except Exception as exc:  # its traceback is in demo.log; the terminal gets the reason
@@ -124,7 +142,7 @@ def _flow_in_a_session_of_its_own(argv: list[str]) -> int:
     the flow's supervisor)."""
     child = subprocess.Popen(
         [sys.executable, "-m", "flows.demo", *argv],
-        env={**os.environ, _FLOW_PROCESS: "1"},
+        env=flow_environment(os.environ),
         start_new_session=True,
     )
 
@@ -146,10 +164,26 @@ def _flow_in_a_session_of_its_own(argv: list[str]) -> int:
     return code if code >= 0 else 128 - code  # a child killed by signal N: 128 + N, as a shell
 
 
+def flow_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the process that runs the flow: `environ` with the temporary
+    server's settings (`TEMPORARY_SERVER_SETTINGS`) where it has none of its own."""
+    return {**TEMPORARY_SERVER_SETTINGS, **environ, _FLOW_PROCESS: "1"}
+
+
+def _say_the_server_starts(terminal: IO[str]) -> None:
+    """Prefect's temporary server starts with the flow's first call to its API, before any
+    line of the run: say so, unless a server is configured (`PREFECT_API_URL`)."""
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        print("starting Prefect's temporary server (can take a minute on a busy machine)...",
+              file=terminal)  # fmt: skip
+
+
 def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
     from flows.run import streamrl_run
     from storage.fs import open_location
-    from streamrl.runs.summary import format_summary, run_summary
+    from streamrl.runs.summary import format_summary, resume_point, run_summary
 
     run_uri = args.run_uri
     try:
@@ -169,7 +203,8 @@ def _run(args: argparse.Namespace, terminal: IO[str]) -> int:
         )
     except KeyboardInterrupt:
         command = shlex.join([sys.executable, "-m", "flows.demo", *_resume_argv(args, run_uri)])
-        print(f"\nstopped: every process of the run has ended; {_resume_point(run_uri)}. "
+        resume_at = resume_point(open_location(run_uri))
+        print(f"\nstopped: every process of the run has ended; {resume_at}. "
               f"Resume with:\n  {command}", file=terminal)  # fmt: skip
         return 130
     print(file=terminal)
@@ -215,28 +250,6 @@ def _run_recipe(args: argparse.Namespace, terminal: IO[str]) -> int:
         print(f"demo failed: {state.message}\n(see {args.run_uri}/)", file=terminal)
         return 1
     return 0
-
-
-def _resume_point(run_uri: str) -> str:
-    """Where a resume of the stopped run starts, against the steps the learner finished."""
-    from storage.checkpoints.dcp import CheckpointStore
-    from storage.fs import open_location
-    from storage.stream.learner_progress import read_learner_progress
-
-    run = open_location(run_uri)
-    progress = read_learner_progress(run)
-    finished = progress.step if progress is not None else 0
-    saved = CheckpointStore(run).latest_committed() or 0
-    if finished == 0:
-        return "the learner had finished no step: a resume starts from step 0"
-    if saved >= finished:
-        return f"the checkpoint of step {saved} holds every step it finished"
-    lost = f"step {finished}" if finished == saved + 1 else f"steps {saved + 1}-{finished}"
-    start = f"step {saved}" if saved else "step 0 (no checkpoint yet)"
-    return (
-        f"the learner stopped before it could checkpoint: a resume starts from {start} and "
-        f"trains {lost} again"
-    )
 
 
 def _resume_argv(args: argparse.Namespace, run_uri: str) -> list[str]:

@@ -69,6 +69,7 @@ from streamrl.config.stored import open_run_location
 from streamrl.generator.index import claim_generator_index, reserve_generator_indexes
 from streamrl.placement import Component as Kind
 from streamrl.scorers.config import ScorerConfig, scorer_process_name
+from streamrl.supervision.liveness import LivenessWatch
 from streamrl.supervision.policy import (
     NOT_RESTARTED,
     Abort,
@@ -223,6 +224,8 @@ class PoolSupervisor:
         )
         self.children: list[Child] = []
         self.failure: str | None = None
+        self.liveness = LivenessWatch(self.run, config.placement)
+        self.hung: dict[str, int] = {}  # flow runs cancelled as hung, by unit name
         self.rendezvous = uuid.uuid4().hex[:12]  # attempt k's nodes meet as `<rendezvous>-<k>`
         self.targets: dict[Kind, _Target] = {}
 
@@ -309,6 +312,8 @@ class PoolSupervisor:
             tags=["streamrl", unit.kind],
         )
         self.children.append(Child(unit, parameters, flow_run.id, flow_run.state_type))
+        if unit.kind == "generator" or (unit.kind == "learner" and unit.index == 0):
+            self.liveness.started(_beats(unit), unit.kind)
         self.log.info("started %s: flow run %s on pool '%s'", unit.name, flow_run.name, target.pool)
 
     # -- watching ---------------------------------------------------------------------------
@@ -331,11 +336,30 @@ class PoolSupervisor:
             repeats = NOT_RESTARTED in child.message  # its own supervisor said so
             cause = self._describe(child)
             self._feed(Ended(child.unit, child.completed, now, cause, stopped, displaced, repeats))
+        self._cancel_hung()
         self._feed(Tick(now))
         wanted = requested_generators(self.run, self.config.placement.max_generators)
         if wanted is not None:
             self._feed(TargetGenerators(wanted))
         return self.policy.done
+
+    def _cancel_hung(self) -> None:
+        """Cancel each live learner or generator flow run whose process stopped beating
+        (`streamrl.supervision.liveness`): its end is then a failure, replaced as a crash is."""
+        for child in self.live():
+            beats = _beats(child.unit)
+            if beats not in self.liveness.watched:
+                continue
+            if child.state in _NOT_STARTED:  # waiting for a worker: its clock starts later
+                self.liveness.started(beats, child.unit.kind)
+                continue
+            reason = self.liveness.stalled(beats)
+            if reason is None:
+                continue
+            self.liveness.forget(beats)
+            self.hung[child.name] = self.hung.get(child.name, 0) + 1
+            self.log.warning("%s is hung, %s: cancelling its flow run", child.name, reason)
+            self._cancel([child], f"hung: {reason}")
 
     def _refresh(self) -> list[Child]:
         """Read the states of the children not known to have ended; those that now have."""
@@ -435,3 +459,8 @@ class PoolSupervisor:
             self.log.warning("could not write the run's stop marker: %r", exc)
         self._refresh()
         self._cancel(self.live(), reason)
+
+
+def _beats(unit: Unit) -> str:
+    """The heartbeat record a unit's process writes (`storage.control.heartbeat`)."""
+    return "learner" if unit.kind == "learner" else unit.name

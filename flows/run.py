@@ -25,6 +25,7 @@ and the wandb link.
 
 # No `from __future__ import annotations` here: the flow's parameter annotations must be objects,
 # not strings, for Prefect to validate a deployment run's parameters (`Override`'s schema).
+import logging
 import time
 from typing import Any
 
@@ -35,16 +36,15 @@ from prefect.futures import PrefectFuture
 from flows.artifacts import RunArtifacts
 from flows.components import component_task
 from flows.pools import PoolSupervisor
+from storage.fs import Location
 from streamrl.config.loading import Override, load_config
 from streamrl.config.run import RunConfig, StorageConfig
 from streamrl.config.stored import open_run_location, prepare_run
 from streamrl.isolation.user_code import check_user_code
 from streamrl.placement import PlacementPlan, PoolsPlacement, plan_placement
-from streamrl.supervision.supervisor import (
-    ComponentFailedError,
-    Supervisor,
-    stopping_despite_interrupts,
-)
+from streamrl.runs.health import HealthWatch
+from streamrl.supervision.signals import stopping_despite_interrupts
+from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
 
 __all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
@@ -85,10 +85,12 @@ def supervise(
     logger.info("each process's output: %s", supervisor.logs.folder)
     supervisor.prepare()
     artifacts = RunArtifacts(config, supervisor.run_location)
+    health = HealthLog(supervisor.run_location, logger)
     futures = {c.name: component_task.submit(supervisor, c.name) for c in supervisor.components}
     try:
         while not futures["learner"].state.is_final():
             artifacts.refresh()
+            health.refresh()
             if any(_failed(f) for f in futures.values()):
                 break
             time.sleep(REFRESH_S)
@@ -123,6 +125,7 @@ def supervise_on_pools(
     does; raises `ComponentFailedError` after cancelling every child when one failed for good."""
     logger = get_run_logger()
     artifacts = RunArtifacts(config, open_run_location(config))
+    health = HealthLog(artifacts.run, logger)
     with get_client(sync_client=True) as client:
         fleet = PoolSupervisor(
             config,
@@ -137,6 +140,7 @@ def supervise_on_pools(
             fleet.start()
             while not fleet.poll():
                 artifacts.refresh()
+                health.refresh()
                 time.sleep(REFRESH_S)
         except ComponentFailedError as failed:
             artifacts.refresh(final=True)
@@ -147,6 +151,27 @@ def supervise_on_pools(
                 fleet.abort("the streamrl flow run was interrupted (cancelled, Ctrl-C)")
             raise
     return _summary(config, artifacts.refresh(final=True), fleet.restarts())
+
+
+class HealthLog:
+    """The run's health warnings (`streamrl.runs.health`: a learner starved by dynamic sampling,
+    the learner's health conditions) in this flow run's log, each once as it appears: they are
+    otherwise only in the learner's own log (a container's, on work pools)."""
+
+    def __init__(self, run: Location, logger: logging.Logger | logging.LoggerAdapter) -> None:
+        self.watch, self.logger = HealthWatch(run), logger
+        self.shown: set[str] = set()
+
+    def refresh(self) -> None:
+        try:
+            warnings = self.watch.read()
+        except Exception as exc:  # advisory: storage unreachable now, the next refresh retries
+            self.logger.debug("health warnings unreadable: %r", exc)
+            return
+        for warning in warnings:
+            if warning not in self.shown:
+                self.shown.add(warning)
+                self.logger.warning("%s", warning)
 
 
 def _summary(

@@ -2,7 +2,8 @@
 # Build the CPU image `streamrl:cpu` (deploy/Dockerfile.cpu) from a fresh machine, with no
 # image registry: `make image`. Idempotent and cached: each part is made only when missing.
 #
-#   1. Docker: Debian's docker.io installed and dockerd started when absent (root only).
+#   1. Docker: Debian's docker.io installed when the client or the daemon (dockerd) is missing,
+#      and dockerd started when it is not running (root only).
 #   2. The base image (STREAMRL_BASE_IMAGE, default streamrl-base:bookworm): when absent, Debian
 #      bookworm (Python 3.11, as the wheelhouse) made with debootstrap from Debian's package
 #      mirror (DEBIAN_MIRROR) and loaded with `docker import`.
@@ -11,7 +12,9 @@
 #   4. `docker build` (its layer cache makes a rebuild after a code change take seconds).
 #
 # Settings (environment): STREAMRL_IMAGE (default streamrl:cpu), STREAMRL_BASE_IMAGE,
-# DEBIAN_MIRROR (default http://deb.debian.org/debian), VENV (default .venv).
+# DEBIAN_MIRROR (default http://deb.debian.org/debian), VENV (default .venv), DOCKERD_LOG (the
+# log of a dockerd started here, default /var/log/dockerd.log).
+# Sourced instead of run, it defines the functions only (tests/unit/deploy/test_image_script.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-.venv}"
@@ -19,6 +22,7 @@ VENV="${VENV:-.venv}"
 IMAGE="${STREAMRL_IMAGE:-streamrl:cpu}"
 BASE="${STREAMRL_BASE_IMAGE:-streamrl-base:bookworm}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+DOCKERD_LOG="${DOCKERD_LOG:-/var/log/dockerd.log}"
 # What the base carries: Python (venv, headers), certificates, libnuma and g++ (vLLM's CPU kernels;
 # torch's inductor compiles some even in eager mode), bubblewrap and libseccomp (the box for
 # model-written code). A base made from another list is made again.
@@ -44,13 +48,13 @@ ensure_docker() {
     docker info >/dev/null 2>&1 && return 0
     [[ $(id -u) -eq 0 ]] || die "the Docker daemon is not running; start it (sudo systemctl start docker)"
     command -v dockerd >/dev/null || apt_install docker.io  # a Docker client without its daemon
-    say "starting dockerd (log: /var/log/dockerd.log)"
-    setsid dockerd >>/var/log/dockerd.log 2>&1 </dev/null &
+    say "starting dockerd (log: $DOCKERD_LOG)"
+    setsid dockerd >>"$DOCKERD_LOG" 2>&1 </dev/null &
     for _ in $(seq 60); do
         docker info >/dev/null 2>&1 && return 0
         sleep 1
     done
-    die "dockerd did not start; see /var/log/dockerd.log"
+    die "dockerd did not start; see $DOCKERD_LOG"
 }
 
 ensure_base() {
@@ -93,4 +97,4 @@ main() {
     say "$IMAGE built ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1 / 1e9}'))"
 }
 
-main "$@"
+[[ "${BASH_SOURCE[0]}" != "$0" ]] || main "$@"

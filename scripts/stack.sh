@@ -438,6 +438,7 @@ down() {
     stop gate "$GATE_SIG" 5
     stop server "$SERVER_SIG" 30
     stop seaweedfs "$S3_SIG" 0
+    if docker_mode; then remove_network; fi  # nothing listens on its gateway any more
     rm -f "$STACK/s3.env" "$STACK/docker" "$STACK/host" "$STACK/gateway"
     restore_profile
     say "the stack is down"

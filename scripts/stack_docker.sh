@@ -1,7 +1,8 @@
 # The local stack's Docker mode (`make up DOCKER=1`): the containers' network, the API gate in
 # front of the server, the firewall chain on the gateway, the secret volume, the flow runs'
-# containers. Sourced by scripts/stack.sh, whose settings (STACK, NETWORK, GATEWAY, ...) and
-# helpers (launch, stop, wait_for, ...) it uses; not run on its own.
+# containers; `make down` removes all of them. Sourced by scripts/stack.sh, whose settings
+# (STACK, NETWORK, GATEWAY, ...) and helpers (launch, stop, wait_for, ...) it uses; not run on
+# its own.
 # shellcheck shell=bash
 
 docker_mode() { [[ -f "$STACK/docker" ]]; }  # the running stack was started with DOCKER=1
@@ -94,4 +95,14 @@ remove_containers() {  # the flow runs' containers (labelled by deploy/docker/po
         say "removed $(wc -w <<<"$ids") container(s) of flow runs"
     fi
     docker volume rm "$SECRETS_VOLUME" >/dev/null 2>&1 || true
+}
+
+remove_network() {  # the containers' network, once its containers and the gate on it are gone
+    command -v docker >/dev/null && docker info >/dev/null 2>&1 || return 0
+    docker network inspect "$NETWORK" >/dev/null 2>&1 || return 0
+    if docker network rm "$NETWORK" >/dev/null; then
+        say "removed the Docker network $NETWORK"
+    else
+        say "could not remove the Docker network $NETWORK (containers still on it: docker network inspect $NETWORK)" >&2
+    fi
 }

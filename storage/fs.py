@@ -10,7 +10,8 @@ options — and are never logged or written into a run. Transient S3 errors are 
 s3fs/botocore themselves; a call that cannot reach the endpoint at all (refused, timed out:
 the store restarting, a network cut) is retried for about a minute (`S3_RETRIES`, the
 storage option `retries`), so every process of a run waits out a short outage instead of
-failing. What still fails reaches the caller (the stream reader then retries for as long as
+failing; a request stuck on a dead connection fails within `S3_TIMEOUTS` and is retried the same
+way (a generator whose container got a new address goes on). What still fails reaches the caller (the stream reader then retries for as long as
 it waits: `storage.stream.reader`).
 
 `put_if_absent` is the one coordination primitive the run layout needs: create an object
@@ -35,6 +36,7 @@ from fsspec import AbstractFileSystem
 
 __all__ = [
     "S3_RETRIES",
+    "S3_TIMEOUTS",
     "Location",
     "StorageError",
     "open_location",
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 
+S3_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 60, "tcp_keepalive": True}
+"""botocore's limits on one S3 request: seconds to connect, seconds without a byte of the
+answer; TCP keep-alive probes find a connection whose other end is gone."""
 S3_RETRIES = 12
 """Attempts of an S3 call that cannot reach the endpoint (each with botocore's own few
 retries); s3fs waits 0.1 * 1.7**i s (at most 15 s) after failure i: about 59 s in all."""
@@ -127,6 +132,9 @@ def open_location(
         # must not share another's event loop: fresh instance, no listing cache.
         options.setdefault("use_listings_cache", False)
         options.setdefault("skip_instance_cache", True)
+        # A connection stuck on an address that no longer answers (a container that got a new
+        # one, a cut network) fails within these and is retried on a fresh connection.
+        options["config_kwargs"] = S3_TIMEOUTS | dict(options.get("config_kwargs") or {})
     retries = options.pop("retries", S3_RETRIES) if protocol in {"s3", "s3a"} else None
     try:
         fs = fsspec.filesystem(protocol, **options)

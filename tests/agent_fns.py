@@ -129,3 +129,19 @@ async def agents_sdk_calculator(client: Any, task: Task) -> str:
     )
     result = await Runner.run(agent, task.messages[-1]["content"], max_turns=3)
     return str(result.final_output)
+
+
+async def raises_type_error(client: Any, task: Task) -> None:
+    """A bug of the user's: every run raises the same TypeError before it sends a request."""
+    int(task.messages)  # type: ignore[call-overload]
+
+
+_one_in_three = itertools.count()
+
+
+async def fails_one_in_three(client: Any, task: Task) -> None:
+    """Every third run (in its worker) raises TypeError before it sends a request; the others
+    sample a turn."""
+    if next(_one_in_three) % 3 == 1:
+        raise TypeError("every third run fails")
+    await client.chat.completions.create(model="policy", messages=list(task.messages))

@@ -2,17 +2,23 @@
 under docs/ and benchmarks/ resolves (a file, and a heading for `#anchor`), every section of
 docs/algorithms.md the code cites by name exists, and every module, file or module attribute
 named in backticks — in those pages and in the code's docstrings — exists. A module moved or
-renamed without its mentions fails here."""
+renamed without its mentions fails here. What a page promises a command of its own does is
+checked by loading the configuration exactly as that command does."""
 
 from __future__ import annotations
 
 import ast
 import re
+import shlex
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from streamrl.config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("benchmarks/*.md")])
@@ -20,10 +26,11 @@ PACKAGES = ("streamrl", "storage", "flows", "tests", "benchmarks", "scripts")
 ALGORITHMS = ROOT / "docs" / "algorithms.md"
 
 # Dotted names that look like modules and are not: the `storage` section's config paths,
-# Prefect event and resource names, and record format tags.
+# Prefect event and resource names, record format tags and the progress lines' logger.
 NOT_MODULES = re.compile(
     r"storage\.(run_uri|endpoint_url|storage_options|compression|sweep_grace_s|stream_retention)"
     r"|streamrl\.(health|run)(\..*)?$|streamrl\.weights\.(v\d|part)|streamrl\.current-config"
+    r"|streamrl\.progress$"
 )
 DOTTED = re.compile(r"(?<![\w./-])((?:streamrl|storage|flows)(?:\.[A-Za-z_]\w*)+)")
 SLASHED = re.compile(
@@ -159,3 +166,65 @@ def test_the_checks_catch_what_is_not_there(tmp_path: Path) -> None:
         "streamrl.supervisor",
     ]
     assert _slug("Off-policy correction: the full menu") == "off-policy-correction-the-full-menu"
+
+
+def _command_config(command: str) -> RunConfig:
+    """The configuration `command` (a `streamrl ...` line of a page) runs with, loaded as the
+    command line loads it: the CLI's own parser, then `config_from`."""
+    from streamrl.cli.config import config_from
+    from streamrl.cli.main import build_parser
+
+    return config_from(build_parser().parse_args(shlex.split(command)[1:]))
+
+
+def test_the_supervised_commands_of_the_pages_train_as_docs_sft_says() -> None:
+    """docs/sft.md states the preset `sft`'s learning rate, warm-up and batch: every supervised
+    `streamrl run` a page shows must give them (presets apply in order, so a size preset after
+    `sft` would replace them with its RL ones)."""
+    text = " ".join((ROOT / "docs" / "sft.md").read_text().split())
+    stated = re.search(
+        r"The preset `sft`: learning rate (?P<lr>\S+) with (?P<warmup>\d+) warm-up updates .*? "
+        r"(?P<batch>\d+) conversations a step in one update",
+        text,
+    )
+    assert stated, "docs/sft.md no longer states the preset's learning rate and batch"
+    commands = [
+        line.strip()
+        for page in PAGES
+        for line in page.read_text().splitlines()
+        if line.strip().startswith("streamrl run ") and "--preset sft" in line
+    ]
+    assert len(commands) >= 2, "the supervised commands of README.md and docs/sft.md are gone"
+    for command in commands:
+        learner = _command_config(command).learner
+        got = (learner.lr, learner.warmup_steps, learner.batch_groups, learner.mini_batch_groups)
+        batch = int(stated["batch"])
+        assert got == (float(stated["lr"]), int(stated["warmup"]), batch, batch), command
+
+
+def test_deploy_readme_quotes_what_prefect_says_of_a_killed_container() -> None:
+    """deploy/README.md tells a killed container from an out-of-memory one by Prefect's words
+    for exit status 137: they must be the installed Prefect's."""
+    from prefect.utilities._infrastructure_exit_codes import get_infrastructure_exit_info
+
+    said = f"status code 137. {get_infrastructure_exit_info(137).explanation}"
+    page = " ".join((ROOT / "deploy" / "README.md").read_text().split())
+    assert said in page
+    assert "docker inspect -f '{{.State.OOMKilled}}" in page
+
+
+def test_pages_naming_the_learners_metrics_file_name_its_object_store_layout_too() -> None:
+    """Object stores cannot append: there the learner writes one object a step,
+    `learner-<step>.json` (`streamrl.learner.reporting`), and a page that sends a reader to
+    `learner.jsonl` alone sends an S3 run's reader nowhere. (The benchmarks' pages name the
+    files of the local runs they measured.)"""
+    from streamrl.learner.reporting import JSONL
+
+    missing = []
+    for page in [p for p in PAGES if p.parent.name != "benchmarks"]:
+        text = " ".join(page.read_text().split())
+        for mention in re.finditer(re.escape(f"<run>/metrics/{JSONL}"), text):
+            after = text[mention.end() : mention.end() + 120]
+            if not re.search(r"object store|S3", after):
+                missing.append(f"{page.relative_to(ROOT)}: {text[mention.start() :][:80]}")
+    assert missing == []

@@ -36,6 +36,10 @@ class LearnerProgress:
     learner waits for groups of step `step` + 1 or trains on them: `cursor` is past what it
     consumed for that step, `pending_accepted` the groups of it accepted so far (B while it
     trains), the counts are still the last step's. After a step, `pending_accepted` is 0.
+    `no_signal_correct` / `no_signal_wrong`: the groups in a row, since the last one accepted,
+    that dynamic sampling dropped for having no signal — every response correct / every
+    response wrong — so a learner that the data starves (`streamrl.learner.batching`: no batch
+    fills, no step ends) says so in storage, not only in its log; 0 in older records.
 
     Invariants: counts ≥ 0; accepted + dropped_stale ≤ consumed (the same for the totals); each
     total ≥ the step's count.
@@ -54,6 +58,8 @@ class LearnerProgress:
     updated_at: float = 0.0
     lease_epoch: int = 0  # the writer's lease epoch (storage.control.lease); 0 in older records
     pending_accepted: int = 0  # 0 in older records
+    no_signal_correct: int = 0  # 0 in older records
+    no_signal_wrong: int = 0  # 0 in older records
 
     def __post_init__(self) -> None:
         counts = [
@@ -67,6 +73,8 @@ class LearnerProgress:
             self.dropped_stale_total,
             self.lease_epoch,
             self.pending_accepted,
+            self.no_signal_correct,
+            self.no_signal_wrong,
         ]
         if min(counts) < 0:
             raise ValueError(f"learner progress {self}: steps, versions and counts are ≥ 0")

@@ -258,6 +258,25 @@ class StreamReader:
             stop.wait(wait)
             wait = min(wait * 2, longest_wait)
 
+    def verify(self, records: Sequence[CommitRecord]) -> dict[int, CorruptSegmentError]:
+        """Read the segments of committed `records` and check them as `poll` does (a rejected
+        record, sizes, CRC32s, decoding, group counts), without quarantining anything or moving
+        the cursor: each that fails, by log number. An object missing counts as corrupt only
+        after `missing_grace_s` (an audit passes 0); until then, and on any read that may still
+        succeed, raises `StorageUnavailableError`."""
+        fetched = cat_objects(
+            self.stream.fs, self._object_paths([r for r in records if not r.rejected])
+        )
+        failed: dict[int, CorruptSegmentError] = {}
+        for record in records:
+            try:
+                if record.rejected:
+                    raise CorruptSegmentError(f"its commit record is rejected: {record.rejected}")
+                self._read_segment(record, fetched)
+            except CorruptSegmentError as exc:
+                failed[record.seq] = exc
+        return failed
+
     def _object_paths(self, records: Sequence[CommitRecord]) -> list[str]:
         return [self.stream.join("segments", r.segment, key) for r in records for key in r.objects]
 

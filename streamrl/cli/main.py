@@ -1,7 +1,7 @@
-"""The `streamrl` command line: the process commands (`generator`, `learner`, `run`, `sweep`);
-`config` and `models` are in `streamrl.cli.config`, `eval` and `export` in
-`streamrl.cli.evaluate`, `status` and `scale` in `streamrl.cli.status`, `doctor` in
-`streamrl.cli.doctor`.
+"""The `streamrl` command line: the process commands (`generator`, `learner`, `sweep`); `run` is
+in `streamrl.cli.run`, `config` and `models` in `streamrl.cli.config`, `eval` and `export` in
+`streamrl.cli.evaluate`, `status` and `scale` in `streamrl.cli.status`, `samples` in
+`streamrl.cli.samples`, `verify` in `streamrl.cli.verify`, `doctor` in `streamrl.cli.doctor`.
 
 Every command takes the same configuration arguments: `--preset NAME` (repeatable, applied in
 order), `--config FILE`, and trailing dotted overrides such as `learner.lr=1e-6`.
@@ -10,6 +10,7 @@ order), `--config FILE`, and trailing dotted overrides such as `learner.lr=1e-6`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -18,8 +19,12 @@ import threading
 from collections.abc import Sequence
 
 from streamrl.cli import config as cli_config
-from streamrl.cli.config import add_config_args, config_from
+from streamrl.cli import run as cli_run
+from streamrl.cli.repeats import RepeatedWarnings
 from streamrl.config.base import ConfigError
+
+# The commands a supervisor starts as a run's processes.
+COMPONENTS = frozenset({"learner", "generator", "scorer", "eval"})
 
 EXAMPLES_GENERATOR = """\
 examples:
@@ -33,14 +38,18 @@ nothing more, if another takes its index over (--take-over; exit code 3). A rewa
 environment that cannot be resolved the same way every time (generator.reward.fn or
 generator.env.fn names a module, function or class that is not there) exits with code 4 before
 vLLM starts, its error line saying what to change: supervisors stop the run instead of
-restarting it. One that may load next time (its import raised or timed out) fails otherwise
-and is restarted.
+restarting it. So does user code that fails the same way from the start (an agent, environment
+or reward failing alike every time it ran in generator.identical_failed_groups_to_stop groups,
+every request of an agent refused for the same reason, agents that never sample:
+streamrl.generator.failures). One that may load next time (its import raised or timed out)
+fails otherwise and is restarted.
 """
 
 
 def _cmd_generator(args: argparse.Namespace) -> int:
     from storage.control.lease import NOT_HOLDER_EXIT_CODE
     from streamrl.envs import EnvLoadError, EnvResolutionError
+    from streamrl.generator.failures import UserCodeFailedError
     from streamrl.generator.index import GeneratorIndexHeldError, GeneratorIndexLostError
     from streamrl.generator.main import run_generator
     from streamrl.rewards import RewardLoadError, RewardResolutionError
@@ -56,6 +65,10 @@ def _cmd_generator(args: argparse.Namespace) -> int:
         if isinstance(exc, (RewardLoadError, EnvLoadError)):
             raise  # may load next time: a restart is worth it
         print(f"error: {exc}", file=sys.stderr)
+        return USER_CODE_EXIT_CODE
+    except UserCodeFailedError as exc:  # its code fails as it would after a restart
+        args.repeats.flush()  # the warnings held back, before the line that ends it
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return USER_CODE_EXIT_CODE
     print(f"generator {args.index}: {stats.groups} groups in {stats.segments} segments")
     return 0
@@ -98,6 +111,13 @@ learner takes the run over (--take-over; exit code 3).
 """
 
 
+def _say(line: str) -> None:
+    """A component's last line, to its supervisor's pipe; a supervisor already gone (its pipe
+    closed) must not turn a finished stop into a failure."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -108,20 +128,20 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     from streamrl.learner import run_learner
     from streamrl.learner.stream_source import StopRequested
     from streamrl.learner.topology import exit_process
-    from streamrl.supervision.policy import USER_CODE_EXIT_CODE
+    from streamrl.supervision.policy import STOPPED_FROM_OUTSIDE, USER_CODE_EXIT_CODE
 
     # SIGTERM (a supervisor stopping the run) unwinds: the lease is released. With
     # learner.checkpoint_on_stop, run_learner takes SIGTERM over to stop with a checkpoint.
     if args.program:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        print(f"learner: trained to step {run_learner(args.run, take_over=args.take_over)}")
+        _say(f"learner: trained to step {run_learner(args.run, take_over=args.take_over)}")
         code = 0
     except (LeaseHeldError, LeaseLostError) as exc:  # another learner writes this run
         print(f"error: {exc}", file=sys.stderr)  # says DISPLACED: torchrun loses the exit code
         code = NOT_HOLDER_EXIT_CODE
     except StopRequested as exc:  # SIGTERM / Ctrl-C, checkpointed
-        print(f"learner: {exc}", file=sys.stderr)
+        _say(f"learner {STOPPED_FROM_OUTSIDE}: {exc}")
         code = 128 + signal.SIGTERM
     except DatasetError as exc:  # a supervised run's conversations: a restart fails the same
         print(f"streamrl: {exc}", file=sys.stderr)
@@ -129,75 +149,9 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     except SystemExit as exc:  # SIGTERM
         code = exc.code if isinstance(exc.code, int) else 1
     if args.program:  # this process ends here, without an interpreter teardown to race
+        args.repeats.flush()  # the warnings held back: `main` is not returned to
         exit_process(code)
     return code
-
-
-EXAMPLES_RUN = """\
-examples:
-  streamrl run --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo
-  streamrl run --preset dapo --preset tiny-cpu --generators 2 learner.total_steps=20
-  streamrl run --resume --preset dapo --preset smollm2-cpu storage.run_uri=./runs/demo \\
-      learner.total_steps=40                 extend a finished run by 20 steps
-A whole run on this machine without a Prefect server: the learner, the generators and the
-evaluator as subprocesses. Nothing starts before the configuration is valid and the modules
-its import paths name are found. A crashed generator is restarted (--max-restarts); one whose
-reward or environment cannot be resolved (exit code 4) stops the run at once. The run ends when
-the learner reaches learner.total_steps. Each process's output goes to <run>/logs/ (local runs)
-or ./streamrl-logs/, copied to <run>/logs/<host>/ (runs on S3); the console shows learner steps,
-warnings and errors.
-"""
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    import shlex
-
-    from streamrl.config.stored import prepare_run
-    from streamrl.isolation.user_code import check_user_code
-    from streamrl.placement import plan_placement
-    from streamrl.runs.summary import format_summary
-    from streamrl.runs.summary import run_summary as summarize
-    from streamrl.supervision.output import noteworthy
-    from streamrl.supervision.supervisor import (
-        ComponentFailedError,
-        RunInterruptedError,
-        Supervisor,
-    )
-
-    config = config_from(args)
-    count = config.generators_to_start(args.generators)
-    placement = plan_placement(config, generators=count)  # refused before anything starts
-    check_user_code(config.user_code)  # a misspelt module too
-    config, run = prepare_run(
-        config, resume=args.resume, allow_trusted_changes=args.allow_trusted_changes
-    )
-
-    def on_line(component: str, line: str) -> None:
-        if (shown := noteworthy(line)) is not None:
-            print(f"[{component}] {shown}", flush=True)
-
-    supervisor = Supervisor.for_run(
-        config, generators=count, on_line=on_line, placement=placement,
-        max_restarts=args.max_restarts,
-    )  # fmt: skip
-    print(f"streamrl run: {run.uri} — learner + {count} generator(s)"
-          f"{' (supervised)' if config.sft else ''}; logs in "
-          f"{supervisor.logs.folder}", flush=True)  # fmt: skip
-    print(placement.describe(), flush=True)
-    try:
-        supervisor.run()
-    except ComponentFailedError as exc:
-        print(f"streamrl run failed: {exc}", file=sys.stderr)
-        return 1
-    except RunInterruptedError:
-        given = [a for a in args.argv if a != "--resume"]
-        at = given.index("run") + 1
-        command = shlex.join(["streamrl", *given[:at], "--resume", *given[at:]])
-        print(f"\nstreamrl run: stopped; every process of the run has ended, its last "
-              f"checkpoint is intact. Resume with:\n  {command}", file=sys.stderr)  # fmt: skip
-        return 130
-    print(format_summary(summarize(run)))
-    return 0
 
 
 EXAMPLES_SWEEP = """\
@@ -292,29 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     learner.set_defaults(func=_cmd_learner)
 
-    run = commands.add_parser(
-        "run",
-        help="a whole run on this machine, without a Prefect server",
-        description="Create (or resume) a run and supervise its learner and generators.",
-        epilog=EXAMPLES_RUN,
-        formatter_class=raw,
-    )
-    add_config_args(run)
-    run.add_argument("--resume", action="store_true", help="resume the run at storage.run_uri")
-    run.add_argument(
-        "--allow-trusted-changes",
-        action="store_true",
-        help="with --resume: let fields that decide what code runs or what is trusted change "
-        "(generator.reward.fn, model.path, model.trust_remote_code, storage.endpoint_url, "
-        "placement.env, ...: streamrl.config.stored.TRUSTED_FIELDS); refused without it",
-    )
-    run.add_argument(
-        "--generators", type=int, metavar="N", help="generators to start (default generator.count)"
-    )
-    run.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="restarts per generator"
-    )
-    run.set_defaults(func=_cmd_run)
+    cli_run.add_commands(commands)  # run
 
     sweep = commands.add_parser(
         "sweep",
@@ -330,10 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--dry-run", action="store_true", help="list, do not delete")
     sweep.set_defaults(func=_cmd_sweep)
 
-    from streamrl.cli import doctor, evaluate, status  # doctor, eval and export, status and scale
+    from streamrl.cli import (  # doctor, eval and export, status and scale, verify, samples
+        doctor,
+        evaluate,
+        samples,
+        status,
+        verify,
+    )
 
     evaluate.add_commands(commands)
     status.add_commands(commands)
+    samples.add_commands(commands)
+    verify.add_commands(commands)
     doctor.add_commands(commands)
     return parser
 
@@ -341,15 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # `streamrl config show | head` exits quietly. Only as the program (argv from the command
     # line): a process calling main() as a library keeps Python's SIGPIPE handling, or a write
-    # to any dead child's pipe would kill it.
-    if argv is None and hasattr(signal, "SIGPIPE"):
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # to any dead child's pipe would kill it. Nor a run's component: one whose supervisor died
+    # (its output pipe closed) still finishes its stop — a learner its checkpoint.
     args = build_parser().parse_args(argv)
+    if argv is None and hasattr(signal, "SIGPIPE") and args.command not in COMPONENTS:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for hints
     args.program = argv is None  # this process is `streamrl ...`, not a library call
+    # The same warning over and over is printed once, then counted (`streamrl.cli.repeats`).
+    args.repeats = RepeatedWarnings.on(logging.StreamHandler())
     logging.basicConfig(
         level=os.environ.get("STREAMRL_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[args.repeats.handler],
     )
     from storage.fs import StorageError
     from streamrl.placement import PlacementError
@@ -360,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StorageError, RewardResolutionError, PlacementError) as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 2
+    finally:
+        args.repeats.flush()
 
 
 if __name__ == "__main__":

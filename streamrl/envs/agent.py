@@ -22,7 +22,8 @@ worker processes without credentials, under `memory_mb`: a group's G agents run 
 at once (async agents on one event loop, plain ones in threads: `call_agents`), so `workers`
 bounds the groups whose agents run at a time. Each run is bounded by `episode_timeout_s`
 (sampling included); an agent that raises, hangs or returns something else ends its episode as
-`env_error` / `timeout`, scoring 0, without ending its group's other episodes. The client never
+`env_error` / `timeout` (left out of its group when it sampled nothing, else a failed call:
+`streamrl.generator.agent_episodes`), without ending its group's other episodes. The client never
 retries (a retry would sample again) and ignores proxy settings (the endpoint is on 127.0.0.1).
 
 An episode's agent runs once: when a worker is killed (another call's deadline restarts the

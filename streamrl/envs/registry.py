@@ -69,12 +69,19 @@ def check_env_name(name_or_path: str) -> None:
 
 
 def check_agent_name(path: str) -> None:
-    """Fail fast, importing nothing, on an agent path that is not 'package.module:function'."""
-    if split_import_path(path) is None:
+    """Fail fast, importing nothing, on an agent path that is not 'package.module:function';
+    a dotted name without its colon is refused with the colon put in place."""
+    if split_import_path(path) is not None:
+        return
+    module, _, function = path.rpartition(".")
+    if ":" not in path and split_import_path(f"{module}:{function}", dotted_attribute=False):
         raise EnvResolutionError(
-            f"agent import path {path!r} must look like 'package.module:function' "
-            "(generator.env.agent)"
+            f"agent import path {path!r} has no colon, which separates the module from the "
+            f"function: write it as '{module}:{function}' (generator.env.agent)"
         )
+    raise EnvResolutionError(
+        f"agent import path {path!r} must look like 'package.module:function' (generator.env.agent)"
+    )
 
 
 def resolve_env(name_or_path: str) -> type[Environment]:

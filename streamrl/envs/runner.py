@@ -26,13 +26,17 @@ no more than what is left of the episode's `episode_timeout_s` (the time its cal
 `Episode.env_s`); a score call has `generator.reward.timeout_s`. A call that raises, answers
 with something malformed (`streamrl.envs.worker`) or kills its worker ends the episode with
 finish reason `env_error`, one past its limit with `timeout`; both are counted in
-`EnvRunner.stats`, logged, and score 0 (`Scored.failure` says so: "error" or "timeout", as for
-a failed reward call; the generator decides, as with rewards, whether to train on such a
-group). The runner ends an episode after `max_turns`
-model turns (`max_turns`); the generator ends one that runs out of `max_episode_tokens`
-(`Episode.finish("max_tokens")`). Isolation — spawned workers without credentials, a memory
-limit, killed on a deadline — is the reward scorer's (`streamrl.isolation.pool.IsolatedPool`);
-when a worker dies, every call in flight in that pool at the moment fails with it.
+`EnvRunner.stats` and score 0 (`Scored.failure` says so: "error" or "timeout", as for a failed
+reward call; the generator decides, as with rewards, whether to train on such a group:
+`generator.reward.on_error`). A failed call is logged saying what becomes of its episode: a
+failed reset's group is dropped (no turn was sampled), a failed step or score is `on_error`'s.
+An agent's run that failed is counted here and reported by the generator, which alone knows
+whether it sampled anything (`streamrl.generator.agent_episodes`). The runner ends an episode
+after `max_turns` model turns (`max_turns`); the generator ends one that runs out of
+`max_episode_tokens` (`Episode.finish("max_tokens")`). Isolation — spawned workers without
+credentials, a memory limit, killed on a deadline — is the reward scorer's
+(`streamrl.isolation.pool.IsolatedPool`); when a worker dies, every call in flight in that pool
+at the moment fails with it.
 """
 
 from __future__ import annotations
@@ -135,12 +139,13 @@ class Reply:
 class Scored:
     """A finished episode's score. `failure` None: `reward` in [0, 1] is the environment's
     score. Else the episode ("error": finish reason env_error; "timeout") or its score call
-    failed, and `reward` is 0.0."""
+    failed, and `reward` is 0.0; `error` says how."""
 
     reward: float
     turn_rewards: tuple[float | None, ...]
     finish_reason: FinishReason
     failure: Failure | None = None
+    error: str = ""
 
 
 @dataclass
@@ -181,6 +186,7 @@ class EnvRunner:
         check_reward_name(reward.fn)
         self.config = config
         self.reward_timeout_s = reward.timeout_s
+        self.failed_call_outcome = reward.failed_call_outcome
         self.tool_format = resolve_tool_format(config.tool_format, chat_template)
         spec = EnvSpec(
             config.fn,
@@ -325,18 +331,13 @@ class EnvRunner:
         return episodes
 
     def _agent_failed(self, episode: Episode, failure: str, error: str, runs: int = 1) -> Episode:
-        """Count and log `runs` agent runs that failed alike."""
+        """Count `runs` agent runs that failed alike (the generator reports them: module
+        docstring)."""
         with self._lock:
             if failure == "timeout":
                 self._stats.timeouts += runs
             else:
                 self._stats.errors += runs
-        hint = " Raise generator.env.episode_timeout_s if agents legitimately take so long."
-        log.log(
-            logging.DEBUG if self.stopping else logging.WARNING,
-            "agent %r: a run failed (%s): %s; the episode scores 0.%s",
-            self.config.agent, failure, error, hint if failure == "timeout" else "",
-        )  # fmt: skip
         return episode.finish("timeout" if failure == "timeout" else "env_error", error)
 
     def count_finished(self, reason: str) -> None:
@@ -356,7 +357,7 @@ class EnvRunner:
         reason, rewards = episode.finish_reason, episode.turn_rewards
         if reason in ("env_error", "timeout"):
             failure: Failure = "timeout" if reason == "timeout" else "error"
-            return _resolved(Scored(0.0, rewards, reason, failure))
+            return _resolved(Scored(0.0, rewards, reason, failure, episode.error))
         if self.config.agent is not None and episode.state is not None:  # its agent's reward
             return _resolved(Scored(float(episode.state["reward"]), rewards, reason))
         if self._scorer is not None:  # the reward function, in its workers (which log failures)
@@ -370,7 +371,7 @@ class EnvRunner:
                             self._stats.timeouts += 1
                         else:
                             self._stats.errors += 1
-                return Scored(score.value, rewards, reason, score.failure)
+                return Scored(score.value, rewards, reason, score.failure, score.error)
 
             return _then(score, rewarded)
         outcome = self._pool.submit(
@@ -382,7 +383,8 @@ class EnvRunner:
             if outcome.failure is None:
                 return Scored(outcome.value, rewards, reason)
             failure = self._count(episode, "score", outcome)
-            return Scored(0.0, rewards, reason, "timeout" if failure == "timeout" else "error")
+            kind: Failure = "timeout" if failure == "timeout" else "error"
+            return Scored(0.0, rewards, reason, kind, _describe(outcome))
 
         return _then(outcome, scored)
 
@@ -459,10 +461,14 @@ class EnvRunner:
                 "generator.env.call_timeout_s / episode_timeout_s"
             )  # fmt: skip
             hint = f" Raise {limits} if such calls are legitimately slow."
+        ended = {  # `streamrl.generator.rollouts`: a group whose reset failed sampled nothing
+            "reset": "no turn was sampled, its group is dropped",
+            "step": f"the episode ends ({failure}) and {self.failed_call_outcome}",
+        }.get(what, self.failed_call_outcome)
         log.log(
             logging.DEBUG if self.stopping else logging.WARNING,
-            "environment %r: a %s call failed (%s) at turn %d: %s; the episode scores 0.%s",
-            self.config.fn, what, failure, episode.turns, _describe(outcome), hint,
+            "environment %r: a %s call failed (%s) at turn %d: %s; %s.%s",
+            self.config.fn, what, failure, episode.turns, _describe(outcome), ended, hint,
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
         return failure

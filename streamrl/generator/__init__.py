@@ -12,6 +12,8 @@
   episode's token history by `agent_chat` (`agent_requests`: what a request must be on arrival;
   `agent_messages`: its sampling and messages read; `agent_replies`: the sampled turn answered).
 - `engine`: the vLLM engine and loading published weights into it (`weight_worker`).
+- `failures`: the user's code failing as a restart would (the same way from the start, or
+  agents that never sample): the generator stops, not restarted.
 - `group_size`: how many responses each prompt gets (fixed, or adaptive: eq 27).
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.
 

@@ -94,6 +94,7 @@ class AgentEpisode:
     final: str = ""  # the text of its latest sampled turn
     finish_reason: str | None = None
     error: str = ""  # why a request of it could not be served (finish reason env_error)
+    refused: str = ""  # its latest refused request's status and why
     started: bool = False  # its agent claimed its one run
     waiting: bool = False  # a request of it is being sampled
 

@@ -11,9 +11,13 @@ the loop's thread serves requests between engine steps.
 A group ends when all G agent runs have ended. Each episode's segments become responses of
 the group (most episodes are one), whose prompt is the longest token prefix their first
 requests share (the whole first request when the G agents asked alike, as they usually do).
-An episode that sampled nothing (its agent never called the endpoint, or failed first) has
-nothing to train on: it is left out and counted (`no_request`, or its failure); a group left
-with no response is dropped, as a failed reset drops an environment's.
+An episode that sampled nothing (its agent never called the endpoint, every request it sent
+was refused, or it failed first) has nothing to train on: it is left out and counted
+(`no_request`, or its failure); a group left with no response is dropped, as a failed reset
+drops an environment's. How each agent run ended is handed on with the group (`RunEnd`: why it
+failed or sampled nothing, for `streamrl.generator.failures`), and one warning per group says
+what became of the runs that failed or sampled nothing: left out of the group, the group
+dropped, or — failed after sampling — what `generator.reward.on_error` does with them.
 
 Whatever an agent sends, serving it never raises into the generator loop: a request refused
 for a reason (`RequestRefusedError`) is answered with it; any other error while a request is
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -43,7 +48,7 @@ from streamrl.generator.endpoint import AgentEndpoint, Pending
 from streamrl.generator.engine import Engine, FinishedGroup
 from streamrl.generator.transcript import Transcript
 
-__all__ = ["AgentGroups", "Ended"]
+__all__ = ["AgentGroups", "Ended", "RunEnd"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,17 @@ class _Group:
     greedy: bool
     episodes: list[AgentEpisode]
     runs: list[Future[Episode]]
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How one agent run ended: its finish reason; `why` it failed or sampled nothing (every
+    request it sent refused, and why; its error; that it never called the endpoint), "" when
+    it ran through; whether it `sampled` a turn."""
+
+    reason: str
+    why: str
+    sampled: bool
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,7 @@ class Ended:
     episodes: list[Episode]
     last_eos: list[bool]
     unsampled: list[str]  # why each episode that sampled nothing ended
+    runs: list[RunEnd]  # how each agent run ended, in the group's order
 
 
 class AgentGroups:
@@ -84,6 +101,8 @@ class AgentGroups:
         self, config: RunConfig, engine: Engine, runner: EnvRunner, renderer: ChatRenderer
     ) -> None:
         self.engine, self.runner = engine, runner
+        self.agent = config.generator.env.agent
+        self.failed_call_outcome = config.generator.reward.failed_call_outcome
         # Each agent's client holds a connection; twice the episodes that may run at once leaves
         # room for those closing, and for the agents' starts.
         generator = config.generator
@@ -155,21 +174,26 @@ class AgentGroups:
 
     def _serve(self, pending: Pending) -> None:
         episode = self._episodes.get(pending.token)
-        if episode is None:
+        if pending.refused:  # the endpoint refused it (and answered): recorded
+            if episode is not None:
+                episode.refused = pending.refused
+        elif episode is None:
             pending.refuse(401, "this episode has ended")
         elif pending.start:
             if episode.started:  # `streamrl.envs.agent`: a replayed call
-                pending.refuse(409, "this episode's agent already ran; a second run is refused")
+                _refuse(episode, pending, 409, "this episode's agent already ran; a second run "
+                        "is refused")  # fmt: skip
             else:
                 episode.started = True
                 pending.answer(200, {})
         elif episode.waiting:
-            pending.refuse(409, "one request at a time per episode: await the one in flight")
+            _refuse(episode, pending, 409, "one request at a time per episode: await the one in "
+                    "flight")  # fmt: skip
         else:
             try:
                 ids, budget = self.chat.prompt(episode, pending.request)
             except RequestRefusedError as refused:
-                pending.refuse(refused.status, str(refused), refused.code)
+                _refuse(episode, pending, refused.status, str(refused), refused.code)
                 return
             except Exception as error:  # deliberate: an agent's request never stops the loop
                 self._failed(episode, pending, error)
@@ -191,7 +215,7 @@ class AgentGroups:
         )
 
     def _ended(self, group: _Group) -> Ended:
-        transcripts, episodes, last_eos, unsampled = [], [], [], []
+        transcripts, episodes, last_eos, unsampled, runs = [], [], [], [], []
         for agent, run in zip(group.episodes, group.runs, strict=True):
             self.endpoint.close_episode(agent.token)
             self._episodes.pop(agent.token, None)
@@ -208,10 +232,13 @@ class AgentGroups:
                     reason = agent.finish_reason or "no_request"
                 self.runner.count_finished(reason)
                 unsampled.append(reason)
+                runs.append(RunEnd(reason, _unsampled_why(agent, ended), sampled=False))
                 continue
             reason, error = ended.finish_reason, ended.error
             if reason == "done" and agent.finish_reason is not None:
                 reason, error = agent.finish_reason, agent.error  # a budget, or a failure, ended it
+            failed = reason in ("env_error", "timeout")
+            runs.append(RunEnd(reason or "", (error or str(reason)) if failed else "", True))
             for i, (segment, calls) in enumerate(segments):
                 # The G runs start together in one worker call: their ends, so measured,
                 # differ as they really did (the group's waits, `Rollout.wait_seconds`).
@@ -231,10 +258,50 @@ class AgentGroups:
                 last_eos.append(agent.last_eos if last else True)
         prompt_ids = _shared_prefix([t.chunks[0][0] for t in transcripts])
         transcripts = [t.without_prefix(len(prompt_ids)) for t in transcripts]
+        self._report(group.prompt, runs)
         return Ended(
             group.prompt, group.key, group.started, group.first_version, group.greedy,
-            prompt_ids, transcripts, episodes, last_eos, unsampled,
+            prompt_ids, transcripts, episodes, last_eos, unsampled, runs,
         )  # fmt: skip
+
+    def _report(self, prompt: Prompt, runs: list[RunEnd]) -> None:
+        """One warning for a group's runs that failed or sampled nothing, saying what becomes
+        of them (module docstring); none when every run sampled and ran through."""
+        if not any(run.sampled for run in runs):
+            log.warning("agent %r: no run on prompt %s sampled a turn, so its group is dropped "
+                        "(%s)", self.agent, prompt.prompt_id, _tally(runs))  # fmt: skip
+            return
+        parts = []
+        if left_out := [run for run in runs if not run.sampled]:
+            parts.append(f"{len(left_out)} of its runs sampled nothing and are left out of the "
+                         f"group ({_tally(left_out)})")  # fmt: skip
+        if failed := [run for run in runs if run.sampled and run.why]:
+            parts.append(f"{len(failed)} failed after sampling ({_tally(failed)}): "
+                         f"{self.failed_call_outcome}")  # fmt: skip
+        if parts:
+            log.warning("agent %r, prompt %s: %s", self.agent, prompt.prompt_id, "; ".join(parts))
+
+
+def _refuse(
+    episode: AgentEpisode, pending: Pending, status: int, message: str, code: str | None = None
+) -> None:
+    """Refuse a request of `episode`, and record why."""
+    episode.refused = f"{status}: {message}"
+    pending.refuse(status, message, code)
+
+
+def _unsampled_why(agent: AgentEpisode, ended: Episode) -> str:
+    """Why an agent run sampled nothing: every request it sent was refused, it failed (or a
+    request could not be served), or it never called the endpoint."""
+    if agent.refused and not agent.requests:
+        return f"every request it sent was refused ({agent.refused})"
+    return ended.error or agent.error or "it returned without calling the endpoint"
+
+
+def _tally(runs: list[RunEnd]) -> str:
+    """The runs' ends, alike ones counted: "8× env_error: it raised TypeError: ..."."""
+    ends = Counter(f"{run.reason}: {run.why}" if run.why else run.reason for run in runs)
+    return "; ".join(end if n == 1 else f"{n}× {end}" for end, n in ends.most_common())
 
 
 def _sampled_segments(agent: AgentEpisode) -> list[tuple[Transcript, int]]:

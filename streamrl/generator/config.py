@@ -194,6 +194,17 @@ class GeneratorConfig(Section):
         description="The environment episodes run in: single-turn (default) or multi-turn "
         "with tools (streamrl.envs).",
     )
+    identical_failed_groups_to_stop: int = Field(
+        8,
+        ge=1,
+        le=1_000_000,
+        description="When the user's agent, environment or reward failed every time it ran in "
+        "this many groups in a row, all the same way (the same error, every request of an "
+        "agent refused for the same reason, or no request at all), before it ever succeeded, "
+        "the generator stops with that reason (exit code 4) and the run with it: a restart "
+        "would fail alike. Once it succeeded, failures never stop it this way "
+        "(streamrl.generator.failures).",
+    )
 
     @property
     def largest_group_size(self) -> int:

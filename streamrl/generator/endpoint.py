@@ -13,7 +13,8 @@ hands requests over: the generator loop's thread, which owns the engine, takes t
 - `POST /v1/streamrl/start`: an episode's agent claims its one run (`streamrl.envs.agent`).
 
 A request is checked as it arrives (`streamrl.generator.agent_requests`: JSON nesting, tool
-schemas; 400 naming the field), so the loop's thread is handed only requests it can render.
+schemas; 400 naming the field), so the loop's thread is handed only requests it can render
+(and, for its episode's record, why one was refused).
 One episode has at most one request in sampling at a time (a second one is refused, 409,
 rather than racing the first for the history). On close every request still waiting is
 answered 503.
@@ -55,11 +56,13 @@ _CLOSES = frozenset({401, 404, 408, 413})  # answered with the body perhaps unre
 @dataclass
 class Pending:
     """A validated request waiting for the loop: the episode's `token`, the parsed `request`
-    (vLLM's `ChatCompletionRequest`), or `start` for an agent's start."""
+    (vLLM's `ChatCompletionRequest`), or `start` for an agent's start. Or, `refused` set, a
+    request the endpoint refused itself (already answered): why, for its episode's record."""
 
     token: str
     request: Any = None
     start: bool = False
+    refused: str = ""
     future: Future[tuple[int, dict[str, Any]]] = field(default_factory=Future)
 
     def answer(self, status: int, body: dict[str, Any]) -> None:
@@ -187,7 +190,9 @@ class AgentEndpoint:
             try:
                 pending = Pending(token, parsed_request(body))
             except ValueError as invalid:
-                return _error(400, str(invalid)[:2000])
+                message = str(invalid)[:2000]
+                self._queue.put(Pending(token, refused=f"400: {message}"))
+                return _error(400, message)
         self._queue.put(pending)
         return await asyncio.wrap_future(pending.future)
 

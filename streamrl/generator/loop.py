@@ -25,7 +25,8 @@ SIGTERM); it then scores the groups whose episodes all ended, flushes its open s
 returns. A SIGKILL
 loses at most that segment. After every commit the `PromptLedger` records how far the prompts
 are committed, so a restart continues there. Fails, committing nothing more, when its index
-was taken over by another generator (`before_commit`).
+was taken over by another generator (`before_commit`), or when the user's code fails as a
+restart would fail again (`streamrl.generator.failures.UserCodeFailedError`, from the episodes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Literal
 
+from storage.control.heartbeat import Heart
 from storage.control.requests import stop_requested
 from storage.fs import Location
 from storage.stream.writer import StreamWriter
@@ -59,6 +61,7 @@ from streamrl.scorers.terms import ModelTermScorer, TermScores, judge_counts
 __all__ = ["BrokenRewardError", "GeneratorLoop"]
 
 log = logging.getLogger(__name__)
+progress_log = logging.getLogger("streamrl.progress")  # a terminal shows it (supervision.output)
 
 MAX_FAILED_GROUPS_IN_A_ROW = 32
 PAUSED_SLEEP_S = 0.25  # flow control refuses and nothing is in flight: sleep, don't spin
@@ -113,6 +116,7 @@ class GeneratorLoop:
         self._judged = (0, 0)  # judge verdicts, unparsed ones: counted so far
         self._teacher_failed_in_a_row = 0  # groups the teacher could not score
         self._next_poll = 0.0
+        self.heart = Heart(run, generator_id)  # beats from `_poll`: the loop's progress
         self._stop = threading.Event()
         self._gate = FlowGate(
             run, config.learner, generator_id, enabled=config.generator.flow_control != "off"
@@ -281,6 +285,8 @@ class GeneratorLoop:
             self.stats.segments += 1
             self.ledger.committed(paused_s=self._gate.paused_s)
             self._gate.committed(record.num_groups)
+            if self.stats.segments == 1:  # the learner's first step needs them
+                progress_log.info("first %d groups committed", record.num_groups)
 
     def _drain(self) -> None:
         """On stop: drop unfinished requests, finish scoring the groups whose episodes all
@@ -301,6 +307,7 @@ class GeneratorLoop:
     def _poll(self) -> bool:
         """Between engine steps: load newer weights; True when the run asks us to stop."""
         self._next_poll = time.monotonic() + self.config.generator.weight_poll_s
+        self.heart.beat("paused" if self._gate.paused else "generating")
         if stop_requested(self.run_location, self.generator_id):
             log.info("generator %s: stop marker found", self.generator_id)
             return True

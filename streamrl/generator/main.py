@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from streamrl.scorers.terms import ModelTermScorer
 __all__ = ["build_generator", "run_generator"]
 
 log = logging.getLogger(__name__)
+progress_log = logging.getLogger("streamrl.progress")  # a terminal shows it (supervision.output)
 
 
 @contextlib.contextmanager
@@ -79,6 +81,7 @@ def _build(
     from streamrl.generator.progress import PromptLedger, resume_prompts
     from streamrl.models import resolve_model_path
 
+    started = time.monotonic()
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
     source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
@@ -121,6 +124,8 @@ def _build(
             generator_id, progress.starts, seed, prompts.position, len(progress.committed_after),
             engine.policy_version, seconds,
         )  # fmt: skip
+        progress_log.info("engine up in %.0f s, weights v%d", time.monotonic() - started,
+                          engine.policy_version)  # fmt: skip
         writer = StreamWriter(
             run,
             generator_id,

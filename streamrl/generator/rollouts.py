@@ -28,13 +28,16 @@ scored groups (`Rollout`s whose every episode ended and was scored). Per prompt:
 A group waits for its slowest episode; the budgets above bound it, and the time each episode's
 result waited is recorded (`Transcript.ended_at` → the record's `wait_seconds`). Nothing here
 blocks: the engine steps while environment and reward calls run in their workers.
+
+How the user's code did — each agent run, environment episode and score call — is told to
+`UserCodeWatch` (`streamrl.generator.failures`): `advance` raises its `UserCodeFailedError`
+when that code fails as a restart would.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
@@ -48,6 +51,7 @@ from streamrl.envs.chat import ChatRenderer
 from streamrl.envs.runner import EnvRunner, Episode, Reply, Scored
 from streamrl.generator.agent_episodes import AgentGroups, Ended
 from streamrl.generator.engine import Completion, Engine, FinishedGroup
+from streamrl.generator.failures import UserCodeWatch
 from streamrl.generator.transcript import Transcript
 from streamrl.scorers.teacher import Teacher, TeacherScores
 from streamrl.scorers.terms import ModelTermScorer, TermInput
@@ -55,7 +59,6 @@ from streamrl.scorers.terms import ModelTermScorer, TermInput
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "AgentSamplesNothingError",
     "EpisodeDriver",
     "PromptTooLongError",
     "Rollout",
@@ -68,10 +71,6 @@ DRAIN_SCORERS_S = 10.0  # on stop, how long the groups ended wait for their mode
 
 class PromptTooLongError(RuntimeError):
     """The environment's first prompts do not fit the episode's token budget."""
-
-
-class AgentSamplesNothingError(RuntimeError):
-    """Many groups in a row, no agent called the endpoint before it ended."""
 
 
 @dataclass
@@ -172,7 +171,7 @@ class EpisodeDriver:
         self.too_long = 0  # groups dropped: their first prompt did not fit the budget
         self.dropped: list[str] = []  # keys of groups dropped (too long, failed reset)
         self._too_long_in_a_row = 0
-        self._unsampled_in_a_row = 0
+        self.user_code = UserCodeWatch(config.generator)  # failures a restart would repeat
 
     @property
     def groups_in_flight(self) -> int:
@@ -258,11 +257,13 @@ class EpisodeDriver:
         # Models that score are servers that may be down: what they have not scored by then is
         # dropped.
         wait([f for r in self._rollouts for f in r.calls()], DRAIN_SCORERS_S)
-        return self._take_scored()
+        return self._take_scored(observe=False)  # a stop asked for is not the code's failure
 
-    def _take_scored(self) -> list[Rollout]:
+    def _take_scored(self, *, observe: bool = True) -> list[Rollout]:
         done = [r for r in self._rollouts if r.scored]
         self._rollouts = [r for r in self._rollouts if not r.scored]
+        for rollout in done if observe else ():
+            self.user_code.scored(rollout.episodes, [f.result() for f in rollout.scores])
         return done
 
     # -- the steps of a group -------------------------------------------------------------
@@ -277,6 +278,7 @@ class EpisodeDriver:
             reply = future.result()
             if reply.episode.done:  # the reset failed (counted and logged by the runner)
                 self.dropped.append(key)  # no turn was sampled: nothing to train on
+                self.user_code.reset_failed(reply.episode)
                 continue
             ids = self._first_prompt_ids(prompt, reply)
             if len(ids) >= self.max_episode_tokens:
@@ -374,27 +376,13 @@ class EpisodeDriver:
         self._steps = waiting
 
     def _agent_group_ended(self, ended: Ended) -> None:
-        """A group of agent episodes, all ended: scored like any other (`advance`), or dropped
-        when no agent sampled anything."""
+        """A group of agent episodes, all ended (`AgentGroups` logged what failed): scored like
+        any other (`advance`), or dropped when no agent sampled anything. Raises
+        `UserCodeFailedError` when the agent fails as a restart would (`UserCodeWatch`)."""
+        self.user_code.agent_group(ended.runs)
         if not ended.transcripts:
             self.dropped.append(ended.key)
-            self._unsampled_in_a_row += 1
-            why = Counter(ended.unsampled)
-            log.warning(
-                "prompt %s: no agent of its group sampled a turn (%s; no_request: it returned "
-                "without a request, max_tokens: its first request did not fit generator.env."
-                "max_episode_tokens=%d); dropped", ended.prompt.prompt_id,
-                ", ".join(f"{reason} ×{n}" for reason, n in why.items()), self.max_episode_tokens,
-            )  # fmt: skip
-            if self._unsampled_in_a_row >= MAX_TOO_LONG_IN_A_ROW:
-                raise AgentSamplesNothingError(
-                    f"the agents of the last {self._unsampled_in_a_row} groups sampled nothing "
-                    f"({self.env.agent!r}: they never called the endpoint, or raised first; the "
-                    "warnings above say why). An agent must call client.chat.completions.create"
-                    " on the client it is given"
-                )
             return
-        self._unsampled_in_a_row = 0
         rollout = Rollout(
             ended.prompt, ended.key, ended.prompt_ids, ended.started, ended.first_version,
             greedy=ended.greedy,

@@ -16,7 +16,8 @@ group whose overlong penalties differ teaches nothing about correctness. Reading
 groups pass *is* DAPO's dynamic sampling, done by streaming. When the data is too easy or too
 hard for the model, every group is alike and no batch fills: a warning says so after
 `STARVED_BATCHES` batches' worth of groups in a row without signal, and again each time that
-run doubles.
+run doubles; the run's length (`BatchCollector.no_signal`) goes into the learner's progress
+record, so the condition is read from storage too (`streamrl.runs.health`).
 """
 
 from __future__ import annotations
@@ -31,18 +32,66 @@ from storage.stream.reader import SkippedSegment
 from storage.stream.records import Cursor, RolloutSums, ScoredGroup
 
 __all__ = [
+    "NO_SIGNAL",
+    "STALE",
     "STARVED_BATCHES",
     "BatchCollector",
     "FilterCounts",
     "IncompatibleGroupError",
     "StreamBatch",
+    "drop_reason",
+    "is_starved",
+    "oldest_usable_version",
+    "starvation_warning",
 ]
 
 
 STARVED_BATCHES = 4
 """Groups without signal in a row, in batches, before the learner warns that it is starved."""
 
+STALE, NO_SIGNAL = "stale", "no_signal"
+"""Why the filters drop a group (`drop_reason`): counted as dropped_stale / dropped_zero_var."""
+
+
+def oldest_usable_version(current_version: int, max_staleness: int) -> int:
+    """The oldest policy version a group may have to pass the staleness filter at
+    `current_version` (never decreases as the version grows)."""
+    return current_version - max_staleness
+
+
+def drop_reason(group: ScoredGroup, oldest_usable: int, dynamic_sampling: bool) -> str | None:
+    """Which filter drops `group` (module docstring), first match: `STALE` when its
+    policy_version < `oldest_usable` (current − policy_version > max_staleness), `NO_SIGNAL`
+    with `dynamic_sampling` when its responses are all equally correct (raw scores all equal);
+    None when it passes both."""
+    if group.policy_version < oldest_usable:
+        return STALE
+    if dynamic_sampling and np.ptp(group.raw_scores) == 0:
+        return NO_SIGNAL
+    return None
+
+
 log = logging.getLogger(__name__)
+
+
+def is_starved(no_signal: int, batch_groups: int) -> bool:
+    """Whether `no_signal` groups in a row without signal starve a learner of B =
+    `batch_groups`: `STARVED_BATCHES` batches' worth or more."""
+    return no_signal >= STARVED_BATCHES * batch_groups
+
+
+def starvation_warning(correct: int, wrong: int) -> str:
+    """What a learner starved by `correct` groups in a row with every response correct and
+    `wrong` with every response wrong is told: the cause and what to change."""
+    easy = correct >= wrong
+    fix = "harder prompts" if easy else "easier prompts, or a warm start (supervised: docs/sft.md)"
+    return (
+        f"no signal in the last {correct + wrong} groups: {correct} had every response correct, "
+        f"{wrong} every response wrong; dynamic sampling drops such groups, so the batch cannot "
+        f"fill. The data is too {'easy' if easy else 'hard'} for the model now: train on {fix}, "
+        "or set algorithm.dynamic_sampling=false to train on them anyway (with a group "
+        "baseline they add nothing)"
+    )
 
 
 class IncompatibleGroupError(ValueError):
@@ -129,10 +178,17 @@ class BatchCollector:
     pending_accepted: int = field(default=0, init=False)
     _alike: list[int] = field(default_factory=lambda: [0, 0], init=False)  # correct, wrong
 
+    @property
+    def no_signal(self) -> tuple[int, int]:
+        """The groups in a row, since the last one accepted, that dynamic sampling dropped:
+        (every response correct, every response wrong). Read by another thread for the
+        learner's progress record: a count one group behind is harmless there."""
+        correct, wrong = self._alike
+        return correct, wrong
+
     def oldest_usable(self, current_version: int) -> int:
-        """The oldest policy version a group may have to pass the staleness filter at
-        `current_version` (never decreases as the version grows)."""
-        return current_version - self.max_staleness
+        """`oldest_usable_version` at `current_version` under this collector's max_staleness."""
+        return oldest_usable_version(current_version, self.max_staleness)
 
     def collect(
         self,
@@ -165,9 +221,10 @@ class BatchCollector:
             counts.consumed += 1
             self.check(group)
             consumed.add(group)
-            if group.policy_version < oldest:  # current − policy_version > max_staleness
+            reason = drop_reason(group, oldest, self.dynamic_sampling)
+            if reason == STALE:
                 counts.dropped_stale += 1
-            elif self.dynamic_sampling and np.ptp(group.raw_scores) == 0:  # equally correct
+            elif reason == NO_SIGNAL:
                 counts.dropped_zero_var += 1
                 self._alike[0 if group.raw_scores[0] >= 1 else 1] += 1
                 self._warn_if_starved()
@@ -195,16 +252,7 @@ class BatchCollector:
         batches, rest = divmod(alike, STARVED_BATCHES * self.batch_groups)
         if rest or batches & (batches - 1) or not batches:  # at 1, 2, 4, 8... × the bound
             return
-        correct, wrong = self._alike
-        fix = ("harder prompts" if correct >= wrong else "easier prompts, or a warm start "
-               "(supervised: docs/sft.md)")  # fmt: skip
-        log.warning(
-            "no signal in the last %d groups: %d had every response correct, %d every response "
-            "wrong; dynamic sampling drops such groups, so the batch cannot fill. The data is too "
-            "%s for the model now: train on %s, or set algorithm.dynamic_sampling=false to train "
-            "on them anyway (with a group baseline they add nothing)",
-            alike, correct, wrong, "easy" if correct >= wrong else "hard", fix,
-        )  # fmt: skip
+        log.warning("%s", starvation_warning(*self.no_signal))
 
     def check(self, group: ScoredGroup) -> None:
         """Raise `IncompatibleGroupError` if the model cannot train on `group`."""

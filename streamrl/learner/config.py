@@ -347,6 +347,14 @@ class LoggingConfig(Section):
         None, description="Display name; default: the last component of storage.run_uri."
     )
     log_every: int = Field(1, ge=1, le=MAX_STEPS, description="Log metrics every N learner steps.")
+    log_samples: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="Responses of the batch a logged step trained on, decoded into a wandb table "
+        "(`samples`: prompt, turns, tool calls, reward, versions) and the flow's samples "
+        "artifact, each text cut to 2000 characters; 0: no table (docs/samples.md).",
+    )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Console log level."
     )

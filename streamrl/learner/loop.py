@@ -7,7 +7,8 @@ Produces: a weight version every `publish_every` steps (each rank uploads its sh
 background while the next step trains: `streamrl.learner.publish`), a checkpoint every
 `checkpoint_every` steps and at the end (models, optimisers and the `TrainingState`: step,
 policy version, stream cursor, filter totals, RNG; `streamrl.learner.checkpointing`), one JSON
-line of metrics per step in `<run>/metrics/learner.jsonl`, and the run's stop marker when
+line of metrics per step in `<run>/metrics/learner.jsonl` (in wandb, with a table of a few of the
+step's responses: `streamrl.learner.sample_table`), and the run's stop marker when
 `total_steps` is reached. Rank 0 checks each step's metrics for the health conditions
 (`streamrl.learner.health`): one that becomes true is logged as a warning and recorded in the step's
 metrics as `health`.
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+from storage.control.heartbeat import Heart
 from storage.control.lease import RunLease
 from storage.control.requests import request_stop
 from storage.fs import Location, StorageError
@@ -63,6 +65,7 @@ from streamrl.learner.lora import adapter_manifest, publish_shares
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.reporting import MetricsReporter, read_metrics
+from streamrl.learner.sample_table import SampleTable
 from streamrl.learner.step import StepSettings, train_on_batch
 from streamrl.learner.stream_source import StopRequested, StreamSource
 from streamrl.learner.topology import Topology
@@ -102,6 +105,7 @@ class Learner:
         self._released = threading.Event()  # ends the stop-deadline thread
         threading.Thread(target=self._note_stop, daemon=True, name="stop-deadline").start()
         self.last_checkpoint_s = 0.0
+        self.heart = Heart(run, "learner")  # rank 0's: each step, and while it waits for data
         self.lease: RunLease | None = None
         topology.decide_on_main(lambda: self._acquire_lease(take_over))
         try:
@@ -153,6 +157,7 @@ class Learner:
             enabled=topology.is_main,
         )
         self.health = self._health_monitor() if topology.is_main else None
+        self.samples = SampleTable(config, self.reporter)  # rank 0's reporter alone logs it
         self.stream = self._data_source()
 
     def _data_source(self) -> StreamSource | None:
@@ -201,7 +206,7 @@ class Learner:
                 if not self.state.value_pretrained:
                     self.pretrain_value()
                 while self.state.step < cfg.total_steps:
-                    if self.topology.decide_on_main(self.stop.is_set):
+                    if self.topology.decide_on_main(self._stopping):
                         raise StopRequested(f"stopped after step {self.state.step}")
                     self.train_step()
             self.publisher.flush()  # the last version is committed before the generators stop
@@ -216,16 +221,28 @@ class Learner:
         return self.state.step
 
     def _note_stop(self) -> None:
+        """When this rank is stopped (its own signal, or rank 0 told of another's): the grace
+        starts; a rank other than 0 tells rank 0, which decides for every rank."""
         while not self.stop.wait(timeout=1.0):
             if self._released.is_set():
                 return
         self.stop_deadline = time.monotonic() + self.config.learner.stop_grace_s
+        if not self.topology.is_main:
+            self.topology.raise_flag("stop")
+
+    def _stopping(self) -> bool:
+        """Rank 0: whether any rank was stopped (SIGTERM or Ctrl-C reach whichever process
+        they are sent to: this one, or another rank alone)."""
+        if not self.stop.is_set() and self.topology.flag_raised("stop"):
+            self.stop.set()  # the grace counts from now
+        return self.stop.is_set()
 
     def _while_waiting(self) -> None:
         """Rank 0, while the stream has nothing new: a failed publish fails the learner; a stop
         abandons the wait."""
         self.publisher.check_failed()
-        if self.stop.is_set():
+        self.heart.beat("waiting for data")
+        if self._stopping():
             raise StopRequested("stopped while waiting for data")
 
     def _checkpoint_on_stop(self) -> None:
@@ -333,6 +350,7 @@ class Learner:
         cfg, state = self.config.learner, self.state
         batch, metrics = self._train_batch()
         state.step += 1
+        self.topology.main_only(lambda: self.heart.beat(f"step {state.step}"))
         self._check_health(metrics)
         self._check_skipped_updates(metrics)
         self._guard()
@@ -345,6 +363,8 @@ class Learner:
             self.stream.write_progress(batch)
         metrics.update({"step": state.step, "policy_version": state.version})
         self.reporter.log(metrics)
+        if batch is not None:
+            self.samples.log(batch, state.step)
         return metrics
 
     def _check_health(self, metrics: dict[str, Any]) -> None:

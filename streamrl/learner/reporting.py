@@ -10,6 +10,8 @@
   local run, else `<cache>/wandb/<bucket_prefix_name>` (cache: $STREAMRL_CACHE, else
   ~/.cache/streamrl). A wandb failure never stops training: it is logged once and the JSONL
   goes on. Value pre-training records all carry step 0: wandb keeps the last, the JSONL all.
+- wandb also gets a table of a few of each logged step's responses (`log_table`, from
+  `streamrl.learner.sample_table.SampleTable`; `logging.log_samples`).
 - Console: a progress bar on stderr (steps / total) with reward, accuracy, weight version and
   learner tokens/s, and an INFO line; wandb and the INFO line every `logging.log_every` steps
   (and at the last step).
@@ -26,6 +28,7 @@ import posixpath
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from numbers import Real
 from pathlib import Path
 from typing import Any
@@ -268,7 +271,7 @@ class MetricsReporter:
         self._append(metrics)
         step = int(metrics.get("step", 0))
         pretrain = "value_pretrain_step" in metrics
-        due = pretrain or step % self.cfg.log_every == 0 or step == self.total_steps
+        due = pretrain or self._due(step)
         if due:
             self._log_wandb(metrics, step)
         if pretrain:
@@ -341,6 +344,27 @@ class MetricsReporter:
             version,
         )
 
+    def _due(self, step: int) -> bool:
+        """Whether step `step` goes to wandb and the INFO line."""
+        return step % self.cfg.log_every == 0 or step == self.total_steps
+
+    def logs_tables(self, step: int) -> bool:
+        """Whether a table of step `step` would reach wandb (`log_table`): wandb is on and the
+        step is logged there."""
+        return self._wandb is not None and self._due(step)
+
+    def log_table(self, key: str, columns: Sequence[str], rows: list[list[Any]], step: int) -> None:
+        """A `wandb.Table` under `key` at step `step` (after that step's `log`); nothing without
+        wandb."""
+        if self._wandb is None:
+            return
+        try:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=list(columns), data=rows)}, step=step)
+        except Exception as exc:  # as in _log_wandb
+            self._wandb_failed(exc)
+
     def _log_wandb(self, metrics: dict[str, Any], step: int) -> None:
         if self._wandb is None:
             return
@@ -348,10 +372,11 @@ class MetricsReporter:
             numbers = {k: v for k, v in metrics.items() if isinstance(v, Real)}
             self._wandb.log(numbers, step=step)
         except Exception as exc:  # as in _start_wandb: training goes on without wandb
-            log.warning(
-                "wandb logging failed; continuing without it (%s: %s)", type(exc).__name__, exc
-            )
-            self._wandb = None
+            self._wandb_failed(exc)
+
+    def _wandb_failed(self, exc: Exception) -> None:
+        log.warning("wandb logging failed; continuing without it (%s: %s)", type(exc).__name__, exc)
+        self._wandb = None
 
     def _append(self, metrics: dict[str, Any]) -> None:
         line = json.dumps({"time": time.time(), **metrics}, default=_plain) + "\n"

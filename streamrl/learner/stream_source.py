@@ -8,10 +8,12 @@ and handed to every rank, so ranks can never train on different data or disagree
 error) with the stream's metrics (`stream/quarantined*`, `stream/read_retries_total`,
 `generators/paused_s_total`); the learner's progress record `<run>/control/learner.json`
 (`storage.stream.learner_progress`) after each step and, while it waits for groups mid-step, a
-`waiting` one at the reader's cursor.
+`waiting` one at the reader's cursor; both carry the groups in a row without signal that
+dynamic sampling dropped (`BatchCollector.no_signal`), so a starved learner shows in storage.
 Waits for: B accepted groups; `stream_timeout_s` without a new group is a `StreamTimeoutError`
 naming the cursor, the step and the fix, raised on every rank. `while_waiting` is called on
 each idle wait: raising there (a weight version that failed for good, a lost lease) ends it.
+A long wait for the first batch is said on the terminal (`streamrl.learner.first_batch`).
 
 Every record it writes is checked against the run's lease first (`storage.control.lease`).
 """
@@ -34,6 +36,7 @@ from storage.stream.writer import StreamReader, StreamTimeoutError, quarantined
 from streamrl.config.run import RunConfig
 from streamrl.learner.batching import BatchCollector, FilterCounts, StreamBatch
 from streamrl.learner.checkpointing import TrainingState
+from streamrl.learner.first_batch import FirstBatchWait
 from streamrl.learner.topology import Topology
 
 __all__ = ["StopRequested", "StreamSource"]
@@ -69,6 +72,7 @@ class StreamSource:
         self.reader: StreamReader | None = None
         self.collector: BatchCollector | None = None
         self._groups: Iterator[ScoredGroup | SkippedSegment] | None = None
+        self._first_batch = FirstBatchWait(config.learner.batch_groups, state.step + 1)
         if not topology.is_main:
             return
         cfg = config.learner
@@ -111,6 +115,7 @@ class StreamSource:
         reader, seen_before = self.reader, len(self.reader.stats.quarantined)
         try:
             batch = self.collector.collect(self._groups, lambda: reader.cursor, self.state.version)
+            self._first_batch.collected()
         except StopRequested:
             return None
         except StreamTimeoutError as exc:
@@ -152,6 +157,7 @@ class StreamSource:
     def _progress_record(
         self, cursor: Cursor, counts: FilterCounts, totals: FilterCounts
     ) -> LearnerProgress:
+        correct, wrong = self.collector.no_signal
         return LearnerProgress(
             step=self.state.step,
             policy_version=self.state.version,
@@ -164,6 +170,8 @@ class StreamSource:
             dropped_stale_total=totals.dropped_stale,
             updated_at=time.time(),
             lease_epoch=self.lease.epoch if self.lease else 0,
+            no_signal_correct=correct,
+            no_signal_wrong=wrong,
         )
 
     def _report_waiting(self, cursor: Cursor) -> None:
@@ -178,6 +186,7 @@ class StreamSource:
         Raises (ending the wait, on every rank) if `while_waiting` does (`StopRequested`: the
         wait is abandoned) or the run's lease is lost."""
         self._while_waiting()
+        self._first_batch.waiting(self.collector.pending_accepted)  # a progress line, when due
         with self._progress_lock:
             self._check_lease()
             self._write_waiting(cursor)
@@ -189,9 +198,10 @@ class StreamSource:
 
     def _write_waiting(self, cursor: Cursor) -> None:
         last = self._progress
-        pending = self.collector.pending_accepted
+        pending, (correct, wrong) = self.collector.pending_accepted, self.collector.no_signal
+        was = last and (last.pending_accepted, last.no_signal_correct, last.no_signal_wrong)
         unchanged = last is not None and last.waiting and last.cursor == cursor
-        if unchanged and last.pending_accepted == pending:
+        if unchanged and was == (pending, correct, wrong):
             return
         if last is None:  # before the first step of this life
             last = self._progress_record(cursor, FilterCounts(), self.collector.totals)
@@ -200,6 +210,8 @@ class StreamSource:
             cursor=cursor,
             waiting=True,
             pending_accepted=pending,
+            no_signal_correct=correct,
+            no_signal_wrong=wrong,
             updated_at=time.time(),
         )
         try:

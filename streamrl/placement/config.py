@@ -23,6 +23,7 @@ from streamrl.config.base import MAX_WAIT_S, Section, tagged_classes
 
 __all__ = [
     "PLACEMENT_CLASSES",
+    "Liveness",
     "LocalPlacement",
     "PlacementConfig",
     "PlacementError",
@@ -36,7 +37,35 @@ class PlacementError(ValueError):
     the setting and the fix."""
 
 
-class LocalPlacement(Section):
+class Liveness(Section):
+    """When a supervisor counts a process of the run as hung (`streamrl.supervision.liveness`),
+    wherever the processes run."""
+
+    liveness_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="A generator whose loop has not beaten its heartbeat for this long (a storage "
+        "call stuck, the process stopped) is ended and restarted as a crash is, the reason "
+        "logged and counted (streamrl.supervision.liveness).",
+    )
+    learner_liveness_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="The same for the learner, which beats once per step and while it waits "
+        "for data: longer than its longest step plus a checkpoint.",
+    )
+    startup_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        le=MAX_WAIT_S,
+        description="How long a started learner or generator may take to its first heartbeat "
+        "(loading its model, starting its engine) before it counts as hung.",
+    )
+
+
+class LocalPlacement(Liveness):
     """Every process on this machine (`streamrl.placement.planner` shares its cores and GPUs)."""
 
     mode: Literal["local"] = Field(
@@ -65,7 +94,7 @@ class LocalPlacement(Section):
         )
 
 
-class PoolsPlacement(Section):
+class PoolsPlacement(Liveness):
     """Each process its own flow run on a Prefect work pool (`flows.pools`)."""
 
     mode: Literal["pools"] = Field(

@@ -105,6 +105,14 @@ class RewardConfig(Section):
     def correctness_term(self) -> str:
         return self.correctness or self.rule_term
 
+    @property
+    def failed_call_outcome(self) -> str:
+        """What a generator does with a response whose episode or reward call failed, in a
+        warning's words (`on_error`)."""
+        if self.on_error == "drop_group":
+            return "its group is dropped (generator.reward.on_error=drop_group)"
+        return "it is trained on with score 0 (generator.reward.on_error=score_zero)"
+
     @field_validator("models")
     @classmethod
     def _term_names(cls, value: dict[str, ModelTerm]) -> dict[str, ModelTerm]:

@@ -66,10 +66,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Score:
     """One response's outcome: `value` in [0, 1] (0.0 when the call failed), and `failure`:
-    None when the reward scored it, else "error" or "timeout" (as in `Scores`)."""
+    None when the reward scored it, else "error" or "timeout" (as in `Scores`), `error` saying
+    how it failed."""
 
     value: float
     failure: Failure | None = None
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,10 @@ class RewardScorer:
         memory_mb: int = 4096,
         nice: int = 0,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        failed_call_outcome: str = "it scores 0.0, marked failed",
     ) -> None:
+        """`failed_call_outcome`: what becomes of a response whose call failed, for the
+        warning (`RewardConfig.failed_call_outcome` in a generator)."""
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
         if not timeout_s > 0:
@@ -150,6 +155,7 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.startup_timeout_s = startup_timeout_s
+        self.failed_call_outcome = failed_call_outcome
         self._pool = IsolatedPool(
             resolve_reward,
             spec,
@@ -176,6 +182,7 @@ class RewardScorer:
             memory_mb=config.memory_mb,
             nice=config.nice,
             startup_timeout_s=config.startup_timeout_s,
+            failed_call_outcome=config.failed_call_outcome,
         )
 
     @property
@@ -221,7 +228,7 @@ class RewardScorer:
             if outcome.failure is None:
                 score.set_result(Score(outcome.value))
             else:
-                score.set_result(Score(0.0, self._count(response, outcome)))
+                score.set_result(Score(0.0, *self._count(response, outcome)))
 
         outcome.add_done_callback(done)
         return score
@@ -254,9 +261,10 @@ class RewardScorer:
         scores = [future.result() for future in futures]
         return Scores([s.value for s in scores], [s.failure for s in scores])
 
-    def _count(self, response: str, outcome: Outcome) -> Failure:
-        """Count and log a failed call; an exception's (remote) traceback is logged for the
-        first failure of its type, its one-line form for every one."""
+    def _count(self, response: str, outcome: Outcome) -> tuple[Failure, str]:
+        """Count and log a failed call; how it failed, in words. An exception's (remote)
+        traceback is logged for the first failure of its type, its one-line form for every
+        one."""
         assert outcome.failure is not None
         with self._counts_lock:
             if outcome.failure == "timeout":
@@ -266,11 +274,11 @@ class RewardScorer:
         if outcome.failure == "timeout":
             log.warning(
                 "reward %r exceeded timeout_s=%.3g on response %s; its worker was killed and "
-                "the call counts as failed (score 0). Raise generator.reward.timeout_s if such "
-                "calls are legitimately slow.",
-                self.fn, self.timeout_s, _preview(response),
+                "the call failed: %s. Raise generator.reward.timeout_s if such calls are "
+                "legitimately slow.",
+                self.fn, self.timeout_s, _preview(response), self.failed_call_outcome,
             )  # fmt: skip
-            return "timeout"
+            return "timeout", outcome.reason
         exc, what = outcome.exception, outcome.reason
         with_traceback = False
         if isinstance(exc, RewardValueError):
@@ -282,11 +290,11 @@ class RewardScorer:
                 self._tracebacks_logged.add(kind)
             what = f"{what} {kind}: {exc}"
         log.warning(
-            "reward %r failed on response %s: %s; it counts as failed (score 0)",
-            self.fn, _preview(response), what,
+            "reward %r failed on response %s: %s; %s",
+            self.fn, _preview(response), what, self.failed_call_outcome,
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
-        return "error"
+        return "error", what
 
 
 def _preview(response: str, limit: int = 60) -> str:

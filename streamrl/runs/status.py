@@ -17,6 +17,9 @@ the report is the same wherever it is read from, for a live run and for a finish
                                        staleness, rewards, throughput
     metrics/eval*.json[l]              the latest evaluation (val/* keys)
     control/STOP                       the stop marker and its reason
+    control/learner.json + metrics     health warnings: a learner starved by dynamic sampling,
+                                       the newest firing of each health condition
+                                       (`streamrl.runs.health`)
 
 State, decided in this order:
     finished     the stop marker is set and the learner's step (its last metrics line, or its
@@ -50,6 +53,7 @@ from storage.weights.versions import WeightStore
 from streamrl.config.stored import read_current_config
 from streamrl.evaluation.records import read_eval_records
 from streamrl.learner.reporting import latest_metrics
+from streamrl.runs.health import health_warnings
 
 __all__ = [
     "FINISHED",
@@ -138,7 +142,8 @@ class RunStatus:
     is newer. `consumed_groups` comes from the last metrics line (`stream/consumed_total`) or
     else the checkpoint's stream cursor; `consumed_source` says which. `lag_groups` = groups
     written outside quarantined segments − consumed. `last_metrics` is the learner's last JSON
-    line as logged."""
+    line as logged. `health`: the run's health warnings (`streamrl.runs.health`), one
+    sentence each."""
 
     uri: str
     read_at: float
@@ -162,6 +167,7 @@ class RunStatus:
     last_metrics: dict[str, Any] | None
     last_eval: dict[str, Any] | None
     evaluations: int
+    health: tuple[str, ...] = ()
 
     @property
     def newest_write_age_s(self) -> float | None:
@@ -217,6 +223,7 @@ def read_status(run: Location, *, previous: RunStatus | None = None) -> RunStatu
         last_metrics=last_metrics,
         last_eval=evaluations[-1] if evaluations else None,
         evaluations=len(evaluations),
+        health=tuple(health_warnings(run)),
     )
 
 

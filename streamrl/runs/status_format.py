@@ -109,6 +109,8 @@ def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
     now = s.read_at
     yield "run", f"{s.uri}  ({s.algorithm}, model {s.model}, created {s.created_at})"
     yield "state", f"{s.state} — {s.state_reason}"
+    for i, warning in enumerate(s.health):  # the learner's, from storage: streamrl.runs.health
+        yield "health" if i == 0 else "", warning.removeprefix("health: ")
     version = "none" if s.policy_version is None else f"v{s.policy_version}"
     yield "learner", f"step {s.step}/{s.total_steps}, policy version {version}"
     checkpoint = "none yet"

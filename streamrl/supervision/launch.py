@@ -50,6 +50,8 @@ __all__ = [
 
 STOP_GRACE_S = 30.0
 TREE_REFRESH_S = 2.0  # how often a running component's processes are looked up
+WATCH_EVERY_S = 10.0  # how often a watched component's heartbeat is read
+STALLED_GRACE_S = 10.0  # a hung process's time to end on SIGTERM before SIGKILL
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +118,14 @@ def run_process(
     env: dict[str, str] | None = None,
     placement: ProcessPlacement | None = None,
     grace_s: float = STOP_GRACE_S,
+    stalled: Callable[[], str | None] | None = None,
 ) -> int:
     """Run `argv` to its exit and return its exit code; each line it prints (stdout and
     stderr) goes to `on_line`. When `stop` is set: SIGTERM to every process of it, then SIGKILL
     after `grace_s`. Returns once every process it started has ended (what is left when the
-    first one exits is killed).
+    first one exits is killed). `stalled`, asked every `WATCH_EVERY_S`: a reason when the
+    process is hung (`streamrl.supervision.liveness`); it is then ended (`STALLED_GRACE_S` for
+    SIGTERM, a stopped process continued to get it, then SIGKILL).
 
     With `placement` the process starts on its cores (CPU affinity, inherited by every thread
     and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
@@ -146,7 +151,7 @@ def run_process(
     stop = stop or threading.Event()
     tree = ProcessTree(process.pid)
     watcher = threading.Thread(
-        target=_stop_when_set, args=(process, tree, stop, grace_s), daemon=True,
+        target=_stop_when_set, args=(process, tree, stop, grace_s, stalled), daemon=True,
         name="stop-watcher",
     )  # fmt: skip
     reader = threading.Thread(
@@ -171,17 +176,30 @@ def _forward_lines(process: subprocess.Popen[str], on_line: Callable[[str], None
 
 
 def _stop_when_set(
-    process: subprocess.Popen[str], tree: ProcessTree, stop: threading.Event, grace_s: float
+    process: subprocess.Popen[str],
+    tree: ProcessTree,
+    stop: threading.Event,
+    grace_s: float,
+    stalled: Callable[[], str | None] | None = None,
 ) -> None:
-    """Until the process exits: its tree remembered every `TREE_REFRESH_S`; when `stop` is set,
-    SIGTERM to every process of it, then SIGKILL after `grace_s`."""
-    next_refresh = 0.0
+    """Until the process exits: its tree remembered every `TREE_REFRESH_S`, whether it is hung
+    asked every `WATCH_EVERY_S`; when `stop` is set, SIGTERM to every process of it, then
+    SIGKILL after `grace_s`; when hung, the same after `STALLED_GRACE_S`."""
+    next_refresh = next_watch = time.monotonic() + TREE_REFRESH_S
+    tree.refresh()
     while not stop.wait(0.2):
         if process.poll() is not None:
             return
-        if (now := time.monotonic()) >= next_refresh:
+        now = time.monotonic()
+        if now >= next_refresh:
             tree.refresh()
             next_refresh = now + TREE_REFRESH_S
+        if stalled is not None and now >= next_watch:
+            next_watch = now + WATCH_EVERY_S
+            if stalled() is not None:
+                tree.terminate(signal.SIGCONT)  # a stopped process gets the SIGTERM that follows
+                grace_s = STALLED_GRACE_S
+                break
     if process.poll() is not None:
         return
     tree.terminate(signal.SIGTERM)  # each torchrun rank too: whichever is signalled first

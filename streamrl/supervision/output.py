@@ -1,6 +1,8 @@
 """What a run's processes print: each line appended to the component's log file
 (`ComponentLogs`; for a run on object storage also copied there), and the few a user's terminal
-shows (`noteworthy`).
+shows (`noteworthy`): the learner's step lines, streamrl's warnings and errors, and the progress
+a component reports before the first step (INFO records of the logger `streamrl.progress`, a few
+per component: an engine up, the first groups committed, a learner still waiting for groups).
 
 Used by every supervisor of processes (`streamrl.supervision.supervisor`) and by the flows that run
 one.
@@ -17,26 +19,37 @@ from typing import IO
 
 from storage.fs import Location
 
-__all__ = ["LOG_COPY_EVERY_S", "RESTART_NOTICE", "ComponentLogs", "noteworthy"]
+__all__ = [
+    "LOG_COPY_EVERY_S",
+    "PROGRESS_LOGGER",
+    "RESTART_NOTICE",
+    "STEP_LINE",
+    "ComponentLogs",
+    "noteworthy",
+]
 
 log = logging.getLogger(__name__)
 LOG_COPY_EVERY_S = 30.0  # how often a run on object storage gets its components' logs copied
 
-# What a user's terminal shows of a component's output: the learner's step lines, streamrl's
-# warnings and errors (as logged by `streamrl.cli.main`: "<date> <time> LEVEL logger: message"). The
-# rest (engine start-up, progress bars, third-party warnings) goes to the log files only.
+# What a user's terminal shows of a component's output: the learner's step lines, the progress
+# lines, streamrl's warnings and errors (as logged by `streamrl.cli.main`: "<date> <time> LEVEL
+# logger: message"). The rest (engine start-up, progress bars, third-party warnings) goes to the
+# log files only.
 _OWN_LINE = re.compile(
-    r"^\S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?:streamrl|storage|flows)\.\S+: "
-    r"(?P<message>.*)$"
+    r"^\S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) "
+    r"(?P<logger>(?:streamrl|storage|flows)\.\S+): (?P<message>.*)$"
 )
 RESTART_NOTICE = "exited with code"  # a supervisor's notice, passed on with the lines
-_STEP = re.compile(r"^step \d+(/\d+)?:")
+STEP_LINE = re.compile(r"^step \d+(/\d+)?:")
+PROGRESS_LOGGER = "streamrl.progress"
+"""The logger whose INFO records a terminal shows: what a component reports before the first
+step, each at most a few times (the components below this layer name it by its string)."""
 
 
 def noteworthy(line: str) -> str | None:
-    """What a terminal shows of a component's output `line`: the learner's step line or one of
-    streamrl's warnings or errors, without the timestamp and logger, and the supervisor's
-    restart notices; None for the rest."""
+    """What a terminal shows of a component's output `line`: the learner's step line, a progress
+    line (`PROGRESS_LOGGER`) or one of streamrl's warnings or errors, without the timestamp and
+    logger, and the supervisor's restart notices; None for the rest."""
     if line.startswith(RESTART_NOTICE):  # the supervisor's own notice of a restart
         return f"WARNING: {line}"
     own = _OWN_LINE.match(line)
@@ -44,7 +57,8 @@ def noteworthy(line: str) -> str | None:
         return None
     level, message = own["level"], own["message"]
     if level == "INFO":
-        return message if _STEP.match(message) else None
+        shown = STEP_LINE.match(message) or own["logger"] == PROGRESS_LOGGER
+        return message if shown else None
     return f"{level}: {message}"
 
 

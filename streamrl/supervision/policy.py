@@ -77,9 +77,10 @@ FINISH_GRACE_S = 180.0  # generators flush, the evaluator scores the last versio
 # A worker that lost its infrastructure may never report a cancelled node ended: after this
 # long the next attempt starts anyway, and its lease take-over fences the old nodes.
 FENCE_AFTER_S = 120.0
-# A process whose configuration names user code that cannot be resolved the same way every time
-# (generator.reward.fn or generator.env.fn: a module, function or class that is not there)
-# exits with this code (`streamrl generator`): supervisors do not restart it.
+# A process whose user code fails as it would after a restart exits with this code (`streamrl
+# generator`): code its configuration names that cannot be resolved (generator.reward.fn or
+# generator.env.fn: a module, function or class that is not there), or code that fails the same
+# way every time it runs (`streamrl.generator.failures`). Supervisors do not restart it.
 USER_CODE_EXIT_CODE = 4
 # How a backend says a unit failed so, in the failure it reports (a flow run's state message
 # carries it to the supervisor of a run on work pools).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import threading
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from streamrl.supervision.launch import (
     run_process,
     scorer_command,
 )
+from streamrl.supervision.liveness import LivenessWatch
 from streamrl.supervision.output import RESTART_NOTICE, ComponentLogs
 from streamrl.supervision.policy import (
     NOT_RESTARTED,
@@ -60,13 +60,13 @@ from streamrl.supervision.policy import (
     Unit,
 )
 from streamrl.supervision.rendezvous import LearnerNode
+from streamrl.supervision.signals import stop_signals, stopping_despite_interrupts
 
 __all__ = [
     "Component",
     "ComponentFailedError",
     "RunInterruptedError",
     "Supervisor",
-    "stopping_despite_interrupts",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class Component:
     # Its process said it stopped on a signal from outside (`STOPPED_FROM_OUTSIDE`): read as each
     # line arrives, since torchrun's report of its ranks' exits may follow it by many lines.
     stopped_from_outside: bool = False
+    stalled: str | None = None  # why its last process was ended as hung (liveness)
+    stalls: int = 0  # processes of it ended as hung
 
     @property
     def name(self) -> str:
@@ -141,6 +143,7 @@ class Supervisor:
         self.owner = owner
         self.failures: list[str] = []
         self.interrupted: str | None = None
+        self.liveness = LivenessWatch(self.run_location, config.placement)
         self._policy_lock = threading.Lock()  # one event at a time, from every thread
 
     @classmethod
@@ -235,7 +238,7 @@ class Supervisor:
             show(text)
 
         while not component.stop.is_set():
-            component.stopped_from_outside = False
+            component.stopped_from_outside, component.stalled = False, None
             component.exit_code = run_process(
                 component.argv,
                 line,
@@ -243,11 +246,30 @@ class Supervisor:
                 env=learner_env(self.config) if component.unit.kind == "learner" else None,
                 placement=component.placement,
                 grace_s=self._grace_s(component),
+                stalled=self._liveness(component),
             )
             notice = self._ended(component)
             if notice is None:
                 return
             show(notice)
+
+    def _liveness(self, component: Component) -> Callable[[], str | None] | None:
+        """For a learner (its first node) or a generator: the check `run_process` asks whether
+        its process is hung; the reason is logged and kept for the restart's cause."""
+        kind, name = component.unit.kind, component.name
+        if kind not in ("learner", "generator") or (component.node and component.node.node_rank):
+            return None
+        beats = "learner" if kind == "learner" else name
+        self.liveness.started(beats, kind)
+
+        def stalled() -> str | None:
+            reason = self.liveness.stalled(beats)
+            if reason is not None:
+                component.stalled, component.stalls = reason, component.stalls + 1
+                log.warning("%s is hung, %s: ending it", name, reason)
+            return reason
+
+        return stalled
 
     def _grace_s(self, component: Component) -> float:
         """How long a stopped component has before SIGKILL: a learner its `stop_grace_s` (for
@@ -266,7 +288,7 @@ class Supervisor:
             threading.Thread(target=self._keep_running_quietly, args=(c,), name=c.name)
             for c in self.components
         ]
-        with _stop_signals() as signalled:
+        with stop_signals() as signalled:
             for thread in threads:
                 thread.start()
             while any(t.is_alive() for t in threads) and not signalled.wait(0.5):
@@ -284,7 +306,11 @@ class Supervisor:
         return self.result()
 
     def result(self) -> dict[str, Any]:
-        return {c.name: {"exit_code": c.exit_code, "restarts": c.restarts} for c in self.components}
+        return {
+            c.name: {"exit_code": c.exit_code, "restarts": c.restarts}
+            | ({"hung": c.stalls} if c.stalls else {})
+            for c in self.components
+        }
 
     def abort(self, reason: str, *, interrupted: bool = False) -> None:
         """Stop everything now: the stop marker (so nothing restarts into the run), then
@@ -318,12 +344,19 @@ class Supervisor:
         holds_a_lease = component.unit.kind in ("learner", "generator")
         displaced = holds_a_lease and (code == NOT_HOLDER_EXIT_CODE or said)
         cause = f"exit code {code}"
+        if component.stalled:
+            cause = f"hung ({component.stalled}), then {cause}"
         deterministic = code == USER_CODE_EXIT_CODE
         if deterministic:  # its error line says what to change
             errors = [line for line in component.tail if line.startswith("error: ")]
             cause += f": {errors[-1].removeprefix('error: ')}" if errors else ""
+        # A hung process ended by its supervisor has failed, however it exited once continued;
+        # so has a generator that stopped with nothing asking it to (SIGTERM sent to it alone).
+        completed = code == 0 and component.stalled is None
+        if completed and component.unit.kind == "generator" and not self._stop_asked(component):
+            completed, cause = False, f"{cause}, stopped from outside with no stop marker"
         event = Ended(
-            component.unit, code == 0, time.monotonic(), cause, displaced=displaced,
+            component.unit, completed, time.monotonic(), cause, displaced=displaced,
             deterministic=deterministic, signalled=component.stopped_from_outside,
         )  # fmt: skip
         notice = None
@@ -333,13 +366,23 @@ class Supervisor:
                     component.unit, component.restarts = unit, failure.restarts
                     if take_over:  # its previous process has ended: take its lease over
                         component.argv = _command(self.config, unit, component.node, take_over=True)
+                    hung = f" (hung: {component.stalled})" if component.stalled else ""
                     notice = (
-                        f"{RESTART_NOTICE} {code}; restart {failure.restarts} of {failure.allowed} "
-                        f"(log: {self.logs.folder / component.name}.log)"
+                        f"{RESTART_NOTICE} {code}{hung}; restart {failure.restarts} of "
+                        f"{failure.allowed} (log: {self.logs.folder / component.name}.log)"
                     )
                 case _:
                     self._carry_out(action)
         return notice
+
+    def _stop_asked(self, component: Component) -> bool:
+        """Whether the run's stop marker or `component`'s own exists (unreadable: yes, so
+        nothing restarts into a run that may be stopping)."""
+        try:
+            return stop_requested(self.run_location, component.name)
+        except Exception as exc:  # storage unreachable (any backend's error)
+            log.warning("could not read the stop markers of %s: %r", component.name, exc)
+            return True
 
     def _carry_out(self, action: Action) -> None:
         """Finishing, cancelling and aborting, whichever thread the policy answered."""
@@ -394,57 +437,3 @@ def _command(
     if unit.kind == "scorer":
         return scorer_command(config, config.served_scorers[unit.index])
     return evaluator_command(config)
-
-
-@contextlib.contextmanager
-def stopping_despite_interrupts(grace_s: float):
-    """While the run stops, a further Ctrl-C or SIGTERM (an impatient user presses it twice) is
-    answered with a notice instead of cutting the stop short: the processes would be left
-    running, and the learner's checkpoint on stop lost (main thread only). Every supervisor's
-    stop on an interrupt runs inside it: `Supervisor.run` and the `streamrl` flow's."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def notice(signum: int, frame: object) -> None:
-        log.warning(
-            "still stopping: every process of the run ends within %.0f s (the learner "
-            "checkpoints the step in hand first)",
-            grace_s + STOP_GRACE_S,
-        )
-
-    previous = {sig: signal.signal(sig, notice) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-class _Signalled(threading.Event):
-    """Set by a stop signal; `name` says which (SIGINT, SIGTERM)."""
-
-    name = ""
-
-
-@contextlib.contextmanager
-def _stop_signals():
-    """SIGINT (Ctrl-C) and SIGTERM to the supervisor set the event it yields (main thread only;
-    elsewhere it is never set). The handler raises nothing: a `KeyboardInterrupt` raised into
-    `Thread.join` marks a running thread as ended (CPython 3.11, bpo-45274's fix), and the
-    supervisor would then report a stop while the learner still runs, its checkpoint unmade."""
-    signalled = _Signalled()
-    if threading.current_thread() is not threading.main_thread():
-        yield signalled
-        return
-
-    def note(signum: int, frame: object) -> None:
-        signalled.name = signal.Signals(signum).name
-        signalled.set()
-
-    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield signalled
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

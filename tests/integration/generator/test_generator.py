@@ -36,6 +36,7 @@ from streamrl.generator.main import build_generator
 from streamrl.models import ModelPathError, resolve_model_path
 from streamrl.rewards import RewardResolutionError
 from streamrl.rewards.config import RewardConfig
+from streamrl.supervision.output import noteworthy
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -381,7 +382,9 @@ def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_
     # Wait for the generator's first throughput line (30 s in) that counts a finished group:
     # a fixed sleep can end before any group on a loaded machine, and then there is nothing
     # to flush.
+    lines = []
     for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
         finished = re.search(r"gen0: ([0-9.]+) groups/s", line)
         if finished and float(finished.group(1)) > 0:
             break
@@ -392,3 +395,9 @@ def test_sigterm_flushes_the_open_segment_and_exits_zero(config: RunConfig, tmp_
     records = list(read_log(run))
     assert len(records) == 1
     assert records[0].num_groups > 0
+    # What a terminal shows of it before the learner's first step: the progress lines.
+    shown = [s for line in [*lines, *output.splitlines()] if (s := noteworthy(line))]
+    progress = [s for s in shown if not s.startswith(("WARNING: ", "ERROR: ", "CRITICAL: "))]
+    assert len(progress) == 2, shown
+    assert re.fullmatch(r"engine up in \d+ s, weights v0", progress[0]), shown
+    assert progress[1] == f"first {records[0].num_groups} groups committed", shown

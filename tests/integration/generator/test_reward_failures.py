@@ -32,6 +32,7 @@ from streamrl.config.run import RunConfig
 from streamrl.data import PromptSource
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine
+from streamrl.generator.failures import UserCodeFailedError
 from streamrl.generator.index import hold_generator_index
 from streamrl.generator.loop import MAX_FAILED_GROUPS_IN_A_ROW, BrokenRewardError, GeneratorLoop
 from streamrl.generator.main import build_generator
@@ -236,14 +237,35 @@ def test_score_zero_trains_on_failed_groups_with_score_zero_and_counts_them(tmp_
 
 def test_a_reward_that_fails_on_everything_stops_the_generator_naming_it(tmp_path, engine):
     """Not a silent generator that commits nothing while the learner times out: after
-    MAX_FAILED_GROUPS_IN_A_ROW groups whose every call failed, it fails naming the reward."""
-    config = _config("drop_group", reward="tests.reward_fns:always_raises")
+    MAX_FAILED_GROUPS_IN_A_ROW groups whose every call failed, it fails naming the reward (here
+    with the check for failures alike from the start out of the way: the next test)."""
+    config = _config(
+        "drop_group", "tests.reward_fns:always_raises",
+        "generator.identical_failed_groups_to_stop=1000000",
+    )  # fmt: skip
     with pytest.raises(BrokenRewardError) as error:
         _generate(config, tmp_path / "run", engine, groups=10 * MAX_FAILED_GROUPS_IN_A_ROW)
     message = str(error.value)
     assert "'tests.reward_fns:always_raises' failed on every response of the last" in message
     assert f"{MAX_FAILED_GROUPS_IN_A_ROW} groups" in message
     assert "fix the function" in message
+
+
+def test_a_reward_failing_alike_from_the_start_stops_the_generator_as_a_restart_would(
+    tmp_path, engine
+):
+    """Every call raising the same error from the start is a bug a restart would repeat: after
+    generator.identical_failed_groups_to_stop groups, `UserCodeFailedError` (exit code 4 from
+    `streamrl generator`) names the reward and its error."""
+    config = _config("drop_group", "tests.reward_fns:always_raises")
+    with pytest.raises(UserCodeFailedError) as error:
+        _generate(config, tmp_path / "run", engine, groups=MAX_FAILED_GROUPS_IN_A_ROW)
+    groups, G = config.generator.identical_failed_groups_to_stop, config.generator.group_size
+    assert str(error.value).startswith(
+        "reward 'tests.reward_fns:always_raises' (generator.reward.fn) failed the same way every "
+        f"time it ran in its first {groups} groups ({groups * G} times), and never succeeded: it "
+        "raised ValueError: this reward function is broken."
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -293,6 +293,8 @@ def test_truncated_sampling_is_refused_because_the_learner_scores_the_full_softm
         (["generator.env.fn=my_pkg.envs.DictionaryEnv"], "write it as 'my_pkg.envs:DictionaryEnv'"),
         (["generator.reward.fn=my_pkg.rewards.score"], "write it as 'my_pkg.rewards:score'"),
         (["generator.reward.fn=my_pkg.rewards:a.b"], "must look like 'package.module:function'"),
+        (["generator.env.agent=my_pkg.agents.solve"], "write it as 'my_pkg.agents:solve'"),
+        (["generator.env.agent=solve"], "must look like 'package.module:function'"),
         (["learner.warmup_steps=30", "learner.total_steps=20"], "warmup_steps (30) exceeds"),
     ],
 )

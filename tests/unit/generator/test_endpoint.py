@@ -187,10 +187,14 @@ def test_a_body_over_the_limit_is_refused_413(endpoint) -> None:
     ids=["truncated", "not-utf8", "array", "no-messages", "tool-schema", "deep", "deep-call"],
 )
 def test_an_invalid_body_is_refused_400(endpoint, content, says) -> None:
-    response = _post(endpoint, endpoint.open(), content)
+    token = endpoint.open()
+    response = _post(endpoint, token, content)
     assert response.status_code == 400
-    assert says in response.json()["error"]["message"]
-    assert endpoint.take() == []
+    message = response.json()["error"]["message"]
+    assert says in message
+    # The loop is handed nothing to render: only the refusal, for its episode's record.
+    (refused,) = endpoint.take()
+    assert (refused.token, refused.request, refused.refused) == (token, None, f"400: {message}")
 
 
 # -- requests and answers ----------------------------------------------------------------------

@@ -77,3 +77,32 @@ def test_unknown_protocol_and_empty_uri():
         open_location("nosuch://x")
     with pytest.raises(StorageError, match="empty run URI"):
         open_location(" ")
+
+
+def test_a_request_stuck_on_a_silent_connection_fails_instead_of_hanging(monkeypatch):
+    """An endpoint that accepts and never answers (a connection whose other end is gone): the
+    call fails within the read timeout and can be retried, instead of blocking its process
+    for good (a generator that never produced again)."""
+    import socket
+    import time
+
+    import storage.fs
+
+    monkeypatch.setitem(storage.fs.S3_TIMEOUTS, "read_timeout", 2)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        location = open_location(
+            "s3://streamrl/run",
+            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            storage_options={"key": "k", "secret": "s", "retries": 1,
+                             "config_kwargs": {"retries": {"max_attempts": 1}}},
+            check=False,
+        )  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(Exception, match="(?i)timeout|timed out"):
+            location.fs.cat_file("streamrl/run/x")
+        assert time.monotonic() - started < 30
+    finally:
+        silent.close()

@@ -1,12 +1,13 @@
 """Component log files of a run on object storage are copied to the run's storage: while the
-component runs (a container killed outright keeps what was copied) and when the logs close."""
+component runs (a container killed outright keeps what was copied) and when the logs close. The
+terminal shows a component's progress lines (`noteworthy`)."""
 
 from __future__ import annotations
 
 import time
 
 from storage.fs import open_location
-from streamrl.supervision.output import ComponentLogs
+from streamrl.supervision.output import ComponentLogs, noteworthy
 
 
 def test_logs_are_copied_while_they_grow_and_when_they_close(tmp_path):
@@ -51,3 +52,13 @@ def test_logs_of_a_local_run_are_written_in_place_and_not_copied(tmp_path):
     logs.close()
     assert (tmp_path / "run" / "logs" / "gen0.log").read_text() == "a line\n"
     assert [p.name for p in (tmp_path / "run" / "logs").iterdir()] == ["gen0.log"]
+
+
+def test_the_terminal_shows_progress_lines_before_the_first_step():
+    """INFO records of the logger `streamrl.progress` are shown (a component's start-up); an
+    INFO record of any other logger is not, whatever it says."""
+    engine_up = "2026-11-23 10:00:01,123 INFO streamrl.progress: engine up in 42 s, weights v0"
+    assert noteworthy(engine_up) == "engine up in 42 s, weights v0"
+    assert noteworthy(engine_up.replace("streamrl.progress", "streamrl.generator.main")) is None
+    assert noteworthy(engine_up.replace("streamrl.progress", "streamrl.progressbar")) is None
+    assert noteworthy(engine_up.replace(" INFO ", " DEBUG ")) is None

@@ -178,7 +178,8 @@ def test_a_learner_stopped_from_outside_stops_the_run_as_an_interrupt_not_a_fail
     node0, _ = backend.learner()
     (abort,) = backend.end(node0, at=1.0, signalled=True)
     assert isinstance(abort, Abort)
-    assert abort.interrupted and abort.failure is None
+    assert abort.interrupted
+    assert abort.failure is None
     assert abort.reason.startswith("the learner was stopped from outside (")
     assert len(backend.starts()) == 1
     assert backend.end(backend.learner()[0], at=2.0) == []  # aborted: nothing follows

@@ -26,6 +26,7 @@ import pathlib, signal, sys, time
 def stopped(*_):
     pathlib.Path(sys.argv[1]).write_text("SIGTERM")
 signal.signal(signal.SIGTERM, stopped)
+print("rank ready", flush=True)
 while True:
     time.sleep(0.1)
 """
@@ -42,9 +43,9 @@ def test_a_rank_in_a_session_of_its_own_is_stopped_and_does_not_outlive_its_laun
     )
     runner.start()
     deadline = time.monotonic() + 60
-    while not lines and time.monotonic() < deadline:
+    while "rank ready" not in lines and time.monotonic() < deadline:
         time.sleep(0.1)
-    rank = psutil.Process(int(lines[0]))
+    rank = psutil.Process(int(next(line for line in lines if line.isdigit())))
     time.sleep(3)  # the supervisor has looked its processes up (every 2 s)
     stop.set()
     runner.join(timeout=60)

@@ -21,9 +21,13 @@ from streamrl.config.loading import load_config
 from streamrl.isolation.lifetime import dying_with_parent
 from streamrl.supervision import supervisor as core
 from streamrl.supervision.output import noteworthy
+from streamrl.supervision.signals import stopping_despite_interrupts
 from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+# A stand-in generator: it flushes and exits 0 on SIGTERM, as a real one does.
+FLUSHER = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+           "lambda *_: exit(0)); time.sleep(300)"]  # fmt: skip
 
 
 def _config(tmp_path: Path):
@@ -69,9 +73,7 @@ def test_a_restarted_learner_takes_the_run_over_and_its_success_ends_the_run(tmp
         return [sys.executable, "-c", f"import sys; sys.exit({0 if take_over else 1})"]
 
     monkeypatch.setattr(core, "learner_command", learner)
-    monkeypatch.setattr(
-        core, "generator_command", lambda config, index, **kw: [sys.executable, "-c", ""]
-    )
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: FLUSHER)
     supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
     result = supervisor.run()
     assert started == [False, True]  # only a restart takes the lease over
@@ -211,7 +213,7 @@ def test_a_further_interrupt_while_stopping_is_answered_with_a_notice_not_an_exc
     # A background job starts with Ctrl-C ignored: the test sets Python's own handler first.
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with caplog.at_level("WARNING", logger=logger), core.stopping_despite_interrupts(25.0):
+        with caplog.at_level("WARNING", logger=logger), stopping_despite_interrupts(25.0):
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)  # the handlers run here; nothing is raised
@@ -300,3 +302,99 @@ def test_a_learner_stopped_from_outside_stops_the_run_instead_of_restarting(tmp_
     assert starts == [False]  # not restarted
     assert done.read_text() == "checkpointed"
     assert stop_requested(supervisor.run_location)  # the generators were stopped too
+
+
+# A stand-in generator that beats its heartbeat from its loop, as `streamrl generator` does.
+BEATING = """
+import sys, time
+from storage.control.heartbeat import Heart
+from storage.fs import open_location
+heart = Heart(open_location(sys.argv[1]), sys.argv[2], every_s=0.2)
+print("beating", flush=True)
+while True:
+    heart.beat("generating")
+    time.sleep(0.1)
+"""
+
+
+def test_a_stopped_generator_is_noticed_ended_and_restarted_with_the_reason(tmp_path, monkeypatch):
+    """SIGSTOP: the process neither exits nor fails, it only stops beating. Past
+    `placement.liveness_timeout_s` it is ended (SIGCONT, SIGTERM, SIGKILL) and restarted,
+    counted against its restart budget, the reason in the notice."""
+    run_uri = str(tmp_path / "run")
+    starts: list[bool] = []
+
+    def generator(config, index, *, take_over=False):
+        starts.append(take_over)
+        return [sys.executable, "-c", BEATING, run_uri, f"gen{index}"]
+
+    learner = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: learner)
+    monkeypatch.setattr(core, "generator_command", generator)
+    config = load_config(["dapo", "tiny-cpu"], overrides=[
+        f"storage.run_uri={run_uri}", "placement.liveness_timeout_s=3",
+        "placement.learner_liveness_timeout_s=600",
+    ])  # fmt: skip
+    shown: list[str] = []
+    supervisor = Supervisor.for_run(
+        config, generators=1, evaluator=False, on_line=lambda c, text: shown.append(f"{c}: {text}")
+    )
+
+    def stop_gen0_then_the_run() -> None:
+        while "gen0: beating" not in shown:
+            time.sleep(0.1)
+        time.sleep(1)
+        gen0 = next(p for p in psutil.Process().children(recursive=True)
+                    if BEATING in p.cmdline())  # fmt: skip
+        gen0.suspend()  # SIGSTOP
+        deadline = time.monotonic() + 60
+        while shown.count("gen0: beating") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_gen0_then_the_run, daemon=True).start()
+    with pytest.raises(core.RunInterruptedError):
+        supervisor.run()
+    assert starts == [False, True]  # restarted, taking its index over
+    restarted = [line for line in shown if "restart 1 of 3" in line]
+    assert len(restarted) == 1, shown
+    assert "hung: no heartbeat for" in restarted[0]
+    assert supervisor.result()["gen0"]["hung"] == 1
+
+
+def test_a_generator_stopped_alone_from_outside_is_restarted(tmp_path, monkeypatch):
+    """SIGTERM to a generator alone: it flushes and exits 0, but nothing asked the run or it to
+    stop — the learner would starve. It is restarted (its index taken over)."""
+    starts: list[bool] = []
+
+    def generator(config, index, *, take_over=False):
+        starts.append(take_over)
+        return FLUSHER
+
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: SLEEPER)
+    monkeypatch.setattr(core, "generator_command", generator)
+    shown: list[str] = []
+    supervisor = Supervisor.for_run(
+        _config(tmp_path), generators=1, evaluator=False,
+        on_line=lambda c, text: shown.append(f"{c}: {text}"),
+    )  # fmt: skip
+
+    def stop_gen0_then_the_run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(starts) < 2:
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if FLUSHER[-1] in child.cmdline() and len(starts) == 1:
+                        time.sleep(1)  # its handler installed
+                        child.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_gen0_then_the_run, daemon=True).start()
+    with pytest.raises(core.RunInterruptedError):
+        supervisor.run()
+    assert starts == [False, True]
+    assert any("stopped from outside with no stop marker" in line for line in shown) or any(
+        "exited with code 0; restart 1 of 3" in line for line in shown
+    ), shown
