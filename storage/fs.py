@@ -10,9 +10,9 @@ options — and are never logged or written into a run. Transient S3 errors are 
 s3fs/botocore themselves; a call that cannot reach the endpoint at all (refused, timed out:
 the store restarting, a network cut) is retried for about a minute (`S3_RETRIES`, the
 storage option `retries`), so every process of a run waits out a short outage instead of
-failing; a request stuck on a dead connection fails within `S3_TIMEOUTS` and is retried the same
-way (a generator whose container got a new address goes on). What still fails reaches the caller (the stream reader then retries for as long as
-it waits: `storage.stream.reader`).
+failing. A request stuck on a dead connection fails within `S3_TIMEOUTS` and is retried the
+same way (a generator whose container got a new address goes on). What still fails reaches
+the caller (the stream reader then retries for as long as it waits: `storage.stream.reader`).
 
 `put_if_absent` is the one coordination primitive the run layout needs: create an object
 only if no object of that name exists (S3 `If-None-Match: *`; locally a complete temporary

@@ -67,6 +67,7 @@ from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.reporting import MetricsReporter, read_metrics
 from streamrl.learner.sample_table import SampleTable
 from streamrl.learner.step import StepSettings, train_on_batch
+from streamrl.learner.stopping import Stopping
 from streamrl.learner.stream_source import StopRequested, StreamSource
 from streamrl.learner.topology import Topology
 
@@ -100,10 +101,8 @@ class Learner:
         `storage.control.lease`), build the models and resume from the latest checkpoint. `stop`:
         set (by SIGTERM) to stop with a checkpoint (`run`)."""
         self.config, self.run_location, self.topology = config, run, topology
-        self.stop = stop or threading.Event()
-        self.stop_deadline: float | None = None  # monotonic: when `stop` was set + the grace
-        self._released = threading.Event()  # ends the stop-deadline thread
-        threading.Thread(target=self._note_stop, daemon=True, name="stop-deadline").start()
+        grace = config.learner.stop_grace_s
+        self.stopping = Stopping(stop or threading.Event(), topology, grace)
         self.last_checkpoint_s = 0.0
         self.heart = Heart(run, "learner")  # rank 0's: each step, and while it waits for data
         self.lease: RunLease | None = None
@@ -127,7 +126,7 @@ class Learner:
         self._release_lease()
 
     def _release_lease(self) -> None:
-        self._released.set()
+        self.stopping.close()
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -206,7 +205,7 @@ class Learner:
                 if not self.state.value_pretrained:
                     self.pretrain_value()
                 while self.state.step < cfg.total_steps:
-                    if self.topology.decide_on_main(self._stopping):
+                    if self.topology.decide_on_main(self.stopping.requested):
                         raise StopRequested(f"stopped after step {self.state.step}")
                     self.train_step()
             self.publisher.flush()  # the last version is committed before the generators stop
@@ -220,29 +219,12 @@ class Learner:
             self.release()
         return self.state.step
 
-    def _note_stop(self) -> None:
-        """When this rank is stopped (its own signal, or rank 0 told of another's): the grace
-        starts; a rank other than 0 tells rank 0, which decides for every rank."""
-        while not self.stop.wait(timeout=1.0):
-            if self._released.is_set():
-                return
-        self.stop_deadline = time.monotonic() + self.config.learner.stop_grace_s
-        if not self.topology.is_main:
-            self.topology.raise_flag("stop")
-
-    def _stopping(self) -> bool:
-        """Rank 0: whether any rank was stopped (SIGTERM or Ctrl-C reach whichever process
-        they are sent to: this one, or another rank alone)."""
-        if not self.stop.is_set() and self.topology.flag_raised("stop"):
-            self.stop.set()  # the grace counts from now
-        return self.stop.is_set()
-
     def _while_waiting(self) -> None:
         """Rank 0, while the stream has nothing new: a failed publish fails the learner; a stop
         abandons the wait."""
         self.publisher.check_failed()
         self.heart.beat("waiting for data")
-        if self._stopping():
+        if self.stopping.requested():
             raise StopRequested("stopped while waiting for data")
 
     def _checkpoint_on_stop(self) -> None:
@@ -255,7 +237,7 @@ class Learner:
         if self.checkpoints.last_saved_step == step:
             log.info("stopped at step %d, which is checkpointed", step)
             return
-        deadline = self.stop_deadline or time.monotonic() + cfg.stop_grace_s
+        deadline = self.stopping.deadline or time.monotonic() + cfg.stop_grace_s
         left = self.topology.decide_on_main(lambda: deadline - time.monotonic())
         if left < 1.2 * self.last_checkpoint_s:
             log.warning(

@@ -15,6 +15,7 @@ from storage.stream.learner_progress import (
     LEARNER_PROGRESS,
     LearnerProgress,
     read_learner_progress,
+    write_learner_progress,
 )
 from storage.stream.writer import StreamTimeoutError, StreamWriter
 from streamrl.learner.batching import STARVED_BATCHES, starvation_warning
@@ -112,3 +113,33 @@ def test_progress_records_from_before_the_counts_read_as_zero_and_bad_counts_are
         LearnerProgress.from_json(json.dumps({**older, "no_signal_wrong": -1}).encode())
     with pytest.raises(ValueError, match="unreadable"):
         LearnerProgress.from_json(json.dumps({**older, "no_signal_wrong": "many"}).encode())
+
+
+def test_the_flow_logs_each_health_warning_once_as_it_appears(tmp_path):
+    """The parent flow's log (`flows.run.HealthLog`): a container's learner log is not where an
+    operator looks. Each warning once, not at every refresh."""
+    import logging
+
+    from flows.run import HealthLog
+
+    run, _ = new_run(tmp_path / "run")
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("test-health-log")
+    logger.addHandler(Collect())
+    health = HealthLog(run, logger)
+    health.refresh()
+    assert records == []  # a healthy run: nothing
+    progress = LearnerProgress(
+        step=0, policy_version=0, waiting=True, no_signal_correct=0, no_signal_wrong=ALIKE
+    )
+    write_learner_progress(run, progress)
+    health.refresh()
+    health.refresh()
+    assert records == health_warnings(run)
+    assert len(records) == 1
+    assert "dynamic sampling drops such groups" in records[0]

@@ -101,7 +101,7 @@ def test_a_request_stuck_on_a_silent_connection_fails_instead_of_hanging(monkeyp
             check=False,
         )  # fmt: skip
         started = time.monotonic()
-        with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        with pytest.raises(Exception, match=r"(?i)timeout|timed out"):
             location.fs.cat_file("streamrl/run/x")
         assert time.monotonic() - started < 30
     finally:
