@@ -8,9 +8,10 @@ also shows the generators' failed reward calls, tallied from the stream's commit
 at most every `CURVES_EVERY_S`, the curves (`streamrl.runs.curves`: one chart grid, as an image in a
 markdown artifact), and the samples: `logging.log_samples` responses of the batch the latest
 logged step trained on, decoded from the replay stream — the ones the learner's wandb table shows
-(`streamrl.runs.samples.step_samples`), each text cut to `SAMPLE_MAX_CHARS` — also at most every
-`CURVES_EVERY_S`. Keys come from the run's name (`streamrl-<name>-metrics`, `-curves`,
-`-samples`, `-progress`, `-wandb`), so they read well and stay the same when the run moves to S3.
+(`streamrl.runs.samples.StepSampler`, which reads only what is new), each text cut to
+`SAMPLE_MAX_CHARS` — also at most every `CURVES_EVERY_S`. Keys come from the run's name
+(`streamrl-<name>-metrics`, `-curves`, `-samples`, `-progress`, `-wandb`), so they read well and
+stay the same when the run moves to S3.
 
 Each health condition a new learner record reports (`streamrl.learner.health`) becomes a Prefect
 event `streamrl.health.<condition>` (resource `streamrl.run.<name>`, related to the flow run;
@@ -47,7 +48,7 @@ from streamrl.learner.sample_table import SAMPLE_MAX_CHARS
 from streamrl.learner.samples import SampleDecoder
 from streamrl.models import BUNDLED_MODELS, ModelPathError, is_prepared
 from streamrl.runs.curves import Curves, RunCurves, render_png
-from streamrl.runs.samples import step_samples
+from streamrl.runs.samples import StepSampler
 from streamrl.runs.samples_format import samples_markdown
 from streamrl.runs.status import StreamStatus, read_stream
 
@@ -176,7 +177,7 @@ class RunArtifacts:
     _stream: StreamStatus | None = field(default=None, init=False)
     _samples_step: int = field(default=-1, init=False)
     _samples_at: float = field(default=-math.inf, init=False)
-    _decoder: SampleDecoder | None = field(default=None, init=False)
+    _sampler: StepSampler | None = field(default=None, init=False)
     _samples_off: bool = field(default=False, init=False)  # the tokenizer is not on this machine
 
     def __post_init__(self) -> None:
@@ -274,7 +275,13 @@ class RunArtifacts:
         return step - step % self.config.logging.log_every
 
     def _publish_samples(self, step: int) -> None:
-        markdown = self.samples_markdown(step)
+        try:
+            markdown = self.samples_markdown(step)
+        except Exception as exc:  # a convenience: the run and the other artifacts go on
+            self._samples_off = True
+            log.warning("no more samples artifacts for %s: making step %d's failed: %r",
+                        self.run.uri, step, exc)  # fmt: skip
+            return
         if markdown is not None:
             create_markdown_artifact(
                 markdown=markdown,
@@ -288,15 +295,16 @@ class RunArtifacts:
         when the run's tokenizer cannot be loaded on this machine (warned once: the other
         artifacts go on)."""
         count = self.config.logging.log_samples
-        if not count or self._samples_off:
+        if not count or self._samples_off or self.config.sft is not None:  # SFT: no stream
             return None
-        if self._decoder is None:
+        if self._sampler is None:
             tokenizer, problem = self.config.model.tokenizer or self.config.model.path, None
             if tokenizer in BUNDLED_MODELS and not is_prepared(tokenizer):  # not built for this
                 problem = f"bundled model {tokenizer} is not prepared here"
             else:
                 try:
-                    self._decoder = SampleDecoder.for_run(self.config)
+                    decoder = SampleDecoder.for_run(self.config)
+                    self._sampler = StepSampler(self.run, self.config, decoder)
                 except (ModelPathError, OSError) as exc:  # an artifact is a convenience
                     problem = str(exc)
             if problem is not None:
@@ -307,7 +315,7 @@ class RunArtifacts:
                     problem,
                 )  # fmt: skip
                 return None
-        samples = step_samples(self.run, self.config, self._decoder, step, count)
+        samples = self._sampler.samples(step, count)
         title = (
             f"Samples of {self.name} — step {step}: {len(samples)} responses of the batch it "
             "trained on (`streamrl samples RUN --step N` shows more)"

@@ -348,7 +348,8 @@ class PoolSupervisor:
         (`streamrl.supervision.liveness`): its end is then a failure, replaced as a crash is."""
         for child in self.live():
             beats = _beats(child.unit)
-            if beats not in self.liveness.watched:
+            node_k = child.unit.kind == "learner" and child.unit.index > 0  # node 0 beats alone
+            if node_k or beats not in self.liveness.watched:
                 continue
             if child.state in _NOT_STARTED:  # waiting for a worker: its clock starts later
                 self.liveness.started(beats, child.unit.kind)
@@ -358,7 +359,7 @@ class PoolSupervisor:
                 continue
             self.liveness.forget(beats)
             self.hung[child.name] = self.hung.get(child.name, 0) + 1
-            self.log.warning("%s is hung, %s: cancelling its flow run", child.name, reason)
+            self.log.warning(f"{child.name} is hung, %s: cancelling its flow run", reason)
             self._cancel([child], f"hung: {reason}")
 
     def _refresh(self) -> list[Child]:

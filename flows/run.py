@@ -26,6 +26,7 @@ and the wandb link.
 # No `from __future__ import annotations` here: the flow's parameter annotations must be objects,
 # not strings, for Prefect to validate a deployment run's parameters (`Override`'s schema).
 import logging
+import re
 import time
 from typing import Any
 
@@ -49,6 +50,7 @@ from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
 __all__ = ["streamrl_run", "supervise", "supervise_on_pools"]
 
 REFRESH_S = 5.0
+_DIGITS = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _failed(future: PrefectFuture[Any]) -> bool:
@@ -89,8 +91,7 @@ def supervise(
     futures = {c.name: component_task.submit(supervisor, c.name) for c in supervisor.components}
     try:
         while not futures["learner"].state.is_final():
-            artifacts.refresh()
-            health.refresh()
+            _look(artifacts, health, logger)
             if any(_failed(f) for f in futures.values()):
                 break
             time.sleep(REFRESH_S)
@@ -139,8 +140,7 @@ def supervise_on_pools(
         try:
             fleet.start()
             while not fleet.poll():
-                artifacts.refresh()
-                health.refresh()
+                _look(artifacts, health, logger)
                 time.sleep(REFRESH_S)
         except ComponentFailedError as failed:
             artifacts.refresh(final=True)
@@ -151,6 +151,18 @@ def supervise_on_pools(
                 fleet.abort("the streamrl flow run was interrupted (cancelled, Ctrl-C)")
             raise
     return _summary(config, artifacts.refresh(final=True), fleet.restarts())
+
+
+def _look(artifacts: RunArtifacts, health: "HealthLog", logger: logging.LoggerAdapter) -> None:
+    """The artifacts and the health log, refreshed. Both are for people to look at: a failure
+    (storage unreachable for a moment) is logged and the run goes on — it must never reach the
+    handler that stops the run."""
+    try:
+        artifacts.refresh()
+    except Exception as exc:
+        logger.warning("could not refresh the run's artifacts (tried again in %.0f s): %r",
+                       REFRESH_S, exc)  # fmt: skip
+    health.refresh()
 
 
 class HealthLog:
@@ -168,10 +180,13 @@ class HealthLog:
         except Exception as exc:  # advisory: storage unreachable now, the next refresh retries
             self.logger.debug("health warnings unreadable: %r", exc)
             return
-        for warning in warnings:
-            if warning not in self.shown:
-                self.shown.add(warning)
+        # A warning's counts grow while it lasts ("no signal in the last 64 groups", then 128):
+        # one line for it, and another once it went away and came back.
+        current = {_DIGITS.sub("#", warning): warning for warning in warnings}
+        for shape, warning in current.items():
+            if shape not in self.shown:
                 self.logger.warning("%s", warning)
+        self.shown = set(current)
 
 
 def _summary(

@@ -12,11 +12,14 @@ compared across machines. A beat that cannot be written is skipped: the next one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
 
 from storage.fs import Location, replace_object
 
@@ -46,8 +49,10 @@ class Heartbeat:
 
     @classmethod
     def from_json(cls, data: bytes) -> Heartbeat:
+        """Fields a newer writer added are left out: a beat is a beat."""
         try:
-            return cls(**json.loads(data))
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in json.loads(data).items() if k in known})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"heartbeat record is unreadable: {exc}") from None
 
@@ -67,25 +72,46 @@ def read_heartbeat(run: Location, name: str) -> Heartbeat | None:
 @dataclass
 class Heart:
     """Beats for process `name` at most every `every_s` (`beat(state)`, called from the loop
-    whose progress it stands for)."""
+    whose progress it stands for; `meanwhile(state)` around one long, bounded piece of work of
+    that loop, such as loading a weight version). Safe from several threads."""
 
     run: Location
     name: str
     every_s: float = 10.0
     count: int = 0
     _next: float = field(default=0.0, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def beat(self, state: str = "") -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + self.every_s
-        self.count += 1
-        record = Heartbeat(self.name, self.count, socket.gethostname(), os.getpid(), state,
-                           time.time())  # fmt: skip
-        try:
-            replace_object(
-                self.run, _path(self.run, self.name), json.dumps(asdict(record)).encode()
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                return
+            self._next = now + self.every_s
+            self.count += 1
+            record = Heartbeat(
+                self.name, self.count, socket.gethostname(), os.getpid(), state, time.time()
             )
-        except Exception:  # storage down: this beat is missed, and the watcher sees that
-            self._next = now  # try again at the next call
+            try:
+                data = json.dumps(asdict(record)).encode()
+                replace_object(self.run, _path(self.run, self.name), data)
+            except Exception:  # storage down: this beat is missed, and the watcher sees that
+                self._next = now  # try again at the next call
+
+    @contextlib.contextmanager
+    def meanwhile(self, state: str) -> Iterator[None]:
+        """Beat from a thread while the block runs: work the loop cannot beat during, which
+        ends by itself (its storage calls time out)."""
+        done = threading.Event()
+
+        def beating() -> None:
+            while not done.wait(self.every_s / 2):
+                self.beat(state)
+
+        thread = threading.Thread(target=beating, daemon=True, name=f"heart-{self.name}")
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()

@@ -70,9 +70,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"streamrl run failed: {exc}", file=sys.stderr)
         return 1
     except RunInterruptedError as exc:
+        try:
+            where = resume_point(run)
+        except Exception as error:  # storage unreachable now: say so, not a traceback
+            where = f"where a resume starts could not be read ({error!r})"
         print(f"\nstreamrl run: stopped ({exc}); every process of the run has ended; "
-              f"{resume_point(run)}. Resume with:\n  {_resume_command(args)}",
-              file=sys.stderr)  # fmt: skip
+              f"{where}. Resume with:\n  {_resume_command(args)}", file=sys.stderr)  # fmt: skip
         return 130
     print(format_summary(summarize(run)))
     return 0

@@ -56,6 +56,7 @@ def _positive(text: str) -> int:
 def _cmd_samples(args: argparse.Namespace) -> int:
     from storage.stream.log import StorageUnavailableError
     from streamrl.config.stored import open_existing_run
+    from streamrl.isolation.terminal import printable
     from streamrl.learner.samples import SampleDecoder
     from streamrl.runs.samples import ConsumedGroups, SampleFilter, SamplesError, read_samples
     from streamrl.runs.samples_format import format_sample, format_summary
@@ -77,6 +78,9 @@ def _cmd_samples(args: argparse.Namespace) -> int:
         failed_tools=args.failed_tools,
         limit=args.limit,
     )
+    if not args.trust_remote_code:  # reading a run must not run the code its run.json names
+        model = config.model.model_copy(update={"trust_remote_code": False})
+        config = config.model_copy(update={"model": model})
     decoder = SampleDecoder.for_run(config, args.tokenizer)
     try:
         report = read_samples(run, config, decoder, wanted)
@@ -86,9 +90,11 @@ def _cmd_samples(args: argparse.Namespace) -> int:
     for sample in report.samples:
         if args.json:
             record = _cut(sample.to_json(), args.max_chars)
-            print(json.dumps(record, ensure_ascii=False, default=str))  # literal_eval's tuples, ...
+            # ASCII: no control character of the model's reaches the terminal raw; default=str
+            # for literal_eval's tuples.
+            print(json.dumps(record, default=str))
         else:
-            print(format_sample(sample, args.max_chars or 1200), end="\n\n")
+            print(printable(format_sample(sample, args.max_chars or 1200)), end="\n\n")
     print(format_summary(report, args.limit), file=sys.stderr)
     return 0
 
@@ -146,5 +152,11 @@ def add_commands(commands: Any) -> None:
         "--tokenizer",
         metavar="DIR",
         help="decode with this tokenizer (default: the run's model.tokenizer or model.path)",
+    )
+    samples.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the tokenizer run the code its model folder ships (the run's "
+        "model.trust_remote_code is not followed: whoever wrote the run chose it, not you)",
     )
     samples.set_defaults(func=_cmd_samples)

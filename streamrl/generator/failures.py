@@ -17,10 +17,12 @@ Once a piece of code succeeded (once in a group is enough) the check is off for 
 failure that comes and goes never stops a generator this way (groups that all fail for long
 stop it as `BrokenRewardError`, and it is restarted); a group whose failures differ breaks the
 run of groups alike. A timeout is neither success nor failure: how long code takes depends on
-the machine. A failure's reason is the error of an agent's run or an environment's call (its
-exception and where it was raised), or of a score call; for an agent's run that sampled
-nothing, that every request it sent was refused (and why), or that it never called the
-endpoint (`streamrl.generator.agent_episodes.RunEnd`).
+the machine; nor is an error naming a service unreachable or slow for now (a connection or
+timeout error, `_TRANSIENT`): the code may be right and the service down. A failure's reason
+is the error of an agent's run or an environment's call (its exception and where it was
+raised), or of a score call; for an agent's run that sampled nothing, that every request it
+sent was refused (and why), or that it never called the endpoint
+(`streamrl.generator.agent_episodes.RunEnd`).
 
 `UserCodeWatch` is what the episode driver (`streamrl.generator.rollouts`) tells: each agent
 group as it ends, each environment reset that failed, each scored group. It also stops a
@@ -31,6 +33,7 @@ train on, and a restart would sample nothing alike.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +51,12 @@ __all__ = [
 ]
 
 MAX_UNSAMPLED_GROUPS_IN_A_ROW = 32
+# Failures that say nothing about the code: what it called was unreachable or slow for now (a
+# reward's service down at the start). However alike, they never stop a generator this way.
+_TRANSIENT = re.compile(
+    r"\b\w*(?:Connect|Timeout|TimedOut|Unavailable|Unreachable)\w*\b"  # exception class names
+    r"|\b(?:OSError|BrokenPipeError|HTTP 5\d\d)\b"
+)
 
 
 class UserCodeFailedError(RuntimeError):
@@ -96,6 +105,9 @@ class IdenticalFailures:
         """
         state = self._codes.setdefault(code, _Code())
         if state.succeeded:
+            return
+        if _TRANSIENT.search(reason):  # a service down for now: it may answer next time
+            self.differed(code)
             return
         if reason != state.reason:
             self.differed(code)

@@ -315,9 +315,10 @@ class GeneratorLoop:
         latest = self.weights.latest_version()
         if latest is None or latest <= current or latest in self._corrupt_versions:
             return False
-        found, seconds = self.engine.advance_weights(
-            self.weight_source, newer_than=current, skip=self._corrupt_versions
-        )
+        with self.heart.meanwhile(f"loading weights v{latest}"):  # minutes for a big model
+            found, seconds = self.engine.advance_weights(
+                self.weight_source, newer_than=current, skip=self._corrupt_versions
+            )
         self.skip_unusable_weights(found)
         if found.version is not None:
             self.stats.weight_updates += 1

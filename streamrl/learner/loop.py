@@ -105,6 +105,7 @@ class Learner:
         self.stopping = Stopping(stop or threading.Event(), topology, grace)
         self.last_checkpoint_s = 0.0
         self.heart = Heart(run, "learner")  # rank 0's: each step, and while it waits for data
+        self._collecting = threading.Event()  # the step is waiting for its groups
         self.lease: RunLease | None = None
         topology.decide_on_main(lambda: self._acquire_lease(take_over))
         try:
@@ -223,7 +224,8 @@ class Learner:
         """Rank 0, while the stream has nothing new: a failed publish fails the learner; a stop
         abandons the wait."""
         self.publisher.check_failed()
-        self.heart.beat("waiting for data")
+        if self._collecting.is_set():  # the step's own wait, not a reader idle behind a hang
+            self.heart.beat("waiting for data")
         if self.stopping.requested():
             raise StopRequested("stopped while waiting for data")
 
@@ -279,7 +281,11 @@ class Learner:
     ) -> tuple[StreamBatch | None, dict[str, float]]:
         """Collect a batch and train on it: the batch and its metrics."""
         cfg, started = self.config.learner, time.perf_counter()
-        taken = self.stream.next_batch()
+        self._collecting.set()
+        try:
+            taken = self.stream.next_batch()
+        finally:
+            self._collecting.clear()
         if taken is None:  # the wait was abandoned: nothing of this step happened
             raise StopRequested(f"stopped after step {self.state.step}, waiting for data")
         batch, stream_metrics = taken

@@ -41,6 +41,7 @@ from streamrl.models import cache_root
 __all__ = [
     "MetricsFollower",
     "MetricsReporter",
+    "in_order",
     "latest_metrics",
     "read_metrics",
     "read_wandb_link",
@@ -58,7 +59,7 @@ def read_metrics(run: Location) -> list[dict[str, Any]]:
     """Every logged learner record in order (value pre-training first, then steps); a record
     logged twice — by a learner killed after logging it — keeps its last version. A line cut
     short by a killed learner is skipped with a warning."""
-    return _in_order(MetricsFollower(run).read())
+    return in_order(MetricsFollower(run).read())
 
 
 class MetricsFollower:
@@ -118,7 +119,7 @@ def latest_metrics(run: Location, tail_bytes: int = 256 * 1024) -> dict[str, Any
     else:  # object names sort by step, then value pre-training step
         names = sorted(fs.glob(run.join("metrics", "learner-*.json")))
         lines = [fs.cat_file(names[-1]).decode()] if names else []
-    records = _in_order(_parse(lines, run))
+    records = in_order(_parse(lines, run))
     return records[-1] if records else None
 
 
@@ -134,7 +135,7 @@ def _parse(lines: list[str], run: Location) -> list[dict[str, Any]]:
     return records
 
 
-def _in_order(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def in_order(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """By (step, value pre-training step); of a record logged twice, the last."""
     latest = {(r.get("step"), r.get("value_pretrain_step")): r for r in records}
     return sorted(

@@ -34,7 +34,7 @@ from storage.stream.retention import read_retention
 from storage.stream.writer import quarantined, read_log
 from streamrl.config.run import RunConfig
 from streamrl.learner.batching import drop_reason, oldest_usable_version
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.reporting import MetricsFollower, in_order, read_metrics
 from streamrl.learner.samples import Sample, SampleDecoder, batch_samples, consumed, task_of
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "SampleFilter",
     "SampleReport",
     "SamplesError",
+    "StepSampler",
     "read_samples",
     "step_samples",
 ]
@@ -201,8 +202,12 @@ class _Log:
     released: int
 
     @classmethod
-    def read(cls, run: Location) -> _Log:
-        records, skipped = list(read_log(run)), set(quarantined(run))
+    def read(cls, run: Location, since: _Log | None = None) -> _Log:
+        """The log as it is now; with `since` (an earlier read of it), only the records
+        committed after it are read."""
+        known = since.records if since is not None else []
+        records = known + list(read_log(run, start=len(known)))
+        skipped = set(quarantined(run))
         bases, total = [], 0
         for record in records:
             bases.append(total)
@@ -311,18 +316,36 @@ def step_samples(
     """The `count` samples the learner's wandb table shows of step `step`
     (`streamrl.learner.samples.batch_samples` of the groups it trained on); none when the
     version it read them at is not known."""
-    log, span = _Log.read(run), ConsumedGroups.read(run).step(step)
-    if span.version is None or span.first >= span.end:
-        return []
-    start = log.locate(span.first)
-    if start.seq < log.released:
-        return []
-    oldest = oldest_usable_version(span.version, config.learner.max_staleness)
-    reader, trained = StreamReader(run, prefetch_rounds=0), []
-    for ordinal, _, group in _read(reader, log, start, len(log.records)):
-        if ordinal >= span.end:
-            break
-        if drop_reason(group, oldest, config.algorithm.dynamic_sampling) is None:
-            trained.append(group)
-    versions = [span.version] * len(trained)
-    return batch_samples(decoder, trained, versions, step, count, config)
+    return StepSampler(run, config, decoder).samples(step, count)
+
+
+class StepSampler:
+    """`step_samples` again and again as a run goes on (the flow's samples artifact): the commit
+    log and the learner's records are read incrementally, so each call reads what is new plus
+    the step's own segments, however long the run."""
+
+    def __init__(self, run: Location, config: RunConfig, decoder: SampleDecoder) -> None:
+        self.run, self.config, self.decoder = run, config, decoder
+        self._log: _Log | None = None
+        self._metrics = MetricsFollower(run)
+        self._records: list[dict[str, Any]] = []  # every one read; `in_order` keeps the last
+
+    def samples(self, step: int, count: int) -> list[Sample]:
+        log = self._log = _Log.read(self.run, since=self._log)
+        self._records = in_order(self._records + self._metrics.read())
+        span = ConsumedGroups(self._records, self.run.uri).step(step)
+        if span.version is None or span.first >= span.end:
+            return []
+        start = log.locate(span.first)
+        if start.seq < log.released:
+            return []
+        config = self.config
+        oldest = oldest_usable_version(span.version, config.learner.max_staleness)
+        reader, trained = StreamReader(self.run, prefetch_rounds=0), []
+        for ordinal, _, group in _read(reader, log, start, len(log.records)):
+            if ordinal >= span.end:
+                break
+            if drop_reason(group, oldest, config.algorithm.dynamic_sampling) is None:
+                trained.append(group)
+        versions = [span.version] * len(trained)
+        return batch_samples(self.decoder, trained, versions, step, count, config)

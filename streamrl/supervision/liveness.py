@@ -11,7 +11,8 @@ holds its index (or the run) forever while the run starves. Each beats from its 
 - before it (a starting process loads its model, an engine compiles), `placement.startup_timeout_s`.
 
 The clock is the supervisor's own (`time.monotonic`): a beat counts when the record changes, so
-clocks of other machines never matter. A record that cannot be read says nothing either way.
+clocks of other machines never matter. A record that cannot be read says nothing either way: the
+wait starts over.
 The supervisor then ends the process as a failure — the reason logged, the restart counted
 against the component's budget as any crash is.
 """
@@ -61,9 +62,12 @@ class LivenessWatch:
         timeout = self.placement.liveness_timeout_s
         if kind == "learner":
             timeout = self.placement.learner_liveness_timeout_s
-        self.watched[name] = Watched(
-            timeout, self.placement.startup_timeout_s, self.clock(), self._beat(name)
-        )
+        try:
+            beat = self._beat(name)
+        except Exception as exc:  # unreadable: the first beat read counts as its own
+            log.debug("heartbeat of %s unreadable: %r", name, exc)
+            beat = None
+        self.watched[name] = Watched(timeout, self.placement.startup_timeout_s, self.clock(), beat)
 
     def stalled(self, name: str) -> str | None:
         """Why `name` counts as hung now ("no heartbeat for 312 s (…)"), or None."""
@@ -71,7 +75,15 @@ class LivenessWatch:
         if watched is None:
             return None
         now = self.clock()
-        beat = self._beat(name)
+        try:
+            beat = self._beat(name)
+        except Exception as exc:  # unreadable now: it says nothing, and the wait starts over
+            log.debug("heartbeat of %s unreadable: %r", name, exc)
+            if watched.changed is None:
+                watched.started = now
+            else:
+                watched.changed = now
+            return None
         if beat is not None and beat != watched.last_beat:
             watched.last_beat, watched.changed = beat, now
             return None
@@ -94,9 +106,5 @@ class LivenessWatch:
         self.watched.pop(name, None)
 
     def _beat(self, name: str) -> tuple[str, int, int] | None:
-        try:
-            record = read_heartbeat(self.run, name)
-        except Exception as exc:  # unreadable now: it says nothing either way
-            log.debug("heartbeat of %s unreadable: %r", name, exc)
-            return self.watched[name].last_beat if name in self.watched else None
+        record = read_heartbeat(self.run, name)
         return None if record is None else record.beat

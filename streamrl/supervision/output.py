@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from storage.fs import Location
+from streamrl.isolation.terminal import printable
 
 __all__ = [
     "LOG_COPY_EVERY_S",
@@ -50,6 +51,7 @@ def noteworthy(line: str) -> str | None:
     """What a terminal shows of a component's output `line`: the learner's step line, a progress
     line (`PROGRESS_LOGGER`) or one of streamrl's warnings or errors, without the timestamp and
     logger, and the supervisor's restart notices; None for the rest."""
+    line = printable(line)  # a warning may quote what the model wrote
     if line.startswith(RESTART_NOTICE):  # the supervisor's own notice of a restart
         return f"WARNING: {line}"
     own = _OWN_LINE.match(line)

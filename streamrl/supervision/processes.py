@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 
 import psutil
 
@@ -32,6 +33,7 @@ class ProcessTree:
     def __init__(self, root: int) -> None:
         self.root = root
         self._known: dict[int, psutil.Process] = {}
+        self._lock = threading.Lock()  # the stop watcher's thread refreshes, the caller's ends
 
     def refresh(self) -> None:
         """Remember the root's descendants as they are now (those already remembered stay,
@@ -40,13 +42,16 @@ class ProcessTree:
             children = psutil.Process(self.root).children(recursive=True)
         except psutil.Error:  # the root has exited: what it left is already remembered
             return
-        for child in children:
-            self._known.setdefault(child.pid, child)
+        with self._lock:
+            for child in children:
+                self._known.setdefault(child.pid, child)
 
     def alive(self) -> list[psutil.Process]:
         """The remembered descendants still running (a zombie has ended)."""
         running = []
-        for process in self._known.values():
+        with self._lock:
+            known = list(self._known.values())
+        for process in known:
             with contextlib.suppress(psutil.Error):
                 if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                     running.append(process)

@@ -266,7 +266,7 @@ class Supervisor:
             reason = self.liveness.stalled(beats)
             if reason is not None:
                 component.stalled, component.stalls = reason, component.stalls + 1
-                log.warning("%s is hung, %s: ending it", name, reason)
+                log.warning(f"{name} is hung, %s: ending it", reason)
             return reason
 
         return stalled
@@ -357,7 +357,7 @@ class Supervisor:
             completed, cause = False, f"{cause}, stopped from outside with no stop marker"
         event = Ended(
             component.unit, completed, time.monotonic(), cause, displaced=displaced,
-            deterministic=deterministic, signalled=component.stopped_from_outside,
+            deterministic=deterministic, signalled=self._signalled(component),
         )  # fmt: skip
         notice = None
         for action in self._decide(event):
@@ -374,6 +374,16 @@ class Supervisor:
                 case _:
                     self._carry_out(action)
         return notice
+
+    @staticmethod
+    def _signalled(component: Component) -> bool:
+        """The learner stopped on a signal someone else sent: not one this supervisor sent,
+        stopping it (the run's stop, or ending it as hung)."""
+        return (
+            component.stopped_from_outside
+            and component.stalled is None
+            and not component.stop.is_set()
+        )
 
     def _stop_asked(self, component: Component) -> bool:
         """Whether the run's stop marker or `component`'s own exists (unreadable: yes, so

@@ -126,3 +126,16 @@ def test_an_environments_episodes_and_its_scores_are_told_apart() -> None:
     watch.scored([done, done], [broken, broken])
     with pytest.raises(UserCodeFailedError, match="the score of environment"):
         watch.scored([done, done], [broken, broken])
+
+
+def test_a_service_down_for_now_never_stops_the_generator():
+    """A reward whose service is unreachable at the start fails alike in every group; the code
+    is fine, the service may answer next time: no stop however many groups."""
+    from streamrl.generator.failures import IdenticalFailures
+
+    watch = IdenticalFailures(limit=2)
+    for reason in ["it raised ConnectionError: [Errno 111] Connection refused",
+                   "it raised httpx.ConnectTimeout: timed out",
+                   "it raised OSError: [Errno 113] No route to host"]:  # fmt: skip
+        for _ in range(5):
+            watch.failed("reward 'pkg:score' (generator.reward.fn)", reason, times=8)

@@ -143,3 +143,9 @@ def test_the_flow_logs_each_health_warning_once_as_it_appears(tmp_path):
     assert records == health_warnings(run)
     assert len(records) == 1
     assert "dynamic sampling drops such groups" in records[0]
+    more = LearnerProgress(  # the learner, still starved, counts on: still one line
+        step=0, policy_version=0, waiting=True, no_signal_correct=0, no_signal_wrong=2 * ALIKE
+    )
+    write_learner_progress(run, more)
+    health.refresh()
+    assert len(records) == 1

@@ -62,3 +62,14 @@ def test_the_terminal_shows_progress_lines_before_the_first_step():
     assert noteworthy(engine_up.replace("streamrl.progress", "streamrl.generator.main")) is None
     assert noteworthy(engine_up.replace("streamrl.progress", "streamrl.progressbar")) is None
     assert noteworthy(engine_up.replace(" INFO ", " DEBUG ")) is None
+
+
+def test_what_the_model_wrote_cannot_act_on_the_terminal():
+    """A warning quoting model output (an agent's error) with an ANSI escape, a carriage return
+    and a bidi override: each is shown as an escape, never sent raw."""
+    line = ("2026-01-01 00:00:00,000 WARNING streamrl.generator.agent_episodes: agent failed: "
+            "\x1b]52;c;cm0gLXJmIH4=\x07 done\rok \u202egnp.exe")  # fmt: skip
+    shown = noteworthy(line)
+    assert shown is not None
+    assert not any(c in shown for c in "\x1b\x07\r\u202e")
+    assert "\\x1b]52;c;cm0gLXJmIH4=\\x07 done\\rok \\u202egnp.exe" in shown
