@@ -112,7 +112,8 @@ class StreamReader:
     Waits for: the next commit record, or a store that failed to answer; polls with back-off
     up to `max_poll_s` (idle) or `max_retry_wait_s` (storage errors). `on_idle(cursor)`, with
     the consumer's cursor, is called whenever a poll found nothing new (from the prefetch thread
-    when there is one).
+    when there is one). `write_notes=False` (a viewer: `streamrl samples`) skips a segment
+    that does not read without writing its quarantine note.
     """
 
     def __init__(
@@ -127,8 +128,10 @@ class StreamReader:
         missing_grace_s: float = 30.0,
         oldest_usable_version: Callable[[], int] | None = None,
         on_idle: Callable[[Cursor], None] | None = None,
+        write_notes: bool = True,
     ) -> None:
         self.run, self.stream = run, run.child("stream")
+        self.write_notes = write_notes  # False: a viewer's reader skips, writes nothing
         # Must never decrease: the prefetch thread decides with the value of its round.
         self.oldest_usable_version = oldest_usable_version
         self.on_idle = on_idle
@@ -337,12 +340,13 @@ class StreamReader:
             "at": time.time(),
             "error": str(error),
         }
-        with storage_io(f"writing the quarantine note of log {record.seq}"):
-            put_if_absent(
-                self.stream.fs,
-                self.stream.join("quarantine", f"{record.seq:012d}.json"),
-                json.dumps(note).encode(),
-            )
+        if self.write_notes:
+            with storage_io(f"writing the quarantine note of log {record.seq}"):
+                put_if_absent(
+                    self.stream.fs,
+                    self.stream.join("quarantine", f"{record.seq:012d}.json"),
+                    json.dumps(note).encode(),
+                )
         self._missing_since.pop(record.seq, None)
         self.stats.quarantined.append(record.seq)
         if record.rejected:

@@ -247,7 +247,7 @@ def read_samples(
 ) -> SampleReport:
     """The samples of `run`'s stream that `wanted` selects (module docstring)."""
     log, steps = _Log.read(run), ConsumedGroups.read(run)
-    reader = StreamReader(run, prefetch_rounds=0)
+    reader = StreamReader(run, prefetch_rounds=0, write_notes=False)
     report = SampleReport(groups_in_stream=log.total, released_before_seq=log.released)
 
     def take(
@@ -341,7 +341,7 @@ class StepSampler:
             return []
         config = self.config
         oldest = oldest_usable_version(span.version, config.learner.max_staleness)
-        reader, trained = StreamReader(self.run, prefetch_rounds=0), []
+        reader, trained = StreamReader(self.run, prefetch_rounds=0, write_notes=False), []
         for ordinal, _, group in _read(reader, log, start, len(log.records)):
             if ordinal >= span.end:
                 break

@@ -28,11 +28,7 @@ def stopping_despite_interrupts(grace_s: float):
         return
 
     def notice(signum: int, frame: object) -> None:
-        log.warning(
-            "still stopping: every process of the run ends within %.0f s (the learner "
-            "checkpoints the step in hand first)",
-            grace_s + STOP_GRACE_S,
-        )
+        _still_stopping(grace_s)
 
     previous = {sig: signal.signal(sig, notice) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -49,17 +45,21 @@ class Signalled(threading.Event):
 
 
 @contextlib.contextmanager
-def stop_signals():
+def stop_signals(grace_s: float):
     """SIGINT (Ctrl-C) and SIGTERM to the supervisor set the event it yields (main thread only;
-    elsewhere it is never set). The handler raises nothing: a `KeyboardInterrupt` raised into
-    `Thread.join` marks a running thread as ended (CPython 3.11, bpo-45274's fix), and the
-    supervisor would then report a stop while the learner still runs, its checkpoint unmade."""
+    elsewhere it is never set); a further one gets `stopping_despite_interrupts`'s notice. The
+    handler raises nothing: a `KeyboardInterrupt` raised into `Thread.join` marks a running
+    thread as ended (CPython 3.11, bpo-45274's fix), and the supervisor would then report a
+    stop while the learner still runs, its checkpoint unmade."""
     signalled = Signalled()
     if threading.current_thread() is not threading.main_thread():
         yield signalled
         return
 
     def note(signum: int, frame: object) -> None:
+        if signalled.is_set():
+            _still_stopping(grace_s)
+            return
         signalled.name = signal.Signals(signum).name
         signalled.set()
 
@@ -69,3 +69,11 @@ def stop_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _still_stopping(grace_s: float) -> None:
+    log.warning(
+        "still stopping: every process of the run ends within %.0f s (the learner "
+        "checkpoints the step in hand first)",
+        grace_s + STOP_GRACE_S,
+    )

@@ -288,7 +288,7 @@ class Supervisor:
             threading.Thread(target=self._keep_running_quietly, args=(c,), name=c.name)
             for c in self.components
         ]
-        with stop_signals() as signalled:
+        with stop_signals(self.config.learner.stop_grace_s) as signalled:
             for thread in threads:
                 thread.start()
             while any(t.is_alive() for t in threads) and not signalled.wait(0.5):

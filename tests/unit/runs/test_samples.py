@@ -344,3 +344,20 @@ def test_the_wandb_table_and_the_artifact_show_the_same_samples_of_each_step(tra
     assert markdown.count("```text") == 4
     bounded = samples_markdown(_samples(trained, limit=100), "all", max_chars=100)
     assert len(bounded) < 13 * (2 * 100 + 700)
+
+
+def test_a_viewer_never_writes_to_the_run(tmp_path):
+    """`streamrl samples` reads; a segment it cannot read is skipped, no quarantine note written
+    (an older streamrl reading a newer run must not make the learner skip groups)."""
+    from storage.stream.reader import StreamReader
+    from storage.stream.writer import StreamWriter, quarantined
+    from tests.unit.runs.built_runs import group, new_run
+
+    run, _ = new_run(tmp_path / "run")
+    StreamWriter(run, "gen0").write([group(i, 0, [1.0, 0.0, 1.0, 0.0]) for i in range(2)])
+    segment = next(p for p in (tmp_path / "run" / "stream" / "segments").rglob("*") if p.is_file()
+                   and p.name not in ("zarr.json",))  # fmt: skip
+    segment.write_bytes(b"damaged")
+    items = StreamReader(run, prefetch_rounds=0, write_notes=False).poll()
+    assert all(not isinstance(group, ScoredGroup) for _, group in items)
+    assert quarantined(run) == []
