@@ -112,6 +112,11 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_answer(endpoint) -> N
     answer = _until_closed(sock)  # answered, then left idle: closed at the deadline
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert b"connection: close" not in answer.lower()
+    # The refusal reaches the loop, for the episode's record (and is taken here: the endpoint
+    # is shared by the module's tests).
+    assert [p.refused for p in endpoint.take()] == [
+        "400: messages must be a list of message objects"
+    ]
 
 
 def test_a_body_that_stops_arriving_is_answered_408_and_closed(endpoint) -> None:
