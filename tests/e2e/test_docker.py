@@ -10,7 +10,8 @@ and two generators, each in a container of its own — goes through what a clust
 - another generator is cut off the network for 30 s (`docker network disconnect`) and rejoins
   with a new address (another container took its old one): its connections to the old one are
   dead; it either goes on (S3 requests time out and retry on new connections) or, stuck, stops
-  beating its heartbeat and is cancelled and replaced (`placement.liveness_timeout_s`);
+  beating its heartbeat and is ended — by its flow run's own supervisor, or cancelled by the
+  parent — and replaced (`placement.liveness_timeout_s`);
 - `streamrl scale` asks for a third generator: a third container starts;
 - a learner node's container is killed mid-step: the attempt fails, a new attempt (two new
   containers) resumes from the last committed checkpoint.
@@ -238,8 +239,9 @@ def test_a_run_on_docker_pools_survives_preemption_a_partition_and_a_lost_learne
     gen1 = ["gen1"] if _state(first["gen1"].id).is_completed() else ["gen1", "gen1"]
     assert names == ["gen0", "gen0", *gen1, "gen2", "node0", "node0", "node1", "node1"], names
     assert _state(first["gen0"].id).is_crashed()
-    if len(gen1) == 2:  # the cut-off generator was stuck: cancelled as hung, and replaced
-        assert _state(first["gen1"].id).is_cancelled(), _state(first["gen1"].id)
+    if len(gen1) == 2:  # the cut-off generator was stuck: ended as hung, and replaced
+        cut_off = _state(first["gen1"].id)  # by its own flow run's supervisor, or the parent
+        assert cut_off.is_cancelled() or "hung (no heartbeat for" in cut_off.message, cut_off
     # Every call the flow runs made for themselves passed the API gate (deploy/docker/api_gate.py).
     gate_log = (Path(docker_stack["STREAMRL_STACK_DIR"]) / "gate.log").read_text()
     assert not [line for line in gate_log.splitlines() if "refused" in line or "dropped" in line]
