@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -26,6 +25,7 @@ import pytest
 from storage.checkpoints.dcp import CheckpointStore
 from storage.fs import open_location
 from streamrl.learner.reporting import read_metrics
+from tests.load import busy_loops
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [
@@ -37,21 +37,6 @@ RUN = [
 STEP = re.compile(r"step (\d+)/\d+:")
 
 pytestmark = pytest.mark.timeout(900)
-
-
-@contextlib.contextmanager
-def _every_core_busy() -> Iterator[None]:
-    """A busy loop per core, for as long as the block lasts."""
-    loops = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 1)
-    ]
-    try:
-        yield
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
 
 
 def _run_processes(run_dir: Path) -> list[str]:
@@ -121,7 +106,7 @@ def _resume(run_dir: Path, steps: int, *extra: str) -> str:
 
 
 def _check_stop_and_resume(run_dir: Path, target: str, *extra: str) -> None:
-    with _every_core_busy():
+    with busy_loops():
         output, last = _stop_after_step_2(run_dir, 50, target, *extra)
     saved = CheckpointStore(open_location(str(run_dir))).latest_committed()
     assert saved == last, output  # the stop committed the last step it finished

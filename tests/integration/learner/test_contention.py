@@ -27,6 +27,7 @@ from storage.control.manifest import create_run
 from storage.fs import open_location
 from storage.stream.writer import StreamWriter
 from streamrl.config.loading import load_config
+from tests.load import busy_loops
 from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -77,8 +78,7 @@ def _make_run(run_dir: Path) -> None:
 
 def _train(run_dir: Path, *, busy: int, upload_delay_s: float) -> None:
     """Run the learner process to the end, with `busy` busy-loop processes on the machine."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    try:
+    with busy_loops(busy):
         proc = subprocess.run(
             [sys.executable, "-c", _LATE_UPLOAD_LEARNER, str(run_dir), str(upload_delay_s)],
             cwd=ROOT,
@@ -88,10 +88,6 @@ def _train(run_dir: Path, *, busy: int, upload_delay_s: float) -> None:
             text=True,
             timeout=600,
         )
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

@@ -4,9 +4,6 @@ to one that publishes in the foreground (no overlap)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +13,7 @@ from storage.stream.writer import StreamWriter
 from streamrl.config.loading import load_config
 from streamrl.learner.loop import Learner
 from streamrl.learner.topology import Topology
+from tests.load import busy_loops
 from tests.stream_data import random_group
 
 STEPS = 6
@@ -31,14 +29,8 @@ def topology():
 @pytest.fixture
 def busy_cores():
     """One spinning process per core, for the whole test."""
-    hogs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(torch.get_num_threads())
-    ]
-    yield
-    for hog in hogs:
-        hog.kill()
-        hog.wait()
+    with busy_loops(torch.get_num_threads()):
+        yield
 
 
 def _train(run_dir, topology: Topology, background: bool) -> dict[str, torch.Tensor]:

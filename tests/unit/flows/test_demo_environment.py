@@ -13,6 +13,7 @@ import pytest
 from prefect.settings import Settings
 
 from flows.demo import flow_environment
+from tests.load import busy_loops
 
 DEFAULT_STARTUP_TIMEOUT_S = 20  # Prefect's own: too short on a busy machine
 
@@ -59,9 +60,7 @@ def test_the_temporary_server_starts_with_every_core_busy(tmp_path) -> None:
     one busy process a core."""
     clean = {n: v for n, v in os.environ.items() if not n.startswith("PREFECT_")}
     env = {**flow_environment(clean), "PREFECT_HOME": str(tmp_path / "prefect")}
-    spin = [sys.executable, "-c", "while True: pass"]
-    busy = [subprocess.Popen(spin) for _ in range(len(os.sched_getaffinity(0)))]
-    try:
+    with busy_loops():
         done = subprocess.run(
             [sys.executable, "-c", START_THE_SERVER],
             env=env,
@@ -69,9 +68,5 @@ def test_the_temporary_server_starts_with_every_core_busy(tmp_path) -> None:
             text=True,
             timeout=400,
         )
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "up"
