@@ -41,6 +41,7 @@ from storage.fs import Location
 from streamrl.config.loading import Override, load_config
 from streamrl.config.run import RunConfig, StorageConfig
 from streamrl.config.stored import open_run_location, prepare_run
+from streamrl.envs.prerequisites import check_prerequisites
 from streamrl.isolation.user_code import check_user_code
 from streamrl.placement import PlacementPlan, PoolsPlacement, plan_placement
 from streamrl.runs.health import HealthWatch
@@ -247,6 +248,7 @@ def streamrl_run(
         )
     placement = plan_placement(config, generators=count)  # refused before anything starts
     check_user_code(config.user_code)  # its processes import the user's code here
+    check_prerequisites(config.data, config.generator.env)  # and the ecosystems' packages
     config, _ = prepare_run(config, resume=resume, allow_trusted_changes=allow_trusted_changes)
     return supervise(
         config,

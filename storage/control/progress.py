@@ -12,7 +12,7 @@ a reader sees the old record or the new one.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from storage.fs import Location, replace_object
 
@@ -30,6 +30,8 @@ class GeneratorProgress:
     seconds flow control held this index back, over all its lives, as of its last commit.
     `dataset`: the fingerprint of the prompts the positions refer to
     (`streamrl.data.PromptSource.fingerprint`; empty in a record written before it was kept).
+    `task_levels`: the curriculum level of each task, as of its last commit (`streamrl.data.
+    curriculum`; empty without one).
     """
 
     writer_id: str
@@ -39,6 +41,7 @@ class GeneratorProgress:
     paused_s: float = 0.0
     updated_at: float = 0.0
     dataset: str = ""
+    task_levels: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "next_prompt", tuple(self.next_prompt))
@@ -46,6 +49,11 @@ class GeneratorProgress:
         object.__setattr__(self, "committed_after", after)
         if self.starts < 0 or min(self.next_prompt) < 0:
             raise ValueError(f"progress of {self.writer_id}: starts and positions are ≥ 0")
+        levels = self.task_levels
+        if not isinstance(levels, dict) or not all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in levels.items()
+        ):
+            raise ValueError(f"progress of {self.writer_id}: task_levels maps tasks to levels ≥ 0")
         if list(after) != sorted(set(after)) or (after and after[0] <= self.next_prompt):
             raise ValueError(
                 f"progress of {self.writer_id}: committed_after must ascend, after next_prompt"

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.stream.scored_group import InvalidRecordError, ScoredGroup
+from storage.stream.scored_group import TASK_NAME, InvalidRecordError, ScoredGroup
 
 __all__ = [
     "WRITER_ID",
@@ -43,7 +43,9 @@ class RolloutSums:
     (`ScoredGroup.reward_terms`): `reward_terms[name]` sums term `name` over responses;
     `teacher_groups` counts groups a teacher scored and `teacher_s` sums their
     `teacher_seconds` (0 where not timed). `tools_offered` counts responses whose environment
-    offered the model tools."""
+    offered the model tools. Groups with a task (`ScoredGroup.task`): `task_responses[t]` and
+    `task_correct[t]` count task t's responses and the correct ones (past `MAX_TASKS` distinct
+    tasks, the rest are counted as `other`)."""
 
     responses: int = 0
     reward: float = 0.0
@@ -65,6 +67,8 @@ class RolloutSums:
     teacher_groups: int = 0
     teacher_s: float = 0.0
     tools_offered: int = 0
+    task_responses: dict[str, int] = field(default_factory=dict)
+    task_correct: dict[str, int] = field(default_factory=dict)
 
     def add(self, group: ScoredGroup) -> None:
         sampled = int(np.sum(group.sampled_lengths))
@@ -94,6 +98,15 @@ class RolloutSums:
         if group.teacher_logprobs is not None:
             self.teacher_groups += 1
             self.teacher_s += group.teacher_seconds or 0.0
+        if group.task is not None:
+            correct = int(np.count_nonzero(np.asarray(group.raw_scores) >= 1.0))
+            self._add_task(group.task, group.group_size, correct)
+
+    def _add_task(self, task: str, responses: int, correct: int) -> None:
+        if task not in self.task_responses and len(self.task_responses) >= MAX_TASKS:
+            task = OTHER_TASKS
+        self.task_responses[task] = self.task_responses.get(task, 0) + responses
+        self.task_correct[task] = self.task_correct.get(task, 0) + correct
 
     def _add_turns(self, rewards: Sequence[float], counts: Sequence[int]) -> None:
         grow = len(rewards) - len(self.turn_reward)
@@ -112,6 +125,8 @@ class RolloutSums:
         self._add_turns(other.turn_reward, other.turn_rewarded)
         for name, total in other.reward_terms.items():
             self.reward_terms[name] = self.reward_terms.get(name, 0.0) + total
+        for task, responses in other.task_responses.items():
+            self._add_task(task, responses, other.task_correct.get(task, 0))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutSums:
@@ -139,7 +154,8 @@ class RolloutSums:
         teacher scored, when any; `/tools_offered_frac`, the share of responses offered tools,
         when any. Each reward term's mean R_k over all responses (one without
         the term counts 0) is `reward/<term>_mean` (docs/algorithms.md's name) for the prefix
-        `rollout`, `reward_accepted/<term>_mean` for `rollout_accepted`."""
+        `rollout`, `reward_accepted/<term>_mean` for `rollout_accepted`. Each task's accuracy
+        over its responses is `task/<task>/acc` (`task_accepted/...` for `rollout_accepted`)."""
         n = max(self.responses, 1)
         return {
             f"{prefix}/reward_mean": self.reward / n,
@@ -182,14 +198,27 @@ class RolloutSums:
                 if self.tools_offered
                 else {}
             ),
+            **{
+                f"{prefix.replace('rollout', 'task', 1)}/{task}/acc": self.task_correct.get(task, 0)
+                / count
+                for task, count in sorted(self.task_responses.items())
+                if count
+            },
         }
 
 
-_SUMMED = tuple(
-    f.name
-    for f in fields(RolloutSums)
-    if f.name not in ("finished", "turn_reward", "turn_rewarded", "reward_terms")
+_KEYED = (
+    "finished",
+    "turn_reward",
+    "turn_rewarded",
+    "reward_terms",
+    "task_responses",
+    "task_correct",
 )
+_SUMMED = tuple(f.name for f in fields(RolloutSums) if f.name not in _KEYED)
+MAX_TASKS = 64
+"""Distinct tasks a `RolloutSums` counts apart; more are counted together as `OTHER_TASKS`."""
+OTHER_TASKS = "other"
 
 
 WRITER_ID = re.compile(r"[A-Za-z0-9_.]+")
@@ -313,6 +342,16 @@ class CommitRecord:
             raise InvalidRecordError(f"{where}: rollout.reward_terms must map term names to sums")
         for name, total in terms.items():
             _check_finite(total, f"{where}: rollout.reward_terms[{name!r}]")
+        for name in ("task_responses", "task_correct"):
+            tasks = getattr(rollout, name)
+            if not isinstance(tasks, dict) or not all(
+                isinstance(k, str) and TASK_NAME.fullmatch(k) for k in tasks
+            ):
+                raise InvalidRecordError(f"{where}: rollout.{name} must map task names to counts")
+            for task, count in tasks.items():
+                _check_int(count, 0, f"{where}: rollout.{name}[{task!r}]")
+        if any(rollout.task_correct.get(t, 0) > n for t, n in rollout.task_responses.items()):
+            raise InvalidRecordError(f"{where}: rollout.task_correct exceeds task_responses")
         finished = rollout.finished
         if not isinstance(finished, dict) or not all(isinstance(k, str) for k in finished):
             raise InvalidRecordError(f"{where}: rollout.finished must map finish reasons to counts")

@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EPISODE_STATS", "REWARD_TERM_NAME", "InvalidRecordError", "ScoredGroup"]
+__all__ = ["EPISODE_STATS", "REWARD_TERM_NAME", "TASK_NAME", "InvalidRecordError", "ScoredGroup"]
 
 EPISODE_STATS = ("tool_calls", "tool_errors", "env_seconds", "wait_seconds")
 REWARD_TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 """A reward term's name (`math`, `judge`): it becomes part of a metric's name."""
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A group's task (`leg_counting`, `openai_gsm8k`): it becomes part of a metric's name."""
 
 
 class InvalidRecordError(ValueError):
@@ -51,7 +53,8 @@ class ScoredGroup:
       * turns ≥ 1; turn_rewards[i] holds turns[i] rewards, or none;
       * teacher_seconds is finite and ≥ 0, and given only with teacher_logprobs;
       * reward_terms names one term or more, each matching `REWARD_TERM_NAME`, each with G
-        finite values.
+        finite values;
+      * task matches `TASK_NAME`; task_level ≥ 0, and given only with a task.
 
     Fields:
         prompt_id: the dataset's id of the prompt.
@@ -100,6 +103,11 @@ class ScoredGroup:
         teacher_seconds: wall seconds the teacher took to score the group; None: not timed.
         reward_terms: the reward's terms before weighting, term name → `[G] float32` value per
             response (`{"math": ..., "judge": ...}`). None: the reward had a single term.
+
+    What the prompt was (None: not recorded, as in segments written before it):
+        task: the task the prompt's dataset row belongs to (its `data.task_field`, such as a
+            reasoning-gym task or verl's data_source), for per-task metrics.
+        task_level: the task's difficulty level the prompt was drawn at (a curriculum's).
     """
 
     prompt_id: str
@@ -127,6 +135,8 @@ class ScoredGroup:
     teacher_logprobs: Sequence[np.ndarray] | None = None
     teacher_seconds: float | None = None
     reward_terms: Mapping[str, np.ndarray] | None = None
+    task: str | None = None
+    task_level: int | None = None
 
     @property
     def group_size(self) -> int:
@@ -231,7 +241,25 @@ class ScoredGroup:
         self._validate_episode_stats(where)
         self._validate_teacher(where)
         self._validate_reward_terms(where)
+        self._validate_task(where)
         return self
+
+    def _validate_task(self, where: str) -> None:
+        if self.task is not None and not (
+            isinstance(self.task, str) and TASK_NAME.fullmatch(self.task)
+        ):
+            raise InvalidRecordError(
+                f"{where}: task {self.task!r:.80} must match {TASK_NAME.pattern}"
+            )
+        if self.task_level is not None:
+            if self.task is None:
+                raise InvalidRecordError(f"{where}: task_level is given without a task")
+            if (
+                isinstance(self.task_level, bool)
+                or not isinstance(self.task_level, int)
+                or (self.task_level < 0)
+            ):
+                raise InvalidRecordError(f"{where}: task_level must be an int ≥ 0")
 
     def _validate_episode_stats(self, where: str) -> None:
         for name in EPISODE_STATS:
@@ -401,6 +429,8 @@ class ScoredGroup:
             and optional_equal(self.teacher_logprobs, other.teacher_logprobs, arrays_equal)
             and self.teacher_seconds == other.teacher_seconds
             and optional_equal(self.reward_terms, other.reward_terms, terms_equal)
+            and self.task == other.task
+            and self.task_level == other.task_level
         )
 
     def episode_stat(self, name: str) -> np.ndarray:

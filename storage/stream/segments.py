@@ -22,7 +22,9 @@ and, only in a segment where some group has teacher log-probs (otherwise absent)
     flat tokens   [Σ L]          teacher_logprobs f32 (0 for a group no teacher scored)
 
 and, only in a segment where a group's environment offered tools, the attribute
-`tools_offered` (one bool per group; absent: none was), and, only in a segment whose groups
+`tools_offered` (one bool per group; absent: none was), only in a segment where a group has a
+task, the attributes `tasks` and `task_levels` (one string or null, one int or null per group),
+and, only in a segment whose groups
 have reward terms (then all of them, with the same names: one generator writes a segment with
 one reward config), their names, sorted, in the attribute `reward_term_names` and
 
@@ -140,6 +142,9 @@ def _columns(groups: Sequence[ScoredGroup]) -> tuple[dict[str, np.ndarray], dict
         attrs["reward_term_names"], arrays["reward_terms"] = _reward_term_columns(groups)
     if any(g.tools_offered for g in groups):
         attrs["tools_offered"] = [bool(g.tools_offered) for g in groups]
+    if any(g.task is not None for g in groups):
+        attrs["tasks"] = [g.task for g in groups]
+        attrs["task_levels"] = [g.task_level for g in groups]
     return arrays, attrs
 
 
@@ -354,6 +359,8 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
         raise ValueError(
             f"tools_offered must be one bool per group ({len(sizes)}), got {offered!r:.80}"
         )
+    tasks = _per_group(attrs, "tasks", len(sizes), str)
+    levels = _per_group(attrs, "task_levels", len(sizes), int)
     groups = []
     for i in range(len(sizes)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
@@ -374,6 +381,20 @@ def _groups(arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> list[Scored
             **{name: values[lo:hi] for name, values in multi_turn.items()},
             **scores[i],
             tools_offered=offered[i],
+            task=tasks[i],
+            task_level=levels[i],
         )
         groups.append(group.validate())
     return groups
+
+
+def _per_group(attrs: dict[str, Any], name: str, n: int, kind: type) -> list[Any]:
+    """Attribute `name`: one value of `kind` or null per group (all null when absent)."""
+    values = attrs.get(name, [None] * n)
+    if (
+        not isinstance(values, list)
+        or len(values) != n
+        or not all(v is None or (isinstance(v, kind) and not isinstance(v, bool)) for v in values)
+    ):
+        raise ValueError(f"{name} must be one {kind.__name__} or null per group ({n})")
+    return values

@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         samples,
         status,
         verify,
+        worker_env,
     )
 
     evaluate.add_commands(commands)
@@ -275,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     samples.add_commands(commands)
     verify.add_commands(commands)
     doctor.add_commands(commands)
+    worker_env.add_commands(commands)  # worker-env
     return parser
 
 

@@ -33,6 +33,7 @@ warnings and errors.
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from streamrl.config.stored import prepare_run
+    from streamrl.envs.prerequisites import check_prerequisites
     from streamrl.isolation.user_code import check_user_code
     from streamrl.placement import plan_placement
     from streamrl.runs.summary import format_summary, resume_point
@@ -48,6 +49,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     count = config.generators_to_start(args.generators)
     placement = plan_placement(config, generators=count)  # refused before anything starts
     check_user_code(config.user_code)  # a misspelt module too
+    check_prerequisites(config.data, config.generator.env)  # reasoning-gym, worker envs
     config, run = prepare_run(
         config, resume=args.resume, allow_trusted_changes=args.allow_trusted_changes
     )

@@ -165,9 +165,10 @@ class RunConfig(Section):
         base = data.get("data") or {}
         if isinstance(base, BaseModel):
             base = base.model_dump(exclude_unset=True)
-        inherited = (
-            {k: v for k, v in base.items() if k != "val_path"} if isinstance(base, dict) else {}
-        )
+        base = base if isinstance(base, dict) else {}
+        inherited = {k: v for k, v in base.items() if k not in ("val_path", "source")}
+        if "source" in base:  # data.source is data.path (it wins): a dataset's own path replaces it
+            inherited["path"] = base["source"]
         return {**data, "eval": {**data["eval"], "dataset": {**inherited, **dataset}}}
 
     @model_validator(mode="after")
@@ -283,6 +284,27 @@ class RunConfig(Section):
                 "algorithm.opd.lambda_rl=0 distils only, but dynamic sampling drops the groups "
                 "whose rewards are all equal, which still carry the teacher's signal; set "
                 "algorithm.dynamic_sampling=false (or give the reward a weight, lambda_rl > 0)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reasoning_gym_tasks_score_with_their_reward(self) -> RunConfig:
+        fn, procedural = self.generator.reward.fn, self.data.procedural
+        if procedural and ":" not in fn and fn != "reasoning_gym":
+            raise ValueError(
+                f"data.path names reasoning-gym tasks, whose answers only their own scorers "
+                f"read, but generator.reward.fn is {fn!r}; set generator.reward.fn=reasoning_gym"
+            )
+        if procedural and self.data.val_path is not None:
+            raise ValueError(
+                f"data.path names reasoning-gym tasks, which bring their own held-out split, but "
+                f"data.val_path is {self.data.val_path!r}; set data.val_path=null (eval.dataset "
+                "chooses other reasoning-gym tasks to evaluate on)"
+            )
+        if fn == "reasoning_gym" and not procedural:
+            raise ValueError(
+                f"generator.reward.fn=reasoning_gym scores reasoning-gym tasks, but data.path is "
+                f"{self.data.path!r}; set data.path=reasoning_gym:<task>,... or another reward"
             )
         return self
 

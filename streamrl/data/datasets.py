@@ -31,11 +31,13 @@ import hashlib
 import json
 import logging
 import random
+import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from streamrl.data.config import DataConfig
+from streamrl.data.reasoning_gym import REASONING_GYM_PREFIX, reasoning_gym_rows
 from streamrl.data.rows import (
     DatasetError,
     MissingFieldError,
@@ -44,7 +46,7 @@ from streamrl.data.rows import (
     load_rows,
 )
 
-__all__ = ["Prompt", "PromptIterator", "PromptPosition", "PromptSource"]
+__all__ = ["Prompt", "PromptIterator", "PromptPosition", "PromptSource", "task_name"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class Prompt:
     token_ids: list[int]
     ground_truth: str
     messages: tuple[dict[str, str], ...] = ()  # the chat messages `text` renders
+    task: str | None = None  # the row's `data.task_field`, as `task_name` makes it
+    task_level: int | None = None  # its difficulty level (reasoning-gym rows)
 
 
 @dataclass(frozen=True, order=True)
@@ -77,7 +81,9 @@ class PromptSource:
 
     `tokenizer_path` is a model directory or bundled model name (see `resolve_model_path`);
     `tokenizer` (a transformers tokenizer) may be passed instead. `path` overrides
-    `config.path` (e.g. with `config.val_path`).
+    `config.path` (e.g. with `config.val_path`). `rows`: the dataset's rows, read by the caller
+    (a verifiers environment's own dataset, `data.path: verifiers:<split>`:
+    `streamrl.envs.verifiers_data`), in place of reading `path`.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class PromptSource:
         tokenizer: Any = None,
         path: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        rows: list[dict[str, Any]] | None = None,
     ) -> None:
         if tokenizer is None:
             if tokenizer_path is None:
@@ -99,12 +106,17 @@ class PromptSource:
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_path))
         self.config, self.tokenizer = config, tokenizer
         self.path = path or config.path
-        rows = load_rows(
-            self.path,
-            config.format,
-            fields=(config.prompt_field, *config.answer_fields),
-            storage_options=storage_options,
-        )
+        self.procedural = self.path.startswith(REASONING_GYM_PREFIX)
+        if rows is None and self.procedural:
+            rows = reasoning_gym_rows(self.path, config.reasoning_gym)
+        elif rows is None:
+            rows = load_rows(
+                self.path,
+                config.format,
+                fields=(config.prompt_field, *config.answer_fields),
+                optional=() if config.task_field is None else (config.task_field,),
+                storage_options=storage_options,
+            )
         self.num_rows = len(rows)
         self.prompts, self.num_dropped_too_long = self._prepare(rows, tokenizer)
         log.info(
@@ -144,6 +156,30 @@ class PromptSource:
                 f"(data.{option}); the keys of {where} are: {keys}. Set data.{option}=... to "
                 "the right dotted field"
             ) from None
+
+    def prompt_of(self, row: Mapping[str, Any], prompt_id: str) -> Prompt | None:
+        """One more row as a `Prompt` with id `prompt_id`, rendered and tokenised as the
+        dataset's are (a curriculum's prompt at another level); None when it is longer than
+        `max_prompt_len` tokens."""
+        messages, text = self._render(row, 0, self.tokenizer)
+        ids = self.tokenizer(text, add_special_tokens=not self.config.apply_chat_template)
+        ids = list(ids["input_ids"])
+        if not ids or len(ids) > self.config.max_prompt_len:
+            return None
+        answer = self._answer(row, 0)
+        truth = answer if isinstance(answer, str) else json.dumps(answer)
+        level = row.get("extra_info", {}).get("level") if self.procedural else None
+        return Prompt(prompt_id, text, ids, truth, tuple(messages), self._task(row), level)
+
+    def _task(self, row: Mapping[str, Any]) -> str | None:
+        """The row's task (`data.task_field`), made a metric-safe name; None without one."""
+        if self.config.task_field is None:
+            return None
+        try:
+            value = field_value(row, self.config.task_field)
+        except MissingFieldError:
+            return None
+        return task_name(str(value))
 
     def _render(
         self, row: Mapping[str, Any], index: int, tokenizer: Any
@@ -191,6 +227,8 @@ class PromptSource:
         # A chat template writes its own special tokens; plain text gets the tokenizer's (BOS).
         token_ids = tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
         name = dataset_name(self.path)
+        if self.procedural:
+            name = f"reasoning_gym-{cfg.reasoning_gym.split}"
         prompts, dropped = [], 0
         for index, ((messages, text), ids, answer) in enumerate(
             zip(rendered, token_ids, answers, strict=True)
@@ -201,7 +239,11 @@ class PromptSource:
                 dropped += 1
                 continue
             truth = answer if isinstance(answer, str) else json.dumps(answer)
-            prompts.append(Prompt(f"{name}:{index}", text, list(ids), truth, tuple(messages)))
+            task, row = self._task(rows[index]), rows[index]
+            level = row["extra_info"]["level"] if self.procedural and task else None
+            prompts.append(
+                Prompt(f"{name}:{index}", text, list(ids), truth, tuple(messages), task, level)
+            )
         if not prompts:
             raise DatasetError(
                 f"no prompt of {self.path} fits data.max_prompt_len={cfg.max_prompt_len} "
@@ -239,6 +281,14 @@ class PromptSource:
                 "some would get none; use fewer generators (generator.count) or more prompts"
             )
         return PromptIterator(self, shard, num_shards, start or PromptPosition(), skip)
+
+
+def task_name(value: str) -> str:
+    """A row's task as metrics name it (`storage.stream.scored_group.TASK_NAME`): characters
+    other than letters, digits, '_', '.' and '-' become '_' ("openai/gsm8k" → "openai_gsm8k"),
+    at most 64 of them."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", value)[:64]
+    return name if name[:1].isalnum() else f"t{name}"[:64]
 
 
 def fingerprint(prompts: Sequence[Prompt]) -> str:

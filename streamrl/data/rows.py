@@ -105,7 +105,7 @@ def _read_jsonl(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]
 
 
 def _read_parquet(
-    fs: fsspec.AbstractFileSystem, path: str, fields: tuple[str, ...]
+    fs: fsspec.AbstractFileSystem, path: str, fields: tuple[str, ...], optional: tuple[str, ...]
 ) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
@@ -124,6 +124,7 @@ def _read_parquet(
                 f"{path} has no column '{missing[0]}' (columns: {', '.join(names)}); set "
                 "data.prompt_field=... / data.answer_field=... to the right column"
             )
+        columns |= {c for f in optional if (c := f.split(".", 1)[0]) in names}
         return parquet.read(columns=sorted(columns)).to_pylist()
 
 
@@ -132,11 +133,13 @@ def load_rows(
     fmt: str = "auto",
     *,
     fields: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of a dataset: `builtin:NAME`, or a JSONL / Parquet file at a path or fsspec URL.
 
-    `fields` (dotted paths) limits the Parquet columns read to those the caller needs.
+    `fields` (dotted paths) limits the Parquet columns read to those the caller needs, and
+    `optional` adds those it reads where the file has them.
     """
     if path.startswith(BUILTIN_PREFIX):
         name = path.removeprefix(BUILTIN_PREFIX)
@@ -152,7 +155,11 @@ def load_rows(
             f"(local path or URL such as s3://...) or a bundled dataset: "
             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_DATASETS)}"
         )
-    return _read_parquet(fs, fs_path, fields) if fmt == "parquet" else _read_jsonl(fs, fs_path)
+    return (
+        _read_parquet(fs, fs_path, fields, optional)
+        if fmt == "parquet"
+        else _read_jsonl(fs, fs_path)
+    )
 
 
 def dataset_name(path: str) -> str:

@@ -75,10 +75,12 @@ class AgentSpec:
 @dataclass(frozen=True)
 class AgentResult:
     """What the agent returned, checked: its final answer (None: its last assistant message),
-    or its reward."""
+    or its reward; `terms`: named parts of that reward, stored as the group's reward terms (a
+    verifiers rubric's functions: `streamrl.envs.verifiers_env`), None for none."""
 
     final: str | None = None
     reward: float | None = None
+    terms: dict[str, float] | None = None
 
 
 def load_agent(spec: AgentSpec) -> Callable[..., Any]:

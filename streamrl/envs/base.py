@@ -127,6 +127,7 @@ class EnvContext:
     `observation_max_chars` (a step's whole observation), `call_timeout_s`, `memory_mb`: the
     `generator.env` limits, for an environment that must stay inside them (a tool's
     subprocess).
+    `settings`: a built-in environment's own settings (JSON; `openenv`: its relay's address).
     """
 
     reward: RewardFn
@@ -135,6 +136,7 @@ class EnvContext:
     observation_max_chars: int = 4000
     call_timeout_s: float = 60.0
     memory_mb: int = 4096
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Environment:

@@ -11,7 +11,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.base import MAX_SEQUENCE_TOKENS, MAX_WAIT_S, Section
+from streamrl.envs.openenv_config import OpenEnvConfig
 from streamrl.envs.registry import check_agent_name, check_env_name
+from streamrl.envs.verifiers_config import VerifiersConfig
 
 __all__ = ["EnvConfig"]
 
@@ -32,6 +34,17 @@ class EnvConfig(Section):
         "through an OpenAI-compatible endpoint, and every token sampled for it is trained on. "
         "Its limits are this section's (max_turns counts its requests; episode_timeout_s bounds "
         "its whole run). null: episodes run in the environment `fn`.",
+    )
+    openenv: OpenEnvConfig | None = Field(
+        None,
+        description="Run episodes against an OpenEnv environment server (streamrl.envs."
+        "openenv_env): fn becomes 'openenv'. null: no OpenEnv.",
+    )
+    verifiers: VerifiersConfig | None = Field(
+        None,
+        description="A verifiers environment that runs its own rollouts (its client, turns, "
+        "tools and rubric) against the generator's endpoint, as an agent does "
+        "(streamrl.envs.verifiers_env); its rubric's reward is the episode's. null: none.",
     )
     tool_parser: str | None = Field(
         None,
@@ -144,7 +157,15 @@ class EnvConfig(Section):
     def multi_turn(self) -> bool:
         """Whether episodes may go on after the first turn (an agent's, or any environment's
         but single_turn)."""
-        return self.fn != "single_turn" or self.agent is not None
+        return self.fn != "single_turn" or self.episode_agent is not None
+
+    @property
+    def episode_agent(self) -> str | None:
+        """The code that drives episodes through the endpoint, as a user reads it: the agent
+        or the verifiers environment; None when an environment (`fn`) drives them."""
+        if self.verifiers is not None:
+            return f"verifiers environment {self.verifiers.env_id!r} (generator.env.verifiers)"
+        return None if self.agent is None else f"agent {self.agent!r} (generator.env.agent)"
 
     @model_validator(mode="after")
     def _an_agent_or_an_environment(self) -> EnvConfig:
@@ -153,7 +174,32 @@ class EnvConfig(Section):
                 f"generator.env.agent ({self.agent!r}) and generator.env.fn ({self.fn!r}) both "
                 "drive episodes; set one of them (the agent's tools are its own)"
             )
+        if self.verifiers is not None and (self.agent is not None or self.fn != "single_turn"):
+            other = "agent" if self.agent is not None else "fn"
+            raise ValueError(
+                f"generator.env.verifiers ({self.verifiers.env_id!r}) and generator.env.{other} "
+                "both drive episodes; set one of them (the verifiers environment's tools and "
+                "turns are its own)"
+            )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openenv_is_its_environment(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("openenv") is not None:
+            fn = data.get("fn", "single_turn")
+            if fn not in ("single_turn", "openenv"):
+                raise ValueError(
+                    f"generator.env.openenv runs episodes on an OpenEnv server, and "
+                    f"generator.env.fn ({fn!r}) names another environment; set one of them"
+                )
+            data = {**data, "fn": "openenv"}
+        elif isinstance(data, dict) and data.get("fn") == "openenv":
+            raise ValueError(
+                "generator.env.fn 'openenv' needs the generator.env.openenv section (app and "
+                "python, or url): set it, which selects the environment by itself"
+            )
+        return data
 
     @model_validator(mode="after")
     def _a_call_fits_in_its_episode(self) -> EnvConfig:

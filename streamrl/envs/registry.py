@@ -35,6 +35,7 @@ ENVIRONMENTS: Mapping[str, str] = MappingProxyType(
         "python": "streamrl.envs.python_env:PythonEnv",
         "guess": "streamrl.envs.guess:GuessEnv",
         "code_feedback": "streamrl.envs.code_feedback:CodeFeedbackEnv",
+        "openenv": "streamrl.envs.openenv_env:OpenEnvEnvironment",
     }
 )
 """Registered names → import paths (imported only when resolved)."""

@@ -55,6 +55,12 @@ from streamrl.envs.agent import AgentResult, AgentSpec, call_agents, load_agent
 from streamrl.envs.base import EnvContext, Environment, Message, SingleTurnEnv, Step, Task
 from streamrl.envs.formats import TOOL_FORMATS, resolve_tool_format
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError, check_env_name
+from streamrl.envs.verifiers_env import (
+    VerifiersSpec,
+    call_verifiers,
+    check_verifiers_env,
+    load_verifiers,
+)
 from streamrl.envs.worker import (
     EnvSpec,
     EnvValueError,
@@ -74,6 +80,7 @@ from streamrl.rewards.worker import RewardValueError
 
 if TYPE_CHECKING:
     from streamrl.envs.config import EnvConfig
+    from streamrl.envs.openenv_server import OpenEnvService
 
 __all__ = ["EnvRunner", "EnvStats", "Episode", "FinishReason", "Reply", "Scored"]
 
@@ -146,6 +153,7 @@ class Scored:
     finish_reason: FinishReason
     failure: Failure | None = None
     error: str = ""
+    terms: dict[str, float] | None = None  # the reward's named parts (an agent's), unweighted
 
 
 @dataclass
@@ -188,6 +196,7 @@ class EnvRunner:
         self.reward_timeout_s = reward.timeout_s
         self.failed_call_outcome = reward.failed_call_outcome
         self.tool_format = resolve_tool_format(config.tool_format, chat_template)
+        self._openenv = _openenv_service(config)  # the server and relay its workers call
         spec = EnvSpec(
             config.fn,
             reward.spec(),
@@ -195,16 +204,23 @@ class EnvRunner:
             config.observation_max_chars,
             config.call_timeout_s,
             config.memory_mb,
+            self._openenv.settings if self._openenv else None,
         )
         self._inline: Environment | None = None
         self._scorer: RewardScorer | None = None
         self._pool: IsolatedPool | None = None
         if config.multi_turn:  # an agent (`streamrl.envs.agent`) or an environment
-            agent = config.agent
+            agent, loader, what = config.agent, load_environment, spec
+            if config.verifiers is not None:  # `streamrl.envs.verifiers_env`
+                check_verifiers_env(config.verifiers)
+                loader = load_verifiers
+                what = VerifiersSpec.from_config(config.verifiers, config.startup_timeout_s)
+            elif agent is not None:
+                loader, what = load_agent, AgentSpec(agent)
             self._pool = IsolatedPool(
-                load_agent if agent else load_environment,
-                AgentSpec(agent) if agent else spec,
-                subject=f"agent {agent!r}" if agent else f"environment {config.fn!r}",
+                loader,
+                what,
+                subject=config.episode_agent or f"environment {config.fn!r}",
                 setting="generator.env",
                 workers=config.workers,
                 memory_mb=config.memory_mb,
@@ -215,7 +231,7 @@ class EnvRunner:
             )
         else:  # module docstring: inline, scored by the reward's workers
             self._inline = SingleTurnEnv(_inline_context(spec))
-        if self._inline is not None or config.agent is not None:  # the reward scores apart
+        if self._inline is not None or config.episode_agent is not None:  # the reward scores apart
             self._scorer = RewardScorer.from_config(reward)
         self._stats = EnvStats()
         self.stopping = False  # set on stop: calls cut short by it are not failures to report
@@ -251,6 +267,8 @@ class EnvRunner:
 
     def __enter__(self) -> EnvRunner:
         with contextlib.ExitStack() as started:
+            if self._openenv is not None:
+                started.enter_context(self._openenv)
             for workers in self._workers():
                 started.enter_context(workers)
             started.pop_all()
@@ -263,6 +281,8 @@ class EnvRunner:
         """Stop the workers, after the calls already submitted have ended."""
         for workers in self._workers():
             workers.close()
+        if self._openenv is not None:
+            self._openenv.close()
 
     def _workers(self) -> list[IsolatedPool | RewardScorer]:
         """The environment's (or agent's) workers, then the reward's when it scores apart."""
@@ -294,7 +314,7 @@ class EnvRunner:
         the endpoint at `base_url` (`streamrl.envs.agent`), each within `episode_timeout_s`:
         each episode as it ended (`done`, its reward in `state["reward"]` when the agent
         returned one, its answer in `final`), or failed (`env_error`, `timeout`)."""
-        assert self.config.agent is not None, "run_agents() needs generator.env.agent"
+        assert self.config.episode_agent is not None, "run_agents() needs generator.env.agent"
         assert self._pool is not None
         with self._lock:
             self._stats.episodes += len(tokens)
@@ -302,7 +322,8 @@ class EnvRunner:
         # The runs time out in the worker first; the pool's deadline is for a worker that
         # cannot get there (a plain agent stuck in a thread, a worker that stopped answering).
         deadline = limit + AGENT_DEADLINE_GRACE_S
-        outcome = self._pool.submit(call_agents, base_url, tokens, task, limit, timeout_s=deadline)
+        call = call_verifiers if self.config.verifiers is not None else call_agents
+        outcome = self._pool.submit(call, base_url, tokens, task, limit, timeout_s=deadline)
         futures: list[Future[Episode]] = [Future() for _ in tokens]
 
         def ended(outcome: Future[Outcome]) -> None:
@@ -326,6 +347,8 @@ class EnvRunner:
                 continue
             result: AgentResult = run.result
             state = None if result.reward is None else {"reward": result.reward}
+            if result.terms is not None:
+                state = {"reward": result.reward, "terms": result.terms}
             done = dataclasses.replace(episode, state=state, final=result.final or "")
             episodes.append(done.finish("done"))
         return episodes
@@ -358,8 +381,10 @@ class EnvRunner:
         if reason in ("env_error", "timeout"):
             failure: Failure = "timeout" if reason == "timeout" else "error"
             return _resolved(Scored(0.0, rewards, reason, failure, episode.error))
-        if self.config.agent is not None and episode.state is not None:  # its agent's reward
-            return _resolved(Scored(float(episode.state["reward"]), rewards, reason))
+        if self.config.episode_agent is not None and episode.state is not None:  # its reward
+            state = episode.state
+            terms = state.get("terms")
+            return _resolved(Scored(float(state["reward"]), rewards, reason, terms=terms))
         if self._scorer is not None:  # the reward function, in its workers (which log failures)
             task = episode.task
             score = self._scorer.submit(episode.final, task.ground_truth, task.prompt_text)
@@ -472,6 +497,20 @@ class EnvRunner:
             exc_info=exc if with_traceback else None,
         )  # fmt: skip
         return failure
+
+
+def _openenv_service(config: EnvConfig) -> OpenEnvService | None:
+    """The OpenEnv server and relay of `generator.env.openenv`, not started (imported only then:
+    it needs aiohttp)."""
+    if config.openenv is None:
+        return None
+    from streamrl.envs.openenv_server import OpenEnvService
+
+    return OpenEnvService(
+        config.openenv,
+        call_timeout_s=config.call_timeout_s,
+        episode_timeout_s=config.episode_timeout_s,
+    )
 
 
 def _inline_context(spec: EnvSpec) -> EnvContext:

@@ -78,6 +78,7 @@ class EnvSpec:
     observation_max_chars: int
     call_timeout_s: float
     memory_mb: int
+    settings: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def load_environment(spec: EnvSpec) -> Environment:
         observation_max_chars=spec.observation_max_chars,
         call_timeout_s=spec.call_timeout_s,
         memory_mb=spec.memory_mb,
+        settings=spec.settings or {},
     )
     return cls(context)
 

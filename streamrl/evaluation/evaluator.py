@@ -19,9 +19,14 @@ accuracy. Metrics:
                             with an environment: per sampled episode, model turns, tool calls
                             and failed tool calls
     val/tool_use_frac       with an environment: sampled episodes with at least one tool call
+    val/<task>/acc_greedy, val/<task>/pass@1, val/<task>/num_prompts
+                            per task, when the prompts come from two tasks or more (their
+                            `data.task_field`: reasoning-gym tasks, verl's data_source)
 
 The validation prompts (`validation_dataset`): `eval.dataset` when set (fields it leaves unset
-come from `data`), else the `data` section read from `data.val_path`, else — the bundled
+come from `data`), else the `data` section read from `data.val_path`, else for reasoning-gym
+tasks their held-out split (`streamrl.data.reasoning_gym`) and for a verifiers environment's
+dataset its eval split (`verifiers:eval`, `streamrl.envs.verifiers_data`), else — the bundled
 datasets ship no split — the training prompts themselves. The last is no held-out measure: the
 evaluator says so in a warning and in every record (`held_out: false`). The first
 `eval.max_prompts` prompts in file order are used, the same ones for every version.
@@ -46,6 +51,7 @@ from storage.weights.versions import WeightStore, WeightVersionNotFoundError
 from streamrl.config.base import ConfigError
 from streamrl.config.run import RunConfig
 from streamrl.data.config import DataConfig
+from streamrl.data.datasets import Prompt
 from streamrl.evaluation.records import append_eval_record, read_eval_records
 from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.engine import Engine, WeightSource
@@ -81,8 +87,14 @@ def validation_dataset(
         dataset = config.eval.dataset
     if dataset is None and config.data.val_path is not None:
         dataset = config.data.model_copy(update={"path": config.data.val_path, "val_path": None})
+    if dataset is None and config.data.procedural:  # reasoning-gym tasks: their held-out split
+        split = config.data.reasoning_gym.model_copy(update={"split": "eval"})
+        dataset = config.data.model_copy(update={"reasoning_gym": split})
+    if dataset is None and config.data.path == "verifiers:train":  # the environment's eval split
+        dataset = config.data.model_copy(update={"path": "verifiers:eval"})
     if dataset is not None:
-        return dataset, dataset.path != config.data.path
+        held_out = dataset.procedural and dataset.reasoning_gym.split == "eval"
+        return dataset, held_out or dataset.path != config.data.path
     log.warning(
         "no validation set (eval.dataset and data.val_path are unset): evaluating on the "
         "training prompts of %s, which measures no held-out accuracy",
@@ -113,6 +125,7 @@ class Evaluator:
     ) -> None:
         from streamrl.data import PromptSource
         from streamrl.envs.runner import EnvRunner
+        from streamrl.envs.verifiers_data import environment_rows
         from streamrl.models import resolve_model_path
         from streamrl.rewards import check_reward_name
 
@@ -121,7 +134,11 @@ class Evaluator:
         self.dataset, self.held_out = validation_dataset(config, dataset)
         model_path = resolve_model_path(config.model.path)
         check_reward_name(config.generator.reward.fn)  # user code runs in the workers only
-        source = PromptSource(self.dataset, tokenizer_path=config.model.tokenizer or model_path)
+        source = PromptSource(
+            self.dataset,
+            tokenizer_path=config.model.tokenizer or model_path,
+            rows=environment_rows(self.dataset.path, config.generator.env),
+        )
         self.prompts = source.prompts[: max_prompts or config.eval.max_prompts]
         config.generator.reward.check_ground_truths(
             ((p.prompt_id, p.ground_truth) for p in self.prompts),
@@ -191,6 +208,7 @@ class Evaluator:
                 sampled, k, lambda r: [t.sampled for t in r.transcripts]
             ),
         }
+        metrics |= _per_task(self.prompts, correct, samples)
         if self.episodes:  # what the agent did, per sampled episode
             for name, field in (("turns", "turns"), ("tool_calls", "tool_calls"),
                                 ("tool_errors", "tool_errors")):  # fmt: skip
@@ -234,6 +252,21 @@ class Evaluator:
             "dataset": self.dataset.path,
             "held_out": self.held_out,
         }
+
+
+def _per_task(prompts: list[Prompt], greedy: np.ndarray, samples: np.ndarray) -> dict[str, float]:
+    """`val/<task>/acc_greedy`, `/pass@1` and `/num_prompts` for each task of the prompts, when
+    they come from two tasks or more (`greedy`: [n] bool; `samples`: [n, k] bool)."""
+    tasks = sorted({p.task for p in prompts if p.task is not None})
+    if len(tasks) < 2:
+        return {}
+    metrics = {}
+    for task in tasks:
+        mine = np.array([p.task == task for p in prompts])
+        metrics[f"val/{task}/acc_greedy"] = float(greedy[mine].mean())
+        metrics[f"val/{task}/pass@1"] = float(samples[mine].mean())
+        metrics[f"val/{task}/num_prompts"] = float(mine.sum())
+    return metrics
 
 
 def _correct(rollout: Rollout | None, count: int) -> list[bool]:

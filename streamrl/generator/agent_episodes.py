@@ -101,7 +101,11 @@ class AgentGroups:
         self, config: RunConfig, engine: Engine, runner: EnvRunner, renderer: ChatRenderer
     ) -> None:
         self.engine, self.runner = engine, runner
-        self.agent = config.generator.env.agent
+        env = config.generator.env
+        self.agent = (  # as warnings name it
+            f"agent {env.agent!r}" if env.verifiers is None
+            else f"verifiers environment {env.verifiers.env_id!r}"
+        )  # fmt: skip
         self.failed_call_outcome = config.generator.reward.failed_call_outcome
         # Each agent's client holds a connection; twice the episodes that may run at once leaves
         # room for those closing, and for the agents' starts.
@@ -268,7 +272,7 @@ class AgentGroups:
         """One warning for a group's runs that failed or sampled nothing, saying what becomes
         of them (module docstring); none when every run sampled and ran through."""
         if not any(run.sampled for run in runs):
-            log.warning("agent %r: no run on prompt %s sampled a turn, so its group is dropped "
+            log.warning("%s: no run on prompt %s sampled a turn, so its group is dropped "
                         "(%s)", self.agent, prompt.prompt_id, _tally(runs))  # fmt: skip
             return
         parts = []
@@ -279,7 +283,7 @@ class AgentGroups:
             parts.append(f"{len(failed)} failed after sampling ({_tally(failed)}): "
                          f"{self.failed_call_outcome}")  # fmt: skip
         if parts:
-            log.warning("agent %r, prompt %s: %s", self.agent, prompt.prompt_id, "; ".join(parts))
+            log.warning("%s, prompt %s: %s", self.agent, prompt.prompt_id, "; ".join(parts))
 
 
 def _refuse(

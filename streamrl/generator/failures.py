@@ -130,10 +130,10 @@ class UserCodeWatch:
 
     def __init__(self, generator: GeneratorConfig) -> None:
         env, reward = generator.env, generator.reward
-        self.agent = env.agent
-        self.environment = env.multi_turn and env.agent is None
-        if env.agent is not None:
-            self.episode_code = f"agent {env.agent!r} (generator.env.agent)"
+        self.agent = env.episode_agent
+        self.environment = env.multi_turn and env.episode_agent is None
+        if env.episode_agent is not None:
+            self.episode_code = env.episode_agent
         else:
             self.episode_code = f"environment {env.fn!r} (generator.env.fn)"
         if self.environment:  # its own `score`: by default the reward, in its workers
@@ -162,7 +162,7 @@ class UserCodeWatch:
         if self._unsampled_in_a_row >= MAX_UNSAMPLED_GROUPS_IN_A_ROW:
             whys = "; ".join(f"{n}× {why}" for why, n in self._unsampled_why.most_common(3))
             raise AgentSamplesNothingError(
-                f"no run of agent {self.agent!r} sampled a turn in the last "
+                f"no run of {self.agent} sampled a turn in the last "
                 f"{self._unsampled_in_a_row} groups ({whys}). An agent must call "
                 "client.chat.completions.create on the client it is given, with requests the "
                 "endpoint serves (docs/agents.md)"

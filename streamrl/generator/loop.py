@@ -46,6 +46,7 @@ from storage.weights.follower import Advance
 from storage.weights.versions import WeightStore
 from streamrl.config.run import RunConfig
 from streamrl.data import PromptIterator
+from streamrl.data.curriculum import Curriculum
 from streamrl.envs.runner import EnvRunner
 from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.flow_control import FlowGate
@@ -90,12 +91,14 @@ class GeneratorLoop:
         before_commit: Callable[[], object] | None = None,
         teacher: Teacher | None = None,
         terms: Sequence[ModelTermScorer] = (),
+        curriculum: Curriculum | None = None,
     ) -> None:
         """`runner`: the environment's (`generator.env`), open. `before_commit` runs before
         every commit and raises when this generator may no longer write (its index was taken
         over: `streamrl.generator.index.GeneratorIndex.check`). `teacher`: the run's
         (`generator.teacher`), `terms`: the reward's model terms (`generator.reward.models`),
-        their clients open."""
+        their clients open. `curriculum`: the tasks' levels (`data.reasoning_gym.curriculum`),
+        each prompt drawn at its task's level and each group counted towards it."""
         self.config = config
         self.run_location = run
         self.engine = engine
@@ -110,6 +113,7 @@ class GeneratorLoop:
         self.records = GroupRecords(config, generator_id, self.stats)
         self.ledger = ledger or PromptLedger(prompts)
         self.before_commit = before_commit
+        self.curriculum = curriculum
         self._next_key = 0
         self._corrupt_versions: set[int] = set()
         self._failed_in_a_row = 0  # groups whose every reward call failed
@@ -154,7 +158,10 @@ class GeneratorLoop:
             position = self.prompts.position
             key = f"g{self._next_key}"
             self._next_key += 1
-            self.episodes.start(next(self.prompts), key)
+            prompt = next(self.prompts)
+            if self.curriculum is not None:
+                prompt = self.curriculum.prompt(prompt)
+            self.episodes.start(prompt, key)
             self.ledger.take(key, position)
         if self.engine.num_in_flight:
             finished = self.engine.step()
@@ -200,7 +207,10 @@ class GeneratorLoop:
                 continue
             taught = self._teacher_scores(rollout)
             if taught is not False:
-                self.writer.append(self.records.group(rollout, scored, taught, terms or None))
+                group = self.records.group(rollout, scored, taught, terms or None)
+                self.writer.append(group)
+                if self.curriculum is not None:
+                    self.curriculum.observe(group)
         while self.episodes.dropped:  # dropped on purpose: as good as collected
             self.ledger.collected(self.episodes.dropped.pop())
         self._count_judge_verdicts()
@@ -283,7 +293,8 @@ class GeneratorLoop:
         record = self.writer.flush()
         if record is not None:
             self.stats.segments += 1
-            self.ledger.committed(paused_s=self._gate.paused_s)
+            levels = None if self.curriculum is None else self.curriculum.levels
+            self.ledger.committed(paused_s=self._gate.paused_s, task_levels=levels)
             self._gate.committed(record.num_groups)
             if self.stats.segments == 1:  # the learner's first step needs them
                 progress_log.info("first %d groups committed", record.num_groups)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.fs import Location
 from storage.stream.writer import StreamWriter
@@ -22,6 +22,10 @@ from streamrl.generator.loop import GeneratorLoop
 from streamrl.generator.records import GeneratorStats
 from streamrl.scorers.teacher import Teacher
 from streamrl.scorers.terms import ModelTermScorer
+
+if TYPE_CHECKING:
+    from streamrl.data import PromptSource
+    from streamrl.data.curriculum import Curriculum
 
 __all__ = ["build_generator", "run_generator"]
 
@@ -77,6 +81,7 @@ def _build(
     from storage.weights.versions import WeightStore
     from streamrl.data import PromptPosition, PromptSource
     from streamrl.envs.runner import EnvRunner
+    from streamrl.envs.verifiers_data import environment_rows
     from streamrl.generator.engine import Engine, WeightSource, generator_seed
     from streamrl.generator.progress import PromptLedger, resume_prompts
     from streamrl.models import resolve_model_path
@@ -84,7 +89,11 @@ def _build(
     started = time.monotonic()
     cfg = config.generator
     model_path = resolve_model_path(config.model.path)
-    source = PromptSource(config.data, tokenizer_path=config.model.tokenizer or model_path)
+    source = PromptSource(
+        config.data,
+        tokenizer_path=config.model.tokenizer or model_path,
+        rows=environment_rows(config.data.path, cfg.env),  # a verifiers environment's own
+    )
     cfg.reward.check_ground_truths(
         ((p.prompt_id, p.ground_truth) for p in source.prompts),
         ", ".join(config.data.answer_fields),
@@ -144,10 +153,23 @@ def _build(
             before_commit=before_commit,
             teacher=teacher,
             terms=terms,
+            curriculum=_curriculum(config, source, progress.task_levels),
         )
         stack.callback(loop.episodes.close)
         loop.skip_unusable_weights(weights)
         yield loop
+
+
+def _curriculum(
+    config: RunConfig, source: PromptSource, levels: dict[str, int]
+) -> Curriculum | None:
+    """The tasks' curriculum (`data.reasoning_gym.curriculum`), at the levels an earlier life
+    committed; None without one."""
+    from streamrl.data.curriculum import Curriculum
+
+    if not (source.procedural and config.data.reasoning_gym.curriculum is not None):
+        return None
+    return Curriculum(source, config.data.reasoning_gym, levels)
 
 
 def _scorers(

@@ -13,6 +13,7 @@ segment's prompts (at most `segment_groups` of them); nothing is ever skipped.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 from storage.control.progress import GeneratorProgress, read_progress, write_progress
@@ -93,9 +94,12 @@ class PromptLedger:
         """`request_id`'s group went to the stream writer (or was dropped on purpose)."""
         self._collected.append(self._taken.pop(request_id))
 
-    def committed(self, paused_s: float = 0.0) -> GeneratorProgress | None:
+    def committed(
+        self, paused_s: float = 0.0, task_levels: Mapping[str, int] | None = None
+    ) -> GeneratorProgress | None:
         """Everything collected is now in a committed segment: update (and, with a run,
-        write) the progress record; `paused_s` is this life's time paused by flow control."""
+        write) the progress record; `paused_s` is this life's time paused by flow control,
+        `task_levels` its curriculum's levels (None: as recorded)."""
         self._committed.update(self._collected)
         self._collected = []
         first = min(self._taken.values(), default=self.prompts.position)
@@ -108,6 +112,7 @@ class PromptLedger:
             committed_after=tuple((p.epoch, p.offset) for p in sorted(self._committed)),
             paused_s=self._paused_before + paused_s,
             updated_at=time.time(),
+            task_levels=self.progress.task_levels if task_levels is None else dict(task_levels),
         )
         if self.run is not None:
             write_progress(self.run, self.progress)

@@ -96,6 +96,9 @@ class GroupRecords:
         algorithm = self.config.algorithm
         rule = torch.tensor([s.reward for s in scored], dtype=torch.float32)
         rewards, raw, reward_terms = self._combined(rule, terms)
+        if named := _agent_terms(scored):  # stored beside the reward, never weighted into it
+            reward_terms = reward_terms or {self.config.generator.reward.rule_term: rewards.numpy()}
+            reward_terms = {**reward_terms, **named}
         lengths = torch.tensor([len(t) for t in tokens])
         if algorithm.overlong.shaping:
             rewards = rewards + overlong_penalty(
@@ -151,6 +154,8 @@ class GroupRecords:
             teacher_logprobs=teacher.logprobs if teacher is not None else None,
             teacher_seconds=teacher.seconds if teacher is not None else None,
             reward_terms=reward_terms,
+            task=rollout.prompt.task,
+            task_level=rollout.prompt.task_level,
         )
 
     def _combined(
@@ -172,6 +177,16 @@ class GroupRecords:
         correct = reward.correctness_term
         raw = rule if correct == reward.rule_term else values[correct]
         return total, raw, {name: v.numpy() for name, v in values.items()}
+
+
+def _agent_terms(scored: list[Scored]) -> dict[str, np.ndarray]:
+    """The named parts of the episodes' rewards (a verifiers rubric's functions), term name →
+    `[G]` values; 0 for an episode that has none (it failed)."""
+    names = sorted({name for s in scored for name in (s.terms or {})})
+    return {
+        name: np.array([(s.terms or {}).get(name, 0.0) for s in scored], dtype=np.float32)
+        for name in names
+    }
 
 
 def _turn_rewards(rewards: tuple[float | None, ...], turns: int) -> np.ndarray:

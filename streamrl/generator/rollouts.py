@@ -160,7 +160,7 @@ class EpisodeDriver:
             ChatRenderer(engine.tokenizer, config.model.path) if self.env.multi_turn else None
         )
         self.agents: AgentGroups | None = None  # a user's agent drives the episodes
-        if self.env.agent is not None:
+        if self.env.episode_agent is not None:
             assert self.renderer is not None
             self.agents = AgentGroups(config, engine, runner, self.renderer)
         self._resets: list[_Reset] = []

@@ -308,12 +308,13 @@ class MetricsReporter:
             if "opd/reverse_kl" in metrics:  # on-policy distillation: the student's gap
                 agent += f" rkl {metrics['opd/reverse_kl']:.4f}"
             log.info(
-                "step %d/%d: reward %+.3f acc %.3f len %.0f%s loss %.4f staleness %.2f "
+                "step %d/%d: reward %+.3f acc %.3f%s len %.0f%s loss %.4f staleness %.2f "
                 "%.0f tok/s %.0fs v%d",
                 step,
                 self.total_steps,
                 reward,
                 acc,
+                task_accuracies(metrics),
                 metrics.get("rollout/response_len_mean", float("nan")),
                 agent,
                 metrics.get("actor/pg_loss", float("nan")),
@@ -413,6 +414,21 @@ class MetricsReporter:
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.close(failed=exc_type is not None)
+
+
+def task_accuracies(metrics: dict[str, Any], prefix: str = "task", shown: int = 6) -> str:
+    """ " (leg_counting 0.41, letter_counting 0.22)": each task's accuracy (`<prefix>/<task>/acc`)
+    when the metrics have two tasks or more, the first `shown` of them; "" otherwise."""
+    tasks = {
+        key.removeprefix(f"{prefix}/").removesuffix("/acc"): value
+        for key, value in metrics.items()
+        if key.startswith(f"{prefix}/") and key.endswith("/acc")
+    }
+    if len(tasks) < 2:
+        return ""
+    parts = [f"{task} {value:.2f}" for task, value in sorted(tasks.items())[:shown]]
+    more = f", +{len(tasks) - shown} more" if len(tasks) > shown else ""
+    return f" ({', '.join(parts)}{more})"
 
 
 def _plain(value: Any) -> Any:

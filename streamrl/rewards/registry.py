@@ -1,7 +1,8 @@
 """Reward functions by name: the registered ones, or a user's by import path.
 
 `generator.reward.fn` is either a registered name (`REWARD_FUNCTIONS`: math, format,
-math_format; `code`, which takes its settings from `generator.reward.code`) or
+math_format, reasoning_gym (`streamrl.rewards.reasoning_gym`); `code`, which takes its
+settings from `generator.reward.code`) or
 `package.module:function`. A worker loads a `RewardSpec`: the name and those settings. A user
 function must be importable in a fresh process — scorer workers are spawned and resolve the
 name there — so it has to live at module level in a module on the Python path; there is
@@ -26,6 +27,7 @@ from streamrl.isolation.user_code import import_object, refuse_unknown_name, spl
 from streamrl.rewards.code.config import CodeRewardConfig
 from streamrl.rewards.code.reward import CodeReward
 from streamrl.rewards.math import format_reward, load_math_verify, math_format_reward, math_reward
+from streamrl.rewards.reasoning_gym import load_reasoning_gym, reasoning_gym_reward
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -57,7 +59,12 @@ class RewardFn(Protocol):
 
 
 REWARD_FUNCTIONS: Mapping[str, RewardFn] = MappingProxyType(
-    {"math": math_reward, "format": format_reward, "math_format": math_format_reward}
+    {
+        "math": math_reward,
+        "format": format_reward,
+        "math_format": math_format_reward,
+        "reasoning_gym": reasoning_gym_reward,
+    }
 )
 CONFIGURED_REWARDS = ("code",)
 """Registered rewards built from their settings when a worker loads them."""
@@ -154,7 +161,11 @@ def _registered(spec: RewardSpec) -> RewardFn:
     if name == "code":
         return _code_reward(spec)
     if name in REWARD_FUNCTIONS:
-        load_math_verify()  # at resolution (a worker's startup), not in its first call's time
+        # at resolution (a worker's startup), not in its first call's time
+        try:
+            load_reasoning_gym() if name == "reasoning_gym" else load_math_verify()
+        except ImportError as missing:
+            raise RewardResolutionError(str(missing)) from None
         return REWARD_FUNCTIONS[name]
     _refuse_unknown(name)
 

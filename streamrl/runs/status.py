@@ -47,7 +47,7 @@ from storage.control.lease import lives
 from storage.control.manifest import open_run
 from storage.control.requests import stop_requested
 from storage.fs import Location, StorageError
-from storage.stream.records import CommitRecord, Cursor
+from storage.stream.records import CommitRecord, Cursor, RolloutSums
 from storage.stream.writer import quarantined, read_log
 from storage.weights.versions import WeightStore
 from streamrl.config.stored import read_current_config
@@ -115,6 +115,8 @@ class StreamStatus:
     reward_dropped_groups: int = 0
     judge_verdicts: int = 0
     judge_unparsed: int = 0
+    tasks: tuple[tuple[str, int, int], ...] = ()
+    """Per task, in name order: (task, responses, correct ones), over every commit."""
     groups_before: tuple[int, ...] = field(default=(0,), repr=False)
 
     @property
@@ -318,7 +320,24 @@ def read_stream(run: Location, *, since: StreamStatus | None = None) -> StreamSt
         + sum(r.reward_dropped_groups for r in records),
         judge_verdicts=tally.judge_verdicts + sum(r.judge_verdicts for r in records),
         judge_unparsed=tally.judge_unparsed + sum(r.judge_unparsed for r in records),
+        tasks=_tasks(tally.tasks, records),
         groups_before=tuple(groups_before),
+    )
+
+
+def _tasks(
+    seen: tuple[tuple[str, int, int], ...], records: list[CommitRecord]
+) -> tuple[tuple[str, int, int], ...]:
+    """`seen`'s per-task counts with those of `records` added."""
+    sums = RolloutSums(
+        task_responses={task: n for task, n, _ in seen},
+        task_correct={task: c for task, _, c in seen},
+    )
+    for record in records:
+        if record.rollout is not None:
+            sums.merge(record.rollout)
+    return tuple(
+        (task, n, sums.task_correct.get(task, 0)) for task, n in sorted(sums.task_responses.items())
     )
 
 

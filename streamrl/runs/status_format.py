@@ -150,6 +150,13 @@ def _rows(s: RunStatus) -> Iterator[tuple[str, str]]:
             ),
         )
     yield from _metrics_rows(s)
+    for i, (task, responses, correct) in enumerate(st.tasks):
+        last = s.last_metrics.get(f"task/{task}/acc") if s.last_metrics else None
+        recent = f", last step {last:.3f}" if _num(last) else ""
+        yield (
+            "tasks" if i == 0 else "",
+            f"{task}: acc {correct / max(responses, 1):.3f} over {responses} responses{recent}",
+        )
     if not st.generators:
         yield "generators", "none has committed yet"
     for g in st.generators:

@@ -152,7 +152,7 @@ def test_math_format_reward(response: str, ground_truth: str, expected: float) -
 
 
 def test_registered_names_resolve_to_their_functions() -> None:
-    assert registered_rewards() == ["code", "format", "math", "math_format"]
+    assert registered_rewards() == ["code", "format", "math", "math_format", "reasoning_gym"]
     assert resolve_reward("math") is math_reward
     assert resolve_reward("format") is format_reward
     assert resolve_reward("math_format") is math_format_reward

@@ -1,0 +1,36 @@
+"""The OpenEnv virtualenv of the OpenEnv tests, built once under the repository's
+`.cache/openenv-venv` from PyPI alone (`openenv-core`, `textarena`: a few minutes).
+
+The environment they serve, `guess_env` (TextArena's GuessTheNumber-v0 written as an OpenEnv
+environment package), lives in `tests/openenv_envs`; a `.pth` file puts that directory on the
+virtualenv's path, as an environment package installed there would be.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+VENV = ROOT / ".cache" / "openenv-venv"
+ENVS = ROOT / "tests" / "openenv_envs"
+REQUIREMENTS = ["openenv-core==0.3.0", "textarena==0.7.4"]
+READY = VENV / f".ready-{'-'.join(r.replace('==', '-') for r in REQUIREMENTS)}"
+
+
+@pytest.fixture(scope="session")
+def openenv_python() -> str:
+    """The OpenEnv virtualenv's interpreter, with `tests/openenv_envs` on its path."""
+    python = VENV / "bin" / "python"
+    if not READY.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
+        install = [str(python), "-m", "pip", "install", "-q", *REQUIREMENTS]
+        subprocess.run(install, check=True, timeout=1200)
+        READY.touch()
+    where = [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    purelib = subprocess.run(where, capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "streamrl_test_openenv_envs.pth").write_text(f"{ENVS}\n")
+    return str(python)

@@ -1,0 +1,1 @@
+"""The guess_env server: its `Environment` (`environment.py`) and ASGI app (`app.py`)."""
