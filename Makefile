@@ -1,6 +1,7 @@
 # streamrl — one-command setup, tests and lint.
 #   make demo    set up if needed, then a DAPO run of SmolLM2-135M on bundled math (STEPS=16;
-#                TASK=code: Python problems scored by their tests in the box; ENV=calculator:
+#                TASK=code: Python problems scored by their tests in the box; TASK=reasoning-gym:
+#                a mixture of reasoning-gym tasks scored by their own scorers; ENV=calculator:
 #                episodes with the calculator tool, ENV=code_feedback (with TASK=code): a code
 #                agent that sees its failed tests; LORA=1: LoRA adapters; RECIPE=calculator-agent:
 #                a supervised warm start, then RL, evaluation and export, one stage after another)

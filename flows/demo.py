@@ -110,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--generators", type=int, default=1)
     parser.add_argument("--size", default="smollm2-cpu", help="size preset (tiny-cpu: minutes)")
     parser.add_argument(
-        "--task", default=None, help="a task preset: its data and reward (code: Python problems)"
+        "--task",
+        default=None,
+        help="a task preset: its data and reward (code: Python problems; reasoning-gym: a "
+        "mixture of reasoning-gym tasks)",
     )
     parser.add_argument(
         "--env",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from streamrl.config.base import MAX_WAIT_S, Section
+from streamrl.envs.worker_envs import default_interpreter
 
 __all__ = ["OpenEnvConfig"]
 
@@ -27,8 +28,9 @@ class OpenEnvConfig(Section):
     )
     python: str | None = Field(
         None,
-        description="The interpreter of the virtualenv the OpenEnv packages are installed in "
-        "(e.g. '.venv-openenv/bin/python'); needed with `app`.",
+        description="The interpreter of the virtualenv the OpenEnv packages and the "
+        "environment's are installed in; null: the OpenEnv worker environment's "
+        "(<cache>/streamrl/worker-envs/openenv-<version>, `streamrl worker-env openenv`).",
     )
     url: str | None = Field(
         None,
@@ -87,11 +89,6 @@ class OpenEnvConfig(Section):
                 "generator.env.openenv needs exactly one of app (a server the generator starts, "
                 "with python: its virtualenv's interpreter) or url (a server already running)"
             )
-        if self.app is not None and self.python is None:
-            raise ValueError(
-                "generator.env.openenv.app needs python: the interpreter of the virtualenv the "
-                "OpenEnv package is installed in (e.g. .venv-openenv/bin/python)"
-            )
         if self.app is not None and ":" not in self.app:
             raise ValueError(
                 f"generator.env.openenv.app ({self.app!r}) must look like 'package.module:app'"
@@ -102,6 +99,11 @@ class OpenEnvConfig(Section):
                 f"generator.env.openenv.reward_range {self.reward_range} needs low < high"
             )
         return self
+
+    @property
+    def interpreter(self) -> str:
+        """The server's Python: `python`, else the default OpenEnv worker environment's."""
+        return self.python or str(default_interpreter("openenv"))
 
     @property
     def module(self) -> str | None:

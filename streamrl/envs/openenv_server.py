@@ -17,7 +17,8 @@ Each reset opens a WebSocket session (`{"type": "reset" | "step", "data": ...}` 
 `{"type": "observation" | "error", "data": ...}`); a session's calls run one at a time, a
 finished episode's session is closed, and one idle past the episode time limit (its worker was
 killed mid-call) is closed by a reaper. Every failure — the server down, closing the session,
-answering an error or nothing within `call_timeout_s` — is answered with status 502 and
+answering an error or nothing within `call_timeout_s` (and `RELAY_MARGIN_S`, so that the
+worker's own deadline ends a hung call first, as a `timeout`) — is answered with status 502 and
 `{"error": why}`; the environment raises it, an env_error of its episode.
 
 The server: with `openenv.app`, the relay thread starts `python -m uvicorn <app>` from the
@@ -54,11 +55,16 @@ from aiohttp import web
 
 from streamrl.envs.openenv_config import OpenEnvConfig
 from streamrl.envs.registry import EnvLoadError, EnvResolutionError
+from streamrl.envs.worker_envs import WORKER_ENV_TOOLS, worker_env_command
 from streamrl.isolation.lifetime import dying_with_parent
 
-__all__ = ["MAX_MESSAGE_BYTES", "OpenEnvService"]
+__all__ = ["MAX_MESSAGE_BYTES", "RELAY_MARGIN_S", "OpenEnvService", "check_openenv"]
 
 log = logging.getLogger(__name__)
+
+RELAY_MARGIN_S = 5.0
+"""How much longer than `call_timeout_s` the relay waits for the server: the worker's deadline
+ends a hung call first (a `timeout`), the relay's only frees the session."""
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 """Largest message the relay takes from the server or a worker (an observation or an action)."""
@@ -117,8 +123,7 @@ class OpenEnvService:
         return len(self._sessions)
 
     def __enter__(self) -> OpenEnvService:
-        if self.config.app is not None:
-            self._check_installed()
+        check_openenv(self.config)
         self._thread = threading.Thread(target=self._run, name="openenv-relay", daemon=True)
         self._thread.start()
         try:
@@ -146,46 +151,15 @@ class OpenEnvService:
 
     # -- the server process ------------------------------------------------------------------
 
-    def _check_installed(self) -> None:
-        """Fail before start on a missing interpreter or package, naming the install command."""
-        python, module = self.config.python, self.config.module
-        install = (
-            f"{python} -m pip install openenv-core uvicorn <the package of {module}> (an OpenEnv "
-            "environment, e.g. 'openenv-textarena @ git+https://github.com/meta-pytorch/OpenEnv"
-            "#subdirectory=envs/textarena_env')"
-        )
-        if not (python and os.access(python, os.X_OK)):
-            raise EnvResolutionError(
-                f"generator.env.openenv.python {python!r} is no interpreter; make a virtualenv "
-                f"for OpenEnv (python3 -m venv .venv-openenv) and run: {install}"
-            )
-        probe = (
-            "import importlib.util as u, sys\n"
-            "missing = [m for m in sys.argv[1:] if u.find_spec(m.split('.')[0]) is None\n"
-            "           or u.find_spec(m) is None]\n"
-            "print(' '.join(missing))"
-        )
-        found = subprocess.run(
-            [python, "-c", probe, str(module), "uvicorn"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        missing = found.stdout.split()
-        if found.returncode != 0 or missing:
-            raise EnvResolutionError(
-                f"generator.env.openenv: {', '.join(missing) or found.stderr[-300:]} not "
-                f"importable by {python}; install it with: {install}"
-            )
-
     def _start_server(self) -> None:
         """Start the server on a socket bound here (no port race), in this thread (the kernel's
         parent-death signal follows the thread that started the child)."""
-        assert self.config.python is not None
         assert self.config.app is not None
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(1024)
         port = listener.getsockname()[1]
-        argv = [self.config.python, "-m", "uvicorn", self.config.app]
+        argv = [self.config.interpreter, "-m", "uvicorn", self.config.app]
         argv += ["--fd", str(listener.fileno()), "--log-level", "warning", "--ws-max-size"]
         argv += [str(MAX_MESSAGE_BYTES)]
         env = {k: os.environ[k] for k in _KEPT_ENVIRONMENT if k in os.environ}
@@ -313,13 +287,12 @@ class OpenEnvService:
             session.used_at = time.monotonic()
             try:
                 answer = await asyncio.wait_for(
-                    _call(session.ws, kind, data), timeout=self.call_timeout_s
+                    _call(session.ws, kind, data), timeout=self.call_timeout_s + RELAY_MARGIN_S
                 )
             except TimeoutError:
                 await self._drop(episode)
-                return _failed(
-                    f"the OpenEnv server did not answer a {kind} in {self.call_timeout_s:g} s"
-                )
+                limit = self.call_timeout_s + RELAY_MARGIN_S
+                return _failed(f"the OpenEnv server did not answer a {kind} in {limit:g} s")
             except (RelayError, aiohttp.ClientError, OSError) as error:
                 await self._drop(episode)
                 return _failed(f"the OpenEnv server failed a {kind}: {error}")
@@ -366,6 +339,39 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text="a JSON object is expected")
     return body
+
+
+def check_openenv(config: OpenEnvConfig) -> None:
+    """Fail before start on a missing interpreter or package of a server the generator starts
+    (`openenv.app`), naming the install command; a server at `openenv.url` is not checked."""
+    if config.app is None:
+        return
+    python, module = config.interpreter, config.module
+    location = None if config.python is None else Path(python).parent.parent
+    install = worker_env_command(
+        WORKER_ENV_TOOLS["openenv"][0], location, f"<the package of {module}>", "openenv"
+    )
+    if not os.access(python, os.X_OK):
+        raise EnvResolutionError(
+            f"generator.env.openenv: there is no OpenEnv worker environment with the Python "
+            f"{python}; create it with `{install}`"
+        )
+    probe = (
+        "import importlib.util as u, sys\n"
+        "missing = [m for m in sys.argv[1:] if u.find_spec(m.split('.')[0]) is None\n"
+        "           or u.find_spec(m) is None]\n"
+        "print(' '.join(missing))"
+    )
+    found = subprocess.run(
+        [python, "-c", probe, str(module), "uvicorn"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    missing = found.stdout.split()
+    if found.returncode != 0 or missing:
+        raise EnvResolutionError(
+            f"generator.env.openenv: {', '.join(missing) or found.stderr[-300:]} not "
+            f"importable by {python}; install it with `{install}`"
+        )
 
 
 def _failed(why: str, status: int = 502) -> web.Response:

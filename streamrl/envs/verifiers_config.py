@@ -14,11 +14,12 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.base import Section
-from streamrl.envs.worker_envs import default_worker_env
+from streamrl.envs.worker_envs import WORKER_ENV_TOOLS, default_worker_env
 
 __all__ = ["DEFAULT_VERIFIERS_VERSION", "VerifiersConfig"]
 
-DEFAULT_VERIFIERS_VERSION = "0.3.1"  # the newest verifiers with load_environment (0.4.0: v1 only)
+DEFAULT_VERIFIERS_VERSION = WORKER_ENV_TOOLS["verifiers"][0]
+"""The newest verifiers with `load_environment` (0.4.0 holds only its v1 stack)."""
 _ENV_ID = re.compile(r"[A-Za-z0-9_.\-/@]{1,200}")
 
 

@@ -24,7 +24,9 @@ import venv
 from pathlib import Path
 
 __all__ = [
+    "WORKER_ENV_TOOLS",
     "create_worker_env",
+    "default_interpreter",
     "default_worker_env",
     "interpreter",
     "worker_env_command",
@@ -53,10 +55,24 @@ def interpreter(location: Path) -> Path:
     return location / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
 
 
-def worker_env_command(version: str, location: Path | None, package: str) -> str:
+WORKER_ENV_TOOLS = {
+    "verifiers": ("0.3.1", ["verifiers=={version}"]),
+    "openenv": ("0.3.0", ["openenv-core=={version}", "uvicorn"]),
+}
+"""Each ecosystem's worker environment: its default version and what it installs at a version."""
+
+
+def default_interpreter(tool: str) -> Path:
+    """The Python of `tool`'s worker environment at its default version and location."""
+    return interpreter(default_worker_env(tool, WORKER_ENV_TOOLS[tool][0]))
+
+
+def worker_env_command(
+    version: str, location: Path | None, package: str, tool: str = "verifiers"
+) -> str:
     """The command that creates the worker environment (for error messages)."""
     where = f" --path {location}" if location is not None else ""
-    return f"streamrl worker-env verifiers --version {version}{where} --package {package}"
+    return f"streamrl worker-env {tool} --version {version}{where} --package {package}"
 
 
 def probe_verifiers_env(location: Path, env_id: str) -> dict[str, object] | str:
@@ -76,14 +92,15 @@ def probe_verifiers_env(location: Path, env_id: str) -> dict[str, object] | str:
     return found if isinstance(found, dict) else f"its Python {python} answered {found!r:.80}"
 
 
-def create_worker_env(location: Path, version: str, packages: list[str]) -> Path:
-    """Create (or update) the verifiers worker environment at `location`: a venv with
-    `verifiers==version` and `packages` (pip requirement specifiers or paths). Returns its
-    Python."""
+def create_worker_env(
+    location: Path, version: str, packages: list[str], tool: str = "verifiers"
+) -> Path:
+    """Create (or update) `tool`'s worker environment at `location`: a venv with the tool at
+    `version` (`WORKER_ENV_TOOLS`) and `packages` (pip requirement specifiers or paths).
+    Returns its Python."""
     if not interpreter(location).is_file():
         venv.EnvBuilder(with_pip=True, clear=False).create(location)
     python = interpreter(location)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", f"verifiers=={version}", *packages], check=True
-    )
+    requirements = [r.format(version=version) for r in WORKER_ENV_TOOLS[tool][1]]
+    subprocess.run([str(python), "-m", "pip", "install", *requirements, *packages], check=True)
     return python

@@ -1,5 +1,6 @@
 """The OpenEnv virtualenv of the OpenEnv tests, built once under the repository's
-`.cache/openenv-venv` from PyPI alone (`openenv-core`, `textarena`: a few minutes).
+`.cache/openenv-venv` from PyPI alone, as `streamrl worker-env openenv --package textarena`
+does (`openenv-core`, `uvicorn`, `textarena`: a few minutes).
 
 The environment they serve, `guess_env` (TextArena's GuessTheNumber-v0 written as an OpenEnv
 environment package), lives in `tests/openenv_envs`; a `.pth` file puts that directory on the
@@ -9,16 +10,18 @@ virtualenv's path, as an environment package installed there would be.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from streamrl.envs.worker_envs import WORKER_ENV_TOOLS, create_worker_env
+
 ROOT = Path(__file__).resolve().parents[3]
 VENV = ROOT / ".cache" / "openenv-venv"
 ENVS = ROOT / "tests" / "openenv_envs"
-REQUIREMENTS = ["openenv-core==0.3.0", "textarena==0.7.4"]
-READY = VENV / f".ready-{'-'.join(r.replace('==', '-') for r in REQUIREMENTS)}"
+OPENENV_VERSION = WORKER_ENV_TOOLS["openenv"][0]
+GAMES = ["textarena==0.7.4"]
+READY = VENV / f".ready-openenv-core-{OPENENV_VERSION}-{GAMES[0].replace('==', '-')}"
 
 
 @pytest.fixture(scope="session")
@@ -26,9 +29,7 @@ def openenv_python() -> str:
     """The OpenEnv virtualenv's interpreter, with `tests/openenv_envs` on its path."""
     python = VENV / "bin" / "python"
     if not READY.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        install = [str(python), "-m", "pip", "install", "-q", *REQUIREMENTS]
-        subprocess.run(install, check=True, timeout=1200)
+        create_worker_env(VENV, OPENENV_VERSION, GAMES, tool="openenv")
         READY.touch()
     where = [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
     purelib = subprocess.run(where, capture_output=True, text=True, check=True).stdout.strip()

@@ -175,11 +175,13 @@ def test_a_missing_package_is_refused_before_start_with_the_install_command(
 ) -> None:
     openenv = {"app": "no_such_env.server.app:app", "python": openenv_python}
     with pytest.raises(
-        EnvResolutionError, match=r"no_such_env.* not importable .*pip install openenv-core"
+        EnvResolutionError, match=r"no_such_env.* not importable .*streamrl worker-env openenv"
     ):
         EnvRunner(EnvConfig(openenv=openenv)).__enter__()
-    missing_python = {"app": APP, "python": "/nonexistent/python"}
-    with pytest.raises(EnvResolutionError, match=r"python3 -m venv"):
+    missing_python = {"app": APP, "python": "/nonexistent/bin/python"}
+    with pytest.raises(
+        EnvResolutionError, match=r"streamrl worker-env openenv .*--path /nonexistent"
+    ):
         EnvRunner(EnvConfig(openenv=missing_python)).__enter__()
 
 

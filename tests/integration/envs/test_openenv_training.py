@@ -29,16 +29,7 @@ APP = "guess_env.server.app:app"
 STEPS, BATCH_GROUPS = 2, 2
 
 
-@pytest.fixture(scope="module")
-def topology():
-    topo = Topology.from_env("cpu")
-    yield topo
-    topo.destroy()
-
-
-def test_the_tiny_model_trains_two_steps_on_openenv_games(
-    tmp_path, topology: Topology, openenv_python: str
-) -> None:
+def test_the_tiny_model_trains_two_steps_on_openenv_games(tmp_path, openenv_python: str) -> None:
     run_dir = tmp_path / "run"
     overrides = [
         *EPISODE_OVERRIDES,
@@ -63,7 +54,9 @@ def test_the_tiny_model_trains_two_steps_on_openenv_games(
         stats = loop.episodes.runner.stats
     assert (stats.errors, stats.timeouts) == (0, 0)
 
-    assert Learner(config, run, topology).run() == STEPS
+    # The learner's process group only once the engine is closed (vLLM destroys the default one).
+    with Topology.from_env("cpu") as topology:
+        assert Learner(config, run, topology).run() == STEPS
     steps = [json.loads(line) for line in (run_dir / "metrics" / "learner.jsonl").open()]
     assert [s["step"] for s in steps] == [1, 2]
     consumed = int(steps[-1]["stream/consumed_total"])
@@ -71,7 +64,7 @@ def test_the_tiny_model_trains_two_steps_on_openenv_games(
     for step in steps:
         assert step["rollout_accepted/turns_mean"] > 1.0
         assert step["rollout_accepted/env_tokens_mean"] > 0.0
-        assert np.isfinite(step["actor/pg_loss"])
+        assert np.isfinite(step["actor/entropy"])
 
     groups = [g for _, g in _groups(run, consumed)]  # the learner read the stream in order
     assert len(groups) == consumed
@@ -79,15 +72,18 @@ def test_the_tiny_model_trains_two_steps_on_openenv_games(
     for group in groups:
         group.validate()
         assert group.is_multi_turn
-        for i, tokens in enumerate(group.response_tokens):
+        for i in range(len(group.response_tokens)):
             mask = group.effective_loss_masks[i].astype(bool)
             runs = _runs(mask)
             assert len([r for r in runs if r[0]]) == group.effective_turns[i]
             if group.effective_turns[i] > 1:
                 assert not mask.all(), "the server's observation is masked out of the loss"
             assert (np.asarray(group.behaviour_logprobs[i])[~mask] == 0).all()
+            # A reward per turn the server answered; an episode cut at a limit may have none.
             turn_rewards = group.effective_turn_rewards[i]
-            assert len(turn_rewards) == group.effective_turns[i]
+            turns = int(group.effective_turns[i])
+            allowed = {turns} if group.finish_reasons[i] == "done" else {turns, 0}
+            assert len(turn_rewards) in allowed
             served = float(np.sum(turn_rewards))
             assert group.raw_scores[i] == pytest.approx((served + 1.0) / 2.0)
             finishes.add(group.finish_reasons[i])

@@ -27,3 +27,14 @@ def test_a_missing_verifiers_worker_environment_is_refused_naming_the_command(tm
     with pytest.raises(ConfigError, match="streamrl worker-env verifiers") as refused:
         check_prerequisites(DataConfig(), env)
     assert str(tmp_path / "nowhere") in str(refused.value)
+
+
+def test_a_missing_openenv_interpreter_is_refused_naming_the_install(tmp_path):
+    env = EnvConfig.model_validate(
+        {"openenv": {"app": "guess_env.server.app:app", "python": str(tmp_path / "python")}}
+    )
+    with pytest.raises(ConfigError, match=r"streamrl worker-env openenv .*--path"):
+        check_prerequisites(DataConfig(), env)
+    default = EnvConfig.model_validate({"openenv": {"app": "guess_env.server.app:app"}})
+    assert default.openenv is not None
+    assert "worker-envs/openenv-0.3.0" in default.openenv.interpreter
