@@ -60,6 +60,7 @@ from streamrl.envs.verifiers_env import (
     call_verifiers,
     check_verifiers_env,
     load_verifiers,
+    verifiers_term_names,
 )
 from streamrl.envs.worker import (
     EnvSpec,
@@ -234,6 +235,7 @@ class EnvRunner:
         if self._inline is not None or config.episode_agent is not None:  # the reward scores apart
             self._scorer = RewardScorer.from_config(reward)
         self._stats = EnvStats()
+        self._term_names: tuple[str, ...] = ()  # a verifiers rubric's (`_verifiers_terms`)
         self.stopping = False  # set on stop: calls cut short by it are not failures to report
         self._lock = threading.Lock()
         self._tracebacks_logged: set[str] = set()
@@ -271,8 +273,20 @@ class EnvRunner:
                 started.enter_context(self._openenv)
             for workers in self._workers():
                 started.enter_context(workers)
+            if self.config.verifiers is not None:
+                self._term_names = self._verifiers_terms()
             started.pop_all()
         return self
+
+    def _verifiers_terms(self) -> tuple[str, ...]:
+        """The reward terms of the loaded verifiers environment's rubric: a failed episode
+        scores 0 in each, so every group of the run has the same terms."""
+        assert self._pool is not None
+        limit = self.config.startup_timeout_s
+        outcome = self._pool.submit(verifiers_term_names, timeout_s=limit).result()
+        if outcome.failure is not None:
+            raise EnvLoadError(f"the verifiers environment's rubric: {outcome.reason}")
+        return tuple(outcome.value)
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -380,7 +394,8 @@ class EnvRunner:
         reason, rewards = episode.finish_reason, episode.turn_rewards
         if reason in ("env_error", "timeout"):
             failure: Failure = "timeout" if reason == "timeout" else "error"
-            return _resolved(Scored(0.0, rewards, reason, failure, episode.error))
+            terms = dict.fromkeys(self._term_names, 0.0) if self._term_names else None
+            return _resolved(Scored(0.0, rewards, reason, failure, episode.error, terms))
         if self.config.episode_agent is not None and episode.state is not None:  # its reward
             state = episode.state
             terms = state.get("terms")

@@ -59,6 +59,7 @@ __all__ = [
     "load_verifiers",
     "term_name",
     "verifiers_rows",
+    "verifiers_term_names",
 ]
 
 RUNNER = Path(verifiers_runner.__file__)
@@ -289,6 +290,12 @@ def call_verifiers(
     except EnvValueError as error:
         failed = AgentRun(failure="env_error", error=str(error))
     return [failed] * len(tokens)
+
+
+def verifiers_term_names() -> list[str]:
+    """The reward terms of the loaded environment's rubric, sorted (in a worker)."""
+    runner: VerifiersRunner = loaded()
+    return sorted(runner.names.values())
 
 
 def verifiers_rows(split: str) -> tuple[list[dict[str, Any]], bool]:

@@ -265,3 +265,28 @@ def test_an_environment_missing_from_the_worker_env_is_refused(worker_env):
     with pytest.raises(EnvResolutionError, match="is not installed in the worker environment"):
         check_verifiers_env(config)
     check_verifiers_env(VerifiersConfig(env_id="vf-single-turn", worker_env=str(worker_env)))
+
+
+def test_a_failed_episode_scores_0_in_every_rubric_term_so_groups_share_their_terms(
+    worker_env,
+):
+    """Segments hold groups with the same reward terms: a group whose every episode failed
+    must carry the rubric's terms (0) like any other, or the writer could not store it beside
+    one that succeeded."""
+    from streamrl.envs.config import EnvConfig
+    from streamrl.envs.runner import EnvRunner
+    from streamrl.rewards.config import RewardConfig
+
+    policy = Policy(_says("hi"))
+    env = EnvConfig.model_validate({
+        "verifiers": {"env_id": "vf_hostile", "env_args": {"mode": "raise"},
+                      "worker_env": str(worker_env)}, "workers": 1,
+    })  # fmt: skip
+    with EnvRunner.from_config(env, RewardConfig(), None) as runner:
+        episodes = [f.result() for f in runner.run_agents(TASK, policy.base_url, ["x", "y"])]
+        scored = [runner.score(e).result() for e in episodes]
+    assert [s.failure for s in scored] == ["error", "error"]
+    for s in scored:  # the rubric's function and verifiers' own metrics (num_turns)
+        assert s.terms is not None
+        assert "vf_one" in s.terms
+        assert set(s.terms.values()) == {0.0}
