@@ -33,7 +33,7 @@ import logging
 import random
 import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.data.config import DataConfig
@@ -66,6 +66,9 @@ class Prompt:
     messages: tuple[dict[str, str], ...] = ()  # the chat messages `text` renders
     task: str | None = None  # the row's `data.task_field`, as `task_name` makes it
     task_level: int | None = None  # its difficulty level (reasoning-gym rows)
+    row: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """The row's other fields (not the prompt's or the answer's, which can be large and are
+    here already), for fields an environment reads itself (`streamrl.envs.base.Task.row`)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -169,7 +172,15 @@ class PromptSource:
         answer = self._answer(row, 0)
         truth = answer if isinstance(answer, str) else json.dumps(answer)
         level = row.get("extra_info", {}).get("level") if self.procedural else None
-        return Prompt(prompt_id, text, ids, truth, tuple(messages), self._task(row), level)
+        task = self._task(row)
+        return Prompt(prompt_id, text, ids, truth, tuple(messages), task, level, self._rest(row))
+
+    def _rest(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """The row without the fields of its prompt and answer (`Prompt.row`)."""
+        used = {
+            path.split(".")[0] for path in (self.config.prompt_field, *self.config.answer_fields)
+        }
+        return {key: value for key, value in row.items() if key not in used}
 
     def _task(self, row: Mapping[str, Any]) -> str | None:
         """The row's task (`data.task_field`), made a metric-safe name; None without one."""
@@ -242,7 +253,16 @@ class PromptSource:
             task, row = self._task(rows[index]), rows[index]
             level = row["extra_info"]["level"] if self.procedural and task else None
             prompts.append(
-                Prompt(f"{name}:{index}", text, list(ids), truth, tuple(messages), task, level)
+                Prompt(
+                    f"{name}:{index}",
+                    text,
+                    list(ids),
+                    truth,
+                    tuple(messages),
+                    task,
+                    level,
+                    self._rest(row),
+                )
             )
         if not prompts:
             raise DatasetError(

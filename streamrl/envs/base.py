@@ -87,7 +87,8 @@ class Task:
     `ground_truth`: the row's answer (`data.answer_field`).
     `prompt_text`: the prompt as rendered for the model before any environment changes it;
     reward functions get it as `prompt=`.
-    `row`: the whole row, for fields an environment reads itself (`extra_info`, test cases).
+    `row`: the row's other fields (all but the prompt's and the answer's), for fields an
+    environment reads itself (`extra_info`, an OpenEnv reset's `openenv_reset`).
     """
 
     messages: list[Message]

@@ -133,7 +133,7 @@ class AgentGroups:
 
     def start(self, prompt: Prompt, key: str, group_size: int, greedy: bool) -> None:
         """Start `group_size` agents on `prompt` (one, greedy, for an evaluation's answer)."""
-        task = Task(list(prompt.messages), prompt.ground_truth, prompt.text)
+        task = Task(list(prompt.messages), prompt.ground_truth, prompt.text, prompt.row)
         episodes = [AgentEpisode(self.endpoint.open(), greedy) for _ in range(group_size)]
         for episode in episodes:
             self._episodes[episode.token] = episode

@@ -204,7 +204,7 @@ class EpisodeDriver:
             size = 1 if greedy else group_size or self.group_sizes.size()
             self.agents.start(prompt, key, size, greedy)
             return
-        task = Task(list(prompt.messages), prompt.ground_truth, prompt.text)
+        task = Task(list(prompt.messages), prompt.ground_truth, prompt.text, prompt.row)
         reset = self.runner.reset(task)
         self._resets.append(_Reset(prompt, key, reset, time.time(), group_size, greedy))
 

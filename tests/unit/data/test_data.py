@@ -92,6 +92,23 @@ def test_verl_layout_reads_with_default_mapping(
         assert prompt.token_ids == tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_prompt_carries_the_rows_other_fields_for_its_environment(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """`Prompt.row` (an environment's `Task.row`): every field but the prompt's and the
+    answer's, which the prompt holds already."""
+    rows = [{**row, "openenv_reset": {"seed": i}} for i, row in enumerate(_verl_rows(2))]
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    source = PromptSource(DataConfig(path=path), tokenizer_path=str(tokenizer_dir))
+    for i, prompt in enumerate(source.prompts):
+        assert prompt.row == {
+            "data_source": "math_dapo",
+            "ability": "MATH",
+            "extra_info": {"index": f"id-{i}"},
+            "openenv_reset": {"seed": i},
+        }
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_several_answer_fields_give_the_reward_an_object_of_them(
     tmp_path: Path, tokenizer: Any, fmt: str
