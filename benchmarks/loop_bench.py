@@ -252,19 +252,40 @@ def learner_figures(run_dir: Path) -> dict[str, Any]:
     def mean(key: str) -> float:
         return statistics.mean(float(r.get(key, 0.0)) for r in measured)
 
+    each = [r["perf/step_s"] + r.get("perf/weight_sync_s", 0.0) for r in records]
     return {
-        "s_step": statistics.mean(
-            r["perf/step_s"] + r.get("perf/weight_sync_s", 0.0) for r in measured
-        ),
+        "s_step": statistics.mean(each[1:]),
+        "steps_s": each,  # every step's seconds, the first included
         "step_s": mean("perf/step_s"),
         "wait_s": mean("perf/wait_s"),
         "sync_s": mean("perf/weight_sync_s"),
         "tokens_s": mean("perf/learner_tokens_per_s"),
         "consumed": mean("stream/consumed"),
+        "response_len": mean("rollout/response_len_mean"),
         "accepted": mean("stream/accepted"),
         "stale": mean("stream/dropped_stale"),
         "consumed_list": [int(r["stream/consumed"]) for r in measured],
         "window": (records[0]["time"], records[-1]["time"]),
+        **cpu_figures(records),
+    }
+
+
+def cpu_figures(records: list[dict[str, Any]]) -> dict[str, float]:
+    """How busy the machine's cores were from the first step's record to the last, from the
+    components' own metrics: the learner's CPU seconds in each later step
+    (`perf/learner_cpu_s`) and the generators' (`generators/cpu_s_total`, as of their last
+    commits), over the window's wall time × this machine's cores. Empty for records without
+    them (a run before these metrics)."""
+    last, first = records[-1], records[0]
+    if "perf/learner_cpu_s" not in last or "generators/cpu_s_total" not in last:
+        return {}
+    capacity = (last["time"] - first["time"]) * len(machine_cpus())
+    learner = sum(float(r["perf/learner_cpu_s"]) for r in records[1:])
+    generators = float(last["generators/cpu_s_total"]) - float(first["generators/cpu_s_total"])
+    return {
+        "cpu_busy": (learner + generators) / capacity,
+        "cpu_learner": learner / capacity,
+        "cpu_generators": generators / capacity,
     }
 
 

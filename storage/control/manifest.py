@@ -66,6 +66,7 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "generator.cpu_cores",
     "learner.gpus",
     "learner.cpu_cores",
+    "learner.gpu_memory_fraction",  # its share of a GPU it shares: where, not what it computes
     "learner.rendezvous_timeout_s",
     "placement",  # which machines or pools run the processes, never what they compute
     "generator.enforce_eager",

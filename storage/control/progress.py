@@ -27,9 +27,11 @@ class GeneratorProgress:
     `next_prompt` is the first position whose group is not committed to the stream;
     `committed_after` lists, ascending, the positions after it whose groups are committed
     (groups finish out of order). Written only after the commits it describes. `paused_s`:
-    seconds flow control held this index back, over all its lives, as of its last commit.
-    `dataset`: the fingerprint of the prompts the positions refer to
-    (`streamrl.data.PromptSource.fingerprint`; empty in a record written before it was kept).
+    seconds flow control held this index back, over all its lives, as of its last commit;
+    `cpu_s`: CPU seconds its processes used (the generator, its engine, its reward and
+    environment workers), the same way. `dataset`: the fingerprint of the prompts the positions
+    refer to (`streamrl.data.PromptSource.fingerprint`; empty in a record written before it was
+    kept).
     `task_levels`: the curriculum level of each task, as of its last commit (`streamrl.data.
     curriculum`; empty without one).
     """
@@ -39,6 +41,7 @@ class GeneratorProgress:
     next_prompt: tuple[int, int] = (0, 0)
     committed_after: tuple[tuple[int, int], ...] = ()
     paused_s: float = 0.0
+    cpu_s: float = 0.0
     updated_at: float = 0.0
     dataset: str = ""
     task_levels: dict[str, int] = field(default_factory=dict)

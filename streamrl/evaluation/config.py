@@ -47,6 +47,6 @@ class EvalConfig(Section):
     )
     cpu_cores: CoreSetting = Field(
         None,
-        description="CPU cores of the evaluator: a count or a core list such as '6-7'. null: a "
-        "share of what the learner leaves, like a generator's.",
+        description="CPU cores of the evaluator: a count or a core list such as '6-7'. null: "
+        "every core no other component pins, at background priority (see streamrl.placement).",
     )

@@ -18,6 +18,7 @@
 - `flow_control`: how many prompts may be in flight; `progress`: each index's prompt position.
 
 Imports: `storage`, `streamrl.config`, the packages beneath it (`algorithms`, `data`, `models`,
-`envs`, `rewards`, `isolation`) and the learner's section (`streamrl.learner.config`); nothing of
-supervision, runs or the command line.
+`envs`, `rewards`, `isolation`), the learner's section (`streamrl.learner.config`) and its share
+of a shared GPU (`streamrl.placement.gpu_memory`); nothing of supervision, runs or the command
+line.
 """

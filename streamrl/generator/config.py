@@ -177,8 +177,9 @@ class GeneratorConfig(Section):
     cpu_cores: CoreSetting = Field(
         None,
         description="CPU cores of the run's generators together, split evenly between them: "
-        "a count or a core list such as '4-7' (a bare number is a count). null: what the "
-        "learner leaves (see streamrl.placement).",
+        "a count or a core list such as '4-7' (a bare number is a count). null: the cores no "
+        "other component pins, shared with the learner at background priority (see "
+        "streamrl.placement).",
     )
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="The reward function and its sandbox."

@@ -58,6 +58,7 @@ from streamrl.generator.config import GeneratorConfig
 from streamrl.generator.weight_worker import WeightReloadExtension, WeightSource
 from streamrl.models.config import ModelConfig
 from streamrl.models.lora import LoraConfig
+from streamrl.placement.gpu_memory import engine_memory_utilization
 
 __all__ = [
     "Completion",
@@ -190,7 +191,8 @@ class Engine:
             "worker_extension_cls": _WORKER_EXTENSION,
         }
         if self.cuda:
-            engine_args["gpu_memory_utilization"] = generator.gpu_memory_utilization
+            utilization = engine_memory_utilization(generator.gpu_memory_utilization)
+            engine_args["gpu_memory_utilization"] = utilization
             engine_args["tensor_parallel_size"] = generator.tensor_parallel_size
         self.adapter: AdapterSlot | None = None
         if adapter is not None:  # versions are LoRA adapters, loaded into one slot

@@ -54,6 +54,7 @@ from streamrl.generator.progress import PromptLedger
 from streamrl.generator.records import GeneratorStats, GroupRecords
 from streamrl.generator.rollouts import EpisodeDriver, Rollout
 from streamrl.isolation.pool import Failure
+from streamrl.placement.usage import tree_cpu_s
 from streamrl.rewards import Scores
 from streamrl.scorers.client import ScorerCallError
 from streamrl.scorers.teacher import Teacher, TeacherScores
@@ -294,7 +295,9 @@ class GeneratorLoop:
         if record is not None:
             self.stats.segments += 1
             levels = None if self.curriculum is None else self.curriculum.levels
-            self.ledger.committed(paused_s=self._gate.paused_s, task_levels=levels)
+            self.ledger.committed(
+                paused_s=self._gate.paused_s, task_levels=levels, cpu_s=tree_cpu_s()
+            )
             self._gate.committed(record.num_groups)
             if self.stats.segments == 1:  # the learner's first step needs them
                 progress_log.info("first %d groups committed", record.num_groups)

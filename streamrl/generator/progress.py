@@ -81,9 +81,10 @@ class PromptLedger:
         self._collected: list[PromptPosition] = []  # since the last commit
         self._committed: set[PromptPosition] = set()  # after the first uncommitted position
         self._paused_before = 0.0  # flow control's pauses in earlier lives
+        self._cpu_before = 0.0  # CPU seconds of earlier lives
         if progress is not None:
             self._committed = {PromptPosition(*p) for p in progress.committed_after}
-            self._paused_before = progress.paused_s
+            self._paused_before, self._cpu_before = progress.paused_s, progress.cpu_s
 
     def take(self, request_id: str, position: PromptPosition) -> None:
         """The prompt at `position` (the iterator's `position` before it was drawn) went to the
@@ -95,11 +96,15 @@ class PromptLedger:
         self._collected.append(self._taken.pop(request_id))
 
     def committed(
-        self, paused_s: float = 0.0, task_levels: Mapping[str, int] | None = None
+        self,
+        paused_s: float = 0.0,
+        task_levels: Mapping[str, int] | None = None,
+        cpu_s: float = 0.0,
     ) -> GeneratorProgress | None:
         """Everything collected is now in a committed segment: update (and, with a run,
         write) the progress record; `paused_s` is this life's time paused by flow control,
-        `task_levels` its curriculum's levels (None: as recorded)."""
+        `task_levels` its curriculum's levels (None: as recorded), `cpu_s` the CPU seconds
+        this life's processes have used."""
         self._committed.update(self._collected)
         self._collected = []
         first = min(self._taken.values(), default=self.prompts.position)
@@ -111,6 +116,7 @@ class PromptLedger:
             next_prompt=(first.epoch, first.offset),
             committed_after=tuple((p.epoch, p.offset) for p in sorted(self._committed)),
             paused_s=self._paused_before + paused_s,
+            cpu_s=self._cpu_before + cpu_s,
             updated_at=time.time(),
             task_levels=self.progress.task_levels if task_levels is None else dict(task_levels),
         )

@@ -5,7 +5,16 @@ SIGTERM.
 its parent dies, however the parent dies (a SIGKILL runs no cleanup). Used by reward workers
 (SIGKILL: they hold nothing). `dying_with_parent(argv, ...)` is the same for a program a
 supervisor starts (SIGTERM: a generator flushes, a learner's torchrun stops its ranks): `argv`
-behind a small exec wrapper that sets the signal (and the planned cores) and then execs it.
+behind a small exec wrapper that sets the signal, the planned cores and CPU priority, and then
+execs it.
+
+CPU priority: a `background` program runs at nice 19, so that next to a program at nice 0 it
+gets about 1.5 % of a core they both want (kernel weights 15 against 1024) and every cycle the
+other leaves. Not Linux's SCHED_IDLE: that would leave it nothing at all while anything else
+runs, and the work of a generator's reward and environment workers runs under wall-clock
+limits. Every program started behind the wrapper in a session of its own keeps a lowered
+priority where the kernel groups processes by session (autogroup: each session's processes
+compete as one, whatever their nice): its session's group gets the program's nice.
 A `preexec_fn` would run Python between fork and exec in a child of a threaded parent, which
 can crash on state the parent's other threads left mid-change; the wrapper is a fresh
 interpreter. The kernel sends the signal when the *thread* that started the child ends, so a
@@ -24,7 +33,7 @@ import signal
 import sys
 import threading
 
-__all__ = ["die_with_parent", "dying_with_parent", "stop_on_sigterm"]
+__all__ = ["BACKGROUND_NICE", "die_with_parent", "dying_with_parent", "stop_on_sigterm"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Loaded once, before any fork: the call in a freshly forked child then only enters libc.
@@ -42,29 +51,47 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+BACKGROUND_NICE = 19
+
 # Runs in the child: the parent-death signal (checked against a parent that died first), the
-# cores, then the program. Arguments: parent pid, signal, comma-separated cores, argv.
+# cores, the priority, then the program. Arguments: parent pid, signal, comma-separated cores,
+# the background nice value or "", argv.
 _WRAPPER = """
 import ctypes, os, sys
-parent, sig, cores = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+parent, sig, cores, background = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0) != 0:
     sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}")
 if os.getppid() != parent:
     os._exit(1)
 if cores:
     os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+if background:
+    os.setpriority(os.PRIO_PROCESS, 0, int(background))
+nice = os.getpriority(os.PRIO_PROCESS, 0)
+if nice > 0:
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(nice))
+    except OSError:
+        pass
 try:
-    os.execvp(sys.argv[4], sys.argv[4:])
+    os.execvp(sys.argv[5], sys.argv[5:])
 except OSError as error:
-    sys.exit(f"cannot run {sys.argv[4]}: {error.strerror}")
+    sys.exit(f"cannot run {sys.argv[5]}: {error.strerror}")
 """
 
 
 def dying_with_parent(
-    argv: list[str], parent_pid: int, sig: int = signal.SIGTERM, cpus: tuple[int, ...] = ()
+    argv: list[str],
+    parent_pid: int,
+    sig: int = signal.SIGTERM,
+    cpus: tuple[int, ...] = (),
+    *,
+    background: bool = False,
 ) -> list[str]:
     """`argv` behind the exec wrapper (module docstring): it gets `sig` when `parent_pid` (the
-    thread of it that starts the child) dies, and runs on `cpus` (all when empty)."""
+    thread of it that starts the child) dies, runs on `cpus` (all when empty) and, when
+    `background`, only on what other programs leave."""
     if _LIBC is None:
         return list(argv)
     cores = ",".join(str(c) for c in cpus)
@@ -77,6 +104,7 @@ def dying_with_parent(
         str(parent_pid),
         str(int(sig)),
         cores,
+        str(BACKGROUND_NICE) if background else "",
         *argv,
     ]
 

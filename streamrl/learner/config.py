@@ -171,11 +171,19 @@ class LearnerConfig(Section):
     cpu_cores: CoreSetting = Field(
         None,
         description="CPU cores of the learner (all its ranks): a count or a core list such as "
-        "'0-3,8' (a bare number is a count). null: half the cores this machine lets the run "
-        "use when generators share it, else all.",
+        "'0-3,8' (a bare number is a count). null: every core the run may use, engines running "
+        "on them at background priority (see streamrl.placement).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto picks CUDA when available."
+    )
+    gpu_memory_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="On a GPU shared with engines (placement.share_gpus): the share of its "
+        "memory the learner may take (its allocator is capped there). null: its estimated "
+        "need plus a quarter, the engines the rest (streamrl.placement.gpu_memory).",
     )
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="FSDP2 compute dtype; auto is bf16 on CUDA (fp32 reduce), fp32 on CPU."

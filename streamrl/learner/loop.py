@@ -70,6 +70,7 @@ from streamrl.learner.step import StepSettings, train_on_batch
 from streamrl.learner.stopping import Stopping
 from streamrl.learner.stream_source import StopRequested, StreamSource
 from streamrl.learner.topology import Topology
+from streamrl.placement.usage import CpuMeter
 
 __all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
 
@@ -105,6 +106,7 @@ class Learner:
         self.stopping = Stopping(stop or threading.Event(), topology, grace)
         self.last_checkpoint_s = 0.0
         self.heart = Heart(run, "learner")  # rank 0's: each step, and while it waits for data
+        self.cpu = CpuMeter()  # this rank's CPU between step records
         self._collecting = threading.Event()  # the step is waiting for its groups
         self.lease: RunLease | None = None
         topology.decide_on_main(lambda: self._acquire_lease(take_over))
@@ -349,7 +351,10 @@ class Learner:
             self._checkpoint()
         if batch is not None:  # a stream batch: the learner's progress through the stream
             self.stream.write_progress(batch)
-        metrics.update({"step": state.step, "policy_version": state.version})
+        cpu_s, cpu_util = self.cpu.lap()
+        metrics.update({"step": state.step, "policy_version": state.version,
+                        "perf/learner_cpu_s": cpu_s,
+                        "perf/learner_cpu_util": cpu_util})  # fmt: skip
         self.reporter.log(metrics)
         if batch is not None:
             self.samples.log(batch, state.step)

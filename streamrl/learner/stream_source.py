@@ -6,10 +6,11 @@ on are not read (`StreamReader.oldest_usable_version`), only counted.
 Produces: each step's `StreamBatch` (B accepted groups, chosen by a `BatchCollector` on rank 0
 and handed to every rank, so ranks can never train on different data or disagree about an
 error) with the stream's metrics (`stream/quarantined*`, `stream/read_retries_total`,
-`generators/paused_s_total`); the learner's progress record `<run>/control/learner.json`
-(`storage.stream.learner_progress`) after each step and, while it waits for groups mid-step, a
-`waiting` one at the reader's cursor; both carry the groups in a row without signal that
-dynamic sampling dropped (`BatchCollector.no_signal`), so a starved learner shows in storage.
+`generators/paused_s_total`, `generators/cpu_s_total`); the learner's progress record
+`<run>/control/learner.json` (`storage.stream.learner_progress`) after each step and, while it
+waits for groups mid-step, a `waiting` one at the reader's cursor; both carry the groups in a
+row without signal that dynamic sampling dropped (`BatchCollector.no_signal`), so a starved
+learner shows in storage.
 Waits for: B accepted groups; `stream_timeout_s` without a new group is a `StreamTimeoutError`
 naming the cursor, the step and the fix, raised on every rank. `while_waiting` is called on
 each idle wait: raising there (a weight version that failed for good, a lost lease) ends it.
@@ -133,14 +134,18 @@ class StreamSource:
         }
 
     def _generator_metrics(self) -> dict[str, float]:
-        """`generators/paused_s_total`: the seconds flow control has held generators back, over
-        every index and life, as of their last commits (their progress records)."""
+        """`generators/paused_s_total`: the seconds flow control has held generators back, and
+        `generators/cpu_s_total` the CPU seconds their processes used, over every index and
+        life, as of their last commits (their progress records)."""
         try:
             records = read_all_progress(self.run)
         except (OSError, ValueError) as exc:  # advisory: the next step reads them again
             log.warning("could not read the generators' progress records: %r", exc)
             return {}
-        return {"generators/paused_s_total": sum(r.paused_s for r in records)}
+        return {
+            "generators/paused_s_total": sum(r.paused_s for r in records),
+            "generators/cpu_s_total": sum(r.cpu_s for r in records),
+        }
 
     def write_progress(self, batch: StreamBatch) -> None:
         """Rank 0: record where the learner stands after `batch` (one small write), which it has

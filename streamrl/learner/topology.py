@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from streamrl.placement.gpu_memory import cap_learner_memory
+
 __all__ = ["Topology", "TopologyError", "exit_process"]
 
 T = TypeVar("T")
@@ -67,6 +69,8 @@ class Topology:
         (`learner.device`; auto picks CUDA when available)."""
         rank, world_size, local_rank = _launcher_env()
         torch_device = _pick_device(device, local_rank)
+        if torch_device.type == "cuda":  # on a GPU shared with engines: within its planned share
+            cap_learner_memory(torch_device.index or 0)
         backend: Literal["gloo", "nccl"] = "nccl" if torch_device.type == "cuda" else "gloo"
         owns = not dist.is_initialized()
         if owns:

@@ -3,6 +3,7 @@
 - `config`: the `placement` section, one class per mode (`local` | `pools`).
 - `planner`: on one machine, the CPU cores and GPUs of the learner, each generator and the
   evaluator, decided once before anything starts (`plan_placement`, `place_alone`).
+- `gpu_memory`: the memory of a GPU the learner and engines share, planned together.
 - `records`: the plan as a record (`PlacementPlan`, `<run>/control/placement.json`) and each
   process's affinity and environment (`ProcessPlacement.env()`, `bind_rank`).
 - `cores`: the CPU cores and GPUs this process may use.

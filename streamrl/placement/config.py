@@ -76,6 +76,15 @@ class LocalPlacement(Liveness):
         "and evaluator deployments on work pools (flows.pools).",
     )
 
+    share_gpus: bool | None = Field(
+        None,
+        description="Whether the learner and the engines (generators, evaluator, served "
+        "scorers) may share GPUs, concurrently, each with its planned share of the memory "
+        "(streamrl.placement.gpu_memory). null (default): only when there are fewer GPUs than "
+        "they need each to itself (one GPU: learner and generator on it). true: put the engines "
+        "on the learner's GPUs. false: refuse a plan that would share.",
+    )
+
     def check_on_this_machine(self) -> None:
         """Local runs are planned on this machine."""
 

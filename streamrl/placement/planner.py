@@ -15,14 +15,26 @@ Defaults (every choice can be pinned in the config: `learner.gpus`, `learner.cpu
 `generator.tensor_parallel_size`, a scorer's its own `tensor_parallel_size`):
 
 - GPUs: the learner takes one per rank (the first `learner.nproc_per_node`, or `learner.gpus`),
-  then each generator, the evaluator and each scorer take their tensor-parallel size, in order.
-  A component on CPU (`device: cpu`, or `auto` with no GPU visible) gets none:
-  `CUDA_VISIBLE_DEVICES=""`.
+  then each generator, the evaluator and each scorer take their tensor-parallel size, in order,
+  the least used GPUs first. With fewer GPUs than that (or `placement.share_gpus: true`, which
+  puts the engines on the learner's GPUs) processes share GPUs, concurrently: the memory of a
+  shared GPU is planned for all its users together (`streamrl.placement.gpu_memory`) and the
+  plan refused with the numbers when they do not fit; `placement.share_gpus: false` refuses
+  instead of sharing. A component on CPU (`device: cpu`, or `auto` with no GPU visible) gets
+  none: `CUDA_VISIBLE_DEVICES=""`.
 - Cores: explicit core lists first, then explicit counts (the lowest free cores), then the
-  automatic components share what is left: the learner half (at least one core), the
-  generators, the evaluator and the scorers equal disjoint blocks of the rest. With fewer
-  free cores than automatic engines (2 cores, 2 generators) engines share cores round-robin,
-  marked `shared`; explicit settings that do not fit are refused instead.
+  automatic components share what is left, work-conserving: the learner takes every free core,
+  and the engines run on the same cores at `background` priority (`ProcessPlacement.priority`,
+  applied by the exec wrapper of `streamrl.isolation.lifetime`), so they get only what the
+  learner leaves — its Python between kernels, the whole machine while it waits for data — and
+  a core never idles while anyone has work. Generators and scorers, which always have work,
+  split the free cores into disjoint blocks between them (round-robin when there are fewer
+  cores than they); the evaluator, idle between versions, runs on all of them. Explicit
+  settings that do not fit are refused.
+- Threads: each process gets one OpenMP thread per core it has (per rank for the learner),
+  fixed for the run and recorded in the plan: the learner's results depend on that count,
+  never on how busy the machine is.
+- The plan's `reasons` say in words who shares what, and why (the run header prints them).
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from streamrl.config.base import format_cores
 from streamrl.placement.config import PlacementError
 from streamrl.placement.cores import machine_cpus, visible_gpus
+from streamrl.placement.gpu_memory import ModelShape, share_gpu_memory
 from streamrl.placement.records import Component, PlacementPlan, ProcessPlacement
 from streamrl.scorers.config import scorer_process_name
 
@@ -49,11 +62,15 @@ def plan_placement(
     evaluator: bool = True,
     cpus: Sequence[int] | None = None,
     gpus: Sequence[str] | None = None,
+    gpu_memory: dict[str, int] | None = None,
+    model: ModelShape | None = None,
 ) -> PlacementPlan:
     """Place the learner, `generators` generators (default `generator.count`; none for a
     supervised run), when `evaluator` and `eval.every_versions` > 0 the evaluator (not for a
     supervised run: its held-out loss is the learner's), and the served scorers on this
     machine's `cpus` (default: this process's affinity) and `gpus` (default: `visible_gpus()`).
+    A shared GPU's memory is planned from each GPU's size in bytes (`gpu_memory`, default: read
+    from the devices) and the policy's shape (`model`, default: read from `model.path`).
 
     Raises `PlacementError` naming the numbers when the processes do not fit, or when the run
     is placed on work pools (`placement.mode=pools`)."""
@@ -67,8 +84,12 @@ def plan_placement(
         "learner", *(f"gen{i}" for i in range(count)), *(["eval"] if with_eval else []), *scorers
     ]  # fmt: skip
     gpu_of = _place_gpus(config, count, with_eval, gpus)
-    core_of, shared = _place_cores(config, count, with_eval, cpus)
+    memory_of, gpu_reasons = share_gpu_memory(config, gpu_of, gpu_memory, model)
+    core_of, reasons = _place_cores(config, count, with_eval, cpus)
+    assert set(core_of) == set(names)
     ranks = config.learner.nproc_per_node
+    learner_cores = set(core_of["learner"])
+    yielding = [n for n in names[1:] if learner_cores & set(core_of[n])]
 
     def process(name: str, component: Component, index: int = 0) -> ProcessPlacement:
         n_ranks = ranks if component == "learner" else 1
@@ -81,10 +102,22 @@ def plan_placement(
             cpus=tuple(cores),
             gpus=tuple(gpu_of.get(name, ())),
             threads=max(1, len(cores) // n_ranks),
-            shared=name in shared,
+            shared=any(set(cores) & set(core_of[other]) for other in names if other != name),
+            priority="background" if name in yielding else "normal",
+            gpu_memory_fraction=memory_of.get(name),
         )
 
-    assert set(core_of) == set(names)
+    if yielding:
+        threads = max(1, len(learner_cores) // ranks)
+        one = len(yielding) == 1
+        reasons.insert(
+            0,
+            f"{', '.join(yielding)} {'runs' if one else 'run'} on the learner's cores at "
+            f"background priority: {'it takes' if one else 'they take'} what the learner "
+            "leaves, all of it while it waits for data; the learner keeps "
+            f"{threads} thread{'s' if threads > 1 else ''} per rank for the whole run (its "
+            "results depend on that count, never on load)",
+        )
     return PlacementPlan(
         machine_cpus=tuple(cpus),
         machine_gpus=tuple(gpus),
@@ -92,6 +125,7 @@ def plan_placement(
         generators=tuple(process(f"gen{i}", "generator", i) for i in range(count)),
         evaluator=process("eval", "evaluator") if with_eval else None,
         scorers=tuple(process(name, "scorer", i) for i, name in enumerate(scorers)),
+        reasons=(*gpu_reasons, *reasons),
     )
 
 
@@ -177,7 +211,9 @@ def _on_cuda(device: str, gpus: Sequence[str], field: str) -> bool:
 def _place_gpus(
     config: RunConfig, count: int, with_eval: bool, gpus: Sequence[str]
 ) -> dict[str, list[str]]:
-    """GPU names per process name: the learner one per rank, each engine TP of them."""
+    """GPU names per process name: the learner one per rank, each engine TP of them; engines
+    share GPUs (the learner's first when `placement.share_gpus` asks for it) when the machine
+    has too few for each its own."""
     learner, tp = config.learner, config.generator.tensor_parallel_size
     engines = [f"gen{i}" for i in range(count)] + (["eval"] if with_eval else [])
     learner_on = _on_cuda(learner.device, gpus, "learner.device")
@@ -192,6 +228,8 @@ def _place_gpus(
             f"learner.gpus={learner.gpus} but the learner runs on CPU here (learner.device="
             f"{learner.device}, {len(gpus)} GPU(s) visible); remove learner.gpus"
         )
+    wanted = dict.fromkeys(engines, tp) if engines_on else {}
+    wanted |= scorers
     parts, total = [], 0
     if engines_on:
         parts.append(f"{count} generators × {tp} GPU{'s' if tp > 1 else ''}")
@@ -205,17 +243,21 @@ def _place_gpus(
     for name, n in scorers.items():
         parts.append(f"{name} {n} GPU{'s' if n > 1 else ''}")
         total += n
-    if total > len(gpus):
+    share = config.placement.share_gpus
+    widest = max([*wanted.values(), learner.nproc_per_node if learner_on else 0, 0])
+    if total > len(gpus) and (share is False or widest > len(gpus)):
+        fix = "" if share is False else " (sharing cannot help: one process needs more)"
         raise PlacementError(
-            f"{' + '.join(parts)} = {total} GPUs, this machine has {len(gpus)}; lower "
+            f"{' + '.join(parts)} = {total} GPUs, this machine has {len(gpus)}{fix}; lower "
             "generator.count, generator.tensor_parallel_size, learner.nproc_per_node or a "
-            "scorer's tensor_parallel_size, or run the generators or scorers on CPU "
+            "scorer's tensor_parallel_size, run the generators or scorers on CPU "
             "(generator.device=cpu, scorers.<name>.device=cpu)"
+            + ("" if share is not False else ", or let them share GPUs (placement.share_gpus)")
         )
-    free = list(range(len(gpus)))
+    users = dict.fromkeys(range(len(gpus)), 0)
     placed: dict[str, list[int]] = {}
     if learner_on:
-        positions = learner.gpus if isinstance(learner.gpus, list) else free
+        positions = learner.gpus if isinstance(learner.gpus, list) else list(users)
         outside = [g for g in positions if g >= len(gpus)]
         if outside:
             raise PlacementError(
@@ -223,12 +265,14 @@ def _place_gpus(
                 f"exposes {len(gpus)} GPU(s) (positions 0..{len(gpus) - 1})"
             )
         placed["learner"] = list(positions[: learner.nproc_per_node])
-        free = [g for g in free if g not in placed["learner"]]
-    if engines_on:
-        for name in engines:
-            placed[name], free = free[:tp], free[tp:]
-    for name, n in scorers.items():
-        placed[name], free = free[:n], free[n:]
+        for g in placed["learner"]:
+            users[g] += 1
+    hosts = placed["learner"] if share and learner_on else list(users)
+    for name, n in wanted.items():  # the least used GPUs first, in order
+        pool = hosts if len(hosts) >= n else list(users)
+        placed[name] = sorted(sorted(pool, key=lambda g: (users[g], g))[:n])
+        for g in placed[name]:
+            users[g] += 1
     return {name: [gpus[i] for i in at] for name, at in placed.items()}
 
 
@@ -243,21 +287,18 @@ class _Claim(NamedTuple):
 
 def _place_cores(
     config: RunConfig, count: int, with_eval: bool, cpus: Sequence[int]
-) -> tuple[dict[str, list[int]], set[str]]:
-    """Cores per process name, and the names whose cores are shared with another process."""
+) -> tuple[dict[str, list[int]], list[str]]:
+    """Cores per process name, and the reasons for what is shared."""
+    generators = [f"gen{i}" for i in range(count)]
+    scorers = [scorer_process_name(name) for name in config.served_scorers]
     claims = [
         _Claim("learner", "learner.cpu_cores", config.learner.cpu_cores, ["learner"]),
-        _Claim(
-            "generators",
-            "generator.cpu_cores",
-            config.generator.cpu_cores,
-            [f"gen{i}" for i in range(count)],
-        ),
+        _Claim("generators", "generator.cpu_cores", config.generator.cpu_cores, generators),
     ]
     if with_eval:
         claims.append(_Claim("evaluator", "eval.cpu_cores", config.eval.cpu_cores, ["eval"]))
-    for name in config.served_scorers:
-        field, process = f"scorers.{name}.cpu_cores", scorer_process_name(name)
+    for name, process in zip(config.served_scorers, scorers, strict=True):
+        field = f"scorers.{name}.cpu_cores"
         claims.append(_Claim(process, field, config.scorers[name].cpu_cores, [process]))
     claims = [c for c in claims if c.members]
     given = _explicit_cores(claims, cpus)
@@ -267,31 +308,28 @@ def _place_cores(
             placed.update(_blocks(given[claim.label], claim.members))
     auto = [c for c in claims if c.label not in given]
     free = [c for c in cpus if not any(c in cores for cores in given.values())]
-    shared: set[str] = set()
     if not auto:
-        return placed, shared
+        return placed, []
     if not free:
         raise PlacementError(
             f"no cores left for the {', '.join(c.label for c in auto)}: the explicit settings "
             f"take all {len(cpus)}; leave some free or set theirs too"
         )
-    engines = [name for c in auto if c.label != "learner" for name in c.members]
-    if auto[0].label == "learner":
-        if not engines:
-            placed["learner"] = free
-            return placed, shared
-        if len(free) < 2:  # one core for everything: share it
-            placed["learner"], shared = free, {"learner", *engines}
-        else:  # the learner half (rounded down), the engines the rest
-            half = len(free) // 2
-            placed["learner"], free = free[:half], free[half:]
-    if len(free) >= len(engines):
-        placed.update(_blocks(free, engines))
-    else:
-        for i, name in enumerate(engines):
-            placed[name] = [free[i % len(free)]]
-        shared |= set(engines)
-    return placed, shared
+    reasons: list[str] = []
+    if auto[0].label == "learner":  # every free core, whoever else runs on them
+        placed["learner"] = free
+    # Engines that always have work (generators, scorers) split the free cores between them;
+    # the evaluator, idle between versions, runs on all of them.
+    steady = [name for c in auto if c.label != "learner" for name in c.members if name != "eval"]
+    if steady:
+        if len(free) >= len(steady):
+            placed.update(_blocks(free, steady))
+        else:
+            placed.update({name: [free[i % len(free)]] for i, name in enumerate(steady)})
+            reasons.append(f"{len(steady)} engines on {len(free)} core(s): they take turns on them")
+    if any(c.label == "evaluator" for c in auto):
+        placed["eval"] = free
+    return placed, reasons
 
 
 def _explicit_cores(claims: Sequence[_Claim], cpus: Sequence[int]) -> dict[str, list[int]]:

@@ -1,10 +1,14 @@
 """The placement plan as a record: where each process of a run on one machine runs.
 
-`PlacementPlan` is what `streamrl.placement.planner` decides, printed (`describe()`) and stored
-as `<run>/control/placement.json`; each process is started from its `ProcessPlacement`: its
-affinity (`cpus`) and its environment (`env()`: `CUDA_VISIBLE_DEVICES`, OpenMP / MKL thread
-counts, vLLM's CPU thread binding, and OpenMP waits that sleep instead of spinning when idle).
-A learner of several ranks binds each rank to its own cores (`bind_rank`).
+`PlacementPlan` is what `streamrl.placement.planner` decides, printed (`describe()`: the table
+and the planner's reasons) and stored as `<run>/control/placement.json`; each process is started
+from its `ProcessPlacement`: its affinity (`cpus`), its CPU priority (`priority`: a `background`
+process runs only on what the `normal` ones leave, `streamrl.isolation.lifetime`) and its
+environment (`env()`: `CUDA_VISIBLE_DEVICES`, OpenMP / MKL thread counts fixed for the run —
+never adjusted to load, so the learner's bits depend on its thread count alone —, vLLM's CPU
+thread binding, OpenMP waits that sleep instead of spinning when idle, and on a shared GPU the
+share of its memory the process may take). A learner of several ranks binds each rank to its own
+cores (`bind_rank`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ if TYPE_CHECKING:
     from storage.fs import Location
 
 __all__ = [
+    "GPU_SHARE_VARIABLE",
     "PLACED_VARIABLES",
     "PLACEMENT_FILE",
     "RANK_CORES_VARIABLE",
     "Component",
     "PlacementPlan",
+    "Priority",
     "ProcessPlacement",
     "bind_rank",
     "read_placement",
@@ -33,10 +39,17 @@ __all__ = [
 
 PLACEMENT_FILE = ("control", "placement.json")
 Component = Literal["learner", "generator", "evaluator", "scorer"]
+Priority = Literal["normal", "background"]
 
 # OpenMP threads that wait for work sleep instead of spinning on a core another process needs
 # (libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT, Intel's runtime KMP_BLOCKTIME).
 IDLE_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+# Thread counts stay what the plan says: OpenMP and MKL never lower them on a busy machine.
+FIXED_THREADS_ENV = {"OMP_DYNAMIC": "FALSE", "MKL_DYNAMIC": "FALSE"}
+
+# A process on a shared GPU: the fraction of the device's memory it may take (the learner caps
+# its allocator at it; a vLLM engine's gpu_memory_utilization is set to it).
+GPU_SHARE_VARIABLE = "STREAMRL_GPU_MEMORY_FRACTION"
 
 # A learner of several ranks: each rank's cores, ';'-separated in rank order (`bind_rank`).
 RANK_CORES_VARIABLE = "STREAMRL_RANK_CORES"
@@ -44,8 +57,9 @@ RANK_CORES_VARIABLE = "STREAMRL_RANK_CORES"
 # Every variable a placement decides: a planned process never inherits them from its supervisor.
 PLACED_VARIABLES = frozenset(
     {"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"}
-    | {RANK_CORES_VARIABLE}
+    | {RANK_CORES_VARIABLE, GPU_SHARE_VARIABLE}
     | set(IDLE_WAIT_ENV)
+    | set(FIXED_THREADS_ENV)
 )
 
 
@@ -58,7 +72,8 @@ class ProcessPlacement(_Record):
 
     Invariants: `cpus` is non-empty and within the machine's affinity; `gpus` are entries of
     the machine's visible GPU list (empty: on CPU); `threads` ≥ 1 OpenMP threads per process
-    (for a learner of several ranks, its cores divided between them)."""
+    (for a learner of several ranks, its cores divided between them); `gpu_memory_fraction`
+    set only on a GPU another process of the run uses too."""
 
     name: str
     component: Component
@@ -67,7 +82,9 @@ class ProcessPlacement(_Record):
     cpus: tuple[int, ...]
     gpus: tuple[str, ...] = ()
     threads: int = 1
-    shared: bool = False  # cores shared with another process (too few for disjoint blocks)
+    shared: bool = False  # cores shared with another process of the run
+    priority: Priority = "normal"
+    gpu_memory_fraction: float | None = None  # its share of each of its GPUs, when shared
 
     @property
     def on_gpu(self) -> bool:
@@ -80,7 +97,10 @@ class ProcessPlacement(_Record):
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             **IDLE_WAIT_ENV,
+            **FIXED_THREADS_ENV,
         }
+        if self.gpu_memory_fraction is not None:
+            env[GPU_SHARE_VARIABLE] = f"{self.gpu_memory_fraction:.4f}"
         if self.component != "learner" and not self.on_gpu:
             env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cpus)
         if self.ranks > 1:
@@ -107,6 +127,7 @@ class PlacementPlan(_Record):
     generators: tuple[ProcessPlacement, ...]
     evaluator: ProcessPlacement | None = None
     scorers: tuple[ProcessPlacement, ...] = ()  # the served scorers, `RunConfig.served_scorers`
+    reasons: tuple[str, ...] = ()  # the planner's decisions in words: who shares what, and why
 
     @property
     def processes(self) -> list[ProcessPlacement]:
@@ -138,12 +159,16 @@ class PlacementPlan(_Record):
         lines = [
             f"placement: {len(self.machine_cpus)} cores ({format_cores(self.machine_cpus)}), "
             f"GPUs: {gpus}",
-            f"  {'process':<16} {'cores':<14} {'threads':>7}  gpus",
+            f"  {'process':<16} {'cores':<14} {'threads':>7}  {'priority':<10}  gpus",
         ]
         for p in self.processes:
             name = f"{p.name}×{p.ranks}" if p.ranks > 1 else p.name
             cores = format_cores(p.cpus) + (" shared" if p.shared else "")
-            lines.append(f"  {name:<16} {cores:<14} {p.threads:>7}  {','.join(p.gpus) or 'cpu'}")
+            gpus = ",".join(p.gpus) or "cpu"
+            if p.gpu_memory_fraction is not None:
+                gpus += f" ({p.gpu_memory_fraction:.0%} of memory)"
+            lines.append(f"  {name:<16} {cores:<14} {p.threads:>7}  {p.priority:<10}  {gpus}")
+        lines += [f"  {reason}" for reason in self.reasons]
         return "\n".join(lines)
 
     def to_json(self) -> str:

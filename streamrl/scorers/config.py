@@ -116,7 +116,8 @@ class ScorerConfig(Section):
     cpu_cores: CoreSetting = Field(
         None,
         description="Served: this scorer's CPU cores, a count or a core list such as '6-7'; "
-        "null: a share of what the learner leaves, as a generator's (see streamrl.placement).",
+        "null: a share of the cores no other component pins, as a generator's, at background "
+        "priority (see streamrl.placement).",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, le=1024, description="Served: GPUs of this scorer's engine (CUDA)."

@@ -40,6 +40,7 @@ from streamrl.config.stored import open_existing_run
 from streamrl.generator.engine import cpu_environment, use_cuda
 from streamrl.isolation.lifetime import dying_with_parent
 from streamrl.models import ModelPathError, resolve_model_path
+from streamrl.placement.gpu_memory import engine_memory_utilization
 from streamrl.scorers.config import ScorerConfig, scorer_process_name
 from streamrl.scorers.tokenizers import check_teacher_tokenizer
 
@@ -91,7 +92,8 @@ def server_command(
     if config.model.trust_remote_code:
         argv.append("--trust-remote-code")
     if use_cuda(scorer.device):
-        argv += ["--gpu-memory-utilization", str(scorer.gpu_memory_utilization)]
+        utilization = engine_memory_utilization(scorer.gpu_memory_utilization)
+        argv += ["--gpu-memory-utilization", str(utilization)]
     else:
         argv.append("--enforce-eager")  # no graphs to capture on CPU: a faster start
     if scorer.task == "classify":

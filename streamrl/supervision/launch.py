@@ -128,19 +128,23 @@ def run_process(
     SIGTERM, a stopped process continued to get it, then SIGKILL).
 
     With `placement` the process starts on its cores (CPU affinity, inherited by every thread
-    and child it creates) with its environment (`ProcessPlacement.env()`); `env` wins over
-    both the supervisor's environment and the placement's. The process gets SIGTERM when the
-    calling thread's process dies; call it from a thread that waits for it (it does)."""
+    and child it creates) at its priority, with its environment (`ProcessPlacement.env()`);
+    `env` wins over both the supervisor's environment and the placement's. The process gets
+    SIGTERM when the calling thread's process dies; call it from a thread that waits for it (it
+    does)."""
     inherited, supervisor = dict(os.environ), os.getpid()
     planned: dict[str, str] = {}
-    cpus = None
+    cpus, background = None, False
     if placement is not None:  # the plan decides its variables: none leaks from ours
         inherited = {k: v for k, v in inherited.items() if k not in PLACED_VARIABLES}
         planned, cpus = placement.env(), placement.cpus
+        background = placement.priority == "background"
     process = subprocess.Popen(
         # No Python between fork and exec (the supervisor has threads): an exec wrapper sets
-        # the parent-death signal and the cores.
-        dying_with_parent(list(argv), supervisor, signal.SIGTERM, cpus or ()),
+        # the parent-death signal, the cores and the priority.
+        dying_with_parent(
+            list(argv), supervisor, signal.SIGTERM, cpus or (), background=background
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -237,6 +237,7 @@ class Supervisor:
             self.logs.write(component.name, text)
             show(text)
 
+        self._wait_for_gpu_peers(component, show)
         while not component.stop.is_set():
             component.stopped_from_outside, component.stalled = False, None
             component.exit_code = run_process(
@@ -252,6 +253,25 @@ class Supervisor:
             if notice is None:
                 return
             show(notice)
+
+    def _wait_for_gpu_peers(self, component: Component, show: Callable[[str], None]) -> None:
+        """A learner on a GPU it shares with generators starts once their engines are up (their
+        first heartbeat), or after `placement.startup_timeout_s`: a vLLM engine sizes its KV
+        cache from the memory it sees free while it starts, which a learner allocating at the
+        same time would take from under it."""
+        if component.unit.kind != "learner" or self.plan is None or component.placement is None:
+            return
+        mine = set(component.placement.gpus)
+        peers = [g.name for g in self.plan.generators if mine & set(g.gpus)]
+        if not peers:
+            return
+        show(f"waiting for {', '.join(peers)} to start its engine on the GPU it shares")
+        deadline = time.monotonic() + self.config.placement.startup_timeout_s
+        while not component.stop.is_set() and time.monotonic() < deadline:
+            watched = [self.liveness.watched.get(name) for name in peers]
+            if all(w is not None and w.changed is not None for w in watched):
+                return
+            component.stop.wait(1.0)
 
     def _liveness(self, component: Component) -> Callable[[], str | None] | None:
         """For a learner (its first node) or a generator: the check `run_process` asks whether

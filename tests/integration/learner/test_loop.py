@@ -300,7 +300,7 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     rng = np.random.default_rng(1)
     _write_segments(writer, [0, 0], rng)  # 10 groups: fewer than one batch
     for index, paused_s in enumerate((5.0, 2.5)):
-        write_progress(run, GeneratorProgress(f"gen{index}", paused_s=paused_s))
+        write_progress(run, GeneratorProgress(f"gen{index}", paused_s=paused_s, cpu_s=4 * paused_s))
     config = _config(run_dir, total_steps=1)
     config.learner.batch_groups = config.learner.mini_batch_groups = 12
     learner = Learner(config, run, topology)
@@ -323,6 +323,11 @@ def test_a_learner_waiting_mid_step_records_where_it_waits(tmp_path, topology):
     step.join(timeout=120)
     assert result["step"] == 1
     assert result["generators/paused_s_total"] == 7.5  # from the generators' records
+    assert result["generators/cpu_s_total"] == 30.0
+    # The learner's own CPU over the step: it trained, so it used some, and no more than its
+    # cores could give.
+    assert result["perf/learner_cpu_s"] > 0
+    assert 0 < result["perf/learner_cpu_util"] <= 1.0
     progress = read_learner_progress(run)
     assert (progress.waiting, progress.step, progress.accepted) == (False, 1, 12)
     assert progress.pending_accepted == 0  # the step is done: none held for the next one

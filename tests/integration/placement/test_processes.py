@@ -4,6 +4,7 @@ a plan that does not fit is refused before the run is created."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -19,7 +20,8 @@ from streamrl.supervision import supervisor
 REPORT = (
     "import json, os; print(json.dumps({'cpus': sorted(os.sched_getaffinity(0)), 'env': "
     "{k: os.environ.get(k) for k in ('CUDA_VISIBLE_DEVICES', 'OMP_NUM_THREADS', "
-    "'OMP_WAIT_POLICY', 'VLLM_CPU_OMP_THREADS_BIND')}}))"
+    "'OMP_WAIT_POLICY', 'VLLM_CPU_OMP_THREADS_BIND')}, "
+    "'nice': os.getpriority(os.PRIO_PROCESS, 0)}))"
 )
 
 
@@ -39,11 +41,15 @@ def test_local_run_starts_every_process_on_its_planned_cores(tmp_path, monkeypat
     )
     supervised.run()
     plan = read_placement(open_run_location(config))
+    nice: dict[str, int] = {}
     for name, placement in (("learner", plan.learner), ("gen0", plan.generators[0])):
         seen = json.loads(lines[name][-1])
         assert seen["cpus"] == list(placement.cpus), name
         assert seen["env"] == {k: placement.env().get(k) for k in seen["env"]}, name
-    assert set(plan.learner.cpus).isdisjoint(plan.generators[0].cpus)
+        nice[name] = seen["nice"]
+    # Work-conserving: the generator on the learner's cores, beneath it.
+    assert plan.generators[0].cpus == plan.learner.cpus
+    assert (nice["learner"], nice["gen0"]) == (os.getpriority(os.PRIO_PROCESS, 0), 19)
 
 
 def test_streamrl_run_refuses_a_plan_that_does_not_fit_before_creating_the_run(tmp_path, capsys):

@@ -74,32 +74,37 @@ def test_learner_gpus_must_give_one_per_rank():
 # -- CPU-only machines -----------------------------------------------------------------------
 
 
-def test_two_cores_learner_and_generator_on_their_own_core():
+def test_two_cores_learner_on_both_and_the_generator_beneath_it():
     plan = plan_placement(config(), generators=1, cpus=[0, 1], gpus=[])
-    assert cores_of(plan) == {"learner": [0], "gen0": [1]}
+    assert cores_of(plan) == {"learner": [0, 1], "gen0": [0, 1]}
     learner, gen = plan.env_for("learner"), plan.env_for("generator", 0)
     assert learner["CUDA_VISIBLE_DEVICES"] == gen["CUDA_VISIBLE_DEVICES"] == ""
-    assert learner["OMP_NUM_THREADS"] == gen["OMP_NUM_THREADS"] == "1"
+    assert learner["OMP_NUM_THREADS"] == gen["OMP_NUM_THREADS"] == "2"
     assert learner["OMP_WAIT_POLICY"] == gen["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert gen["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert learner["OMP_DYNAMIC"] == learner["MKL_DYNAMIC"] == "FALSE"  # never fewer on load
+    assert gen["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in learner
-    assert plan.cpus_for("generator", 0) == (1,)
-    assert not any(p.shared for p in plan.processes)
+    assert (plan.learner.priority, plan.generators[0].priority) == ("normal", "background")
+    assert plan.learner.shared
+    assert plan.generators[0].shared
+    assert "gen0 runs on the learner's cores at background priority" in plan.describe()
+    assert "keeps 2 threads per rank for the whole run" in plan.describe()
 
 
-def test_sixteen_cores_half_to_the_learner_the_rest_split_between_engines():
+def test_sixteen_cores_to_the_learner_engines_split_them_beneath_it():
     cfg = config("eval.every_versions=2", "learner.nproc_per_node=2")
     plan = plan_placement(cfg, generators=3, cpus=range(16), gpus=[])
     assert cores_of(plan) == {
-        "learner": list(range(8)),
-        "gen0": [8, 9],
-        "gen1": [10, 11],
-        "gen2": [12, 13],
-        "eval": [14, 15],
+        "learner": list(range(16)),
+        "gen0": [0, 1, 2, 3, 4, 5],
+        "gen1": [6, 7, 8, 9, 10],
+        "gen2": [11, 12, 13, 14, 15],
+        "eval": list(range(16)),  # idle between versions: all of them while it evaluates
     }
-    assert plan.learner.threads == 4  # 8 cores between 2 ranks
-    assert plan.env_for("evaluator")["VLLM_CPU_OMP_THREADS_BIND"] == "14-15"
-    assert plan.env_for("generator", 2)["OMP_NUM_THREADS"] == "2"
+    assert plan.learner.threads == 8  # 16 cores between 2 ranks
+    assert plan.env_for("evaluator")["VLLM_CPU_OMP_THREADS_BIND"] == "0-15"
+    assert plan.env_for("generator", 2)["OMP_NUM_THREADS"] == "5"
+    assert [p.priority for p in plan.processes] == ["normal", *["background"] * 4]
 
 
 def test_the_evaluator_is_planned_only_when_evaluation_is_on():
@@ -110,10 +115,11 @@ def test_the_evaluator_is_planned_only_when_evaluation_is_on():
         off.placement_of("evaluator")
 
 
-def test_more_engines_than_free_cores_share_them_when_automatic():
+def test_more_engines_than_free_cores_take_turns_on_them():
     plan = plan_placement(config(), generators=3, cpus=[0, 1], gpus=[])
-    assert cores_of(plan) == {"learner": [0], "gen0": [1], "gen1": [1], "gen2": [1]}
-    assert [p.shared for p in plan.processes] == [False, True, True, True]
+    assert cores_of(plan) == {"learner": [0, 1], "gen0": [0], "gen1": [1], "gen2": [0]}
+    assert all(p.shared for p in plan.processes)
+    assert "3 engines on 2 core(s): they take turns on them" in plan.reasons
     one = plan_placement(config(), generators=1, cpus=[5], gpus=[])
     assert cores_of(one) == {"learner": [5], "gen0": [5]}
     assert one.learner.shared
@@ -125,6 +131,10 @@ def test_explicit_core_lists_and_counts():
     plan = plan_placement(cfg, generators=2, cpus=range(16), gpus=[])
     assert cores_of(plan) == {"learner": [0, 1, 2, 3, 8], "gen0": [4, 5], "gen1": [6, 7]}
     assert plan.learner.threads == 5
+    # Cores of their own: nobody yields to the learner, nothing is said about sharing.
+    assert {p.priority for p in plan.processes} == {"normal"}
+    assert not any(p.shared for p in plan.processes)
+    assert not plan.reasons
     counted = plan_placement(config("learner.cpu_cores=3"), generators=2, cpus=range(8), gpus=[])
     assert cores_of(counted) == {"learner": [0, 1, 2], "gen0": [3, 4, 5], "gen1": [6, 7]}
     listed_first = config("learner.cpu_cores=2", "generator.cpu_cores=0-1")
@@ -164,8 +174,8 @@ def test_four_rank_learner_and_four_generators_on_eight_gpus():
         "gen3": "7",
     }
     assert "VLLM_CPU_OMP_THREADS_BIND" not in plan.env_for("generator", 0)
-    assert cores_of(plan)["learner"] == list(range(16))
-    assert plan.learner.threads == 4
+    assert cores_of(plan)["learner"] == list(range(32))
+    assert plan.learner.threads == 8
 
 
 def test_tensor_parallel_generators_get_tp_gpus_each():
@@ -176,13 +186,19 @@ def test_tensor_parallel_generators_get_tp_gpus_each():
 
 
 def test_an_eight_rank_learner_plus_generators_is_refused_with_the_numbers():
-    cfg = config("learner.nproc_per_node=8")
+    cfg = config("learner.nproc_per_node=8", "placement.share_gpus=false")
     message = "8 generators × 1 GPU + learner 8 GPUs = 16 GPUs, this machine has 8"
     with pytest.raises(PlacementError, match=re.escape(message)):
         plan_placement(cfg, generators=8, cpus=range(64), gpus=EIGHT_GPUS)
-    tp2 = config("learner.nproc_per_node=4", "generator.tensor_parallel_size=2")
+    tp2 = config(
+        "learner.nproc_per_node=4", "generator.tensor_parallel_size=2", "placement.share_gpus=false"
+    )
     with pytest.raises(PlacementError, match="3 generators × 2 GPUs \\+ learner 4 GPUs = 10"):
         plan_placement(tp2, generators=3, cpus=range(64), gpus=EIGHT_GPUS)
+    # Sharing cannot help a process wider than the machine.
+    wide = config("generator.tensor_parallel_size=16")
+    with pytest.raises(PlacementError, match="sharing cannot help: one process needs more"):
+        plan_placement(wide, generators=1, cpus=range(64), gpus=EIGHT_GPUS)
 
 
 def test_pinned_learner_gpus_and_generators_on_cpu():
@@ -198,7 +214,7 @@ def test_pinned_learner_gpus_and_generators_on_cpu():
     on_cpu = config("learner.nproc_per_node=8", "generator.device=cpu")
     plan = plan_placement(on_cpu, generators=8, cpus=range(16), gpus=EIGHT_GPUS)
     assert plan.env_for("generator", 7)["CUDA_VISIBLE_DEVICES"] == ""
-    assert plan.env_for("generator", 7)["VLLM_CPU_OMP_THREADS_BIND"] == "15"
+    assert plan.env_for("generator", 7)["VLLM_CPU_OMP_THREADS_BIND"] == "14-15"
     with pytest.raises(PlacementError, match=r"learner\.device=cuda but this machine exposes no"):
         plan_placement(config("learner.device=cuda"), cpus=[0, 1], gpus=[])
 
@@ -231,32 +247,44 @@ def test_the_plan_round_trips_through_the_run(tmp_path):
 
 CHILD = (
     "import json, os; print(json.dumps({'cpus': sorted(os.sched_getaffinity(0)), "
-    "'env': {k: os.environ.get(k) for k in %r}}))"
+    "'env': {k: os.environ.get(k) for k in %r}, 'nice': os.getpriority(os.PRIO_PROCESS, 0), "
+    "'policy': os.sched_getscheduler(0), 'group': open('/proc/self/autogroup').read() "
+    "if os.path.exists('/proc/self/autogroup') else None}))"
 )
 
 
 @pytest.mark.skipif(len(machine_cpus()) < 2, reason="needs two cores to tell affinity apart")
-def test_a_process_started_from_the_plan_gets_its_cores_and_environment():
+def test_a_process_started_from_the_plan_gets_its_cores_environment_and_priority():
     cpus = machine_cpus()
-    plan = plan_placement(config(), generators=1, cpus=cpus, gpus=[])
-    placement = plan.generators[0]
-    wanted = placement.env()
+    plan = plan_placement(config(), generators=2, cpus=cpus, gpus=[])
     lines: list[str] = []
-    code = run_process(
-        [sys.executable, "-c", CHILD % sorted(wanted)], lines.append, placement=placement
-    )
-    assert code == 0, lines
-    seen = json.loads(lines[-1])
-    assert seen["cpus"] == list(placement.cpus) != cpus
-    assert seen["env"] == wanted
-    assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == format_cores(placement.cpus)
+    seen = {}
+    for placement in (plan.learner, plan.generators[1]):
+        wanted = placement.env()
+        code = run_process(
+            [sys.executable, "-c", CHILD % sorted(wanted)], lines.append, placement=placement
+        )
+        assert code == 0, lines
+        seen[placement.name] = json.loads(lines[-1])
+        assert seen[placement.name]["cpus"] == list(placement.cpus)
+        assert seen[placement.name]["env"] == wanted
+    gen = seen["gen1"]
+    assert gen["cpus"] != cpus
+    assert gen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == format_cores(plan.generators[1].cpus)
+    # The generator yields to the learner: nice 19, in a session group of nice 19 (the
+    # kernel's autogroup would otherwise weigh its session as much as the learner's).
+    assert (gen["policy"], gen["nice"]) == (os.SCHED_OTHER, 19)
+    assert gen["group"] is None or gen["group"].strip().endswith("nice 19")
+    learner = seen["learner"]
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert (learner["policy"], learner["nice"]) == (os.SCHED_OTHER, ours)
     # The supervisor itself keeps every core.
     assert sorted(os.sched_getaffinity(0)) == cpus
 
 
 def test_each_learner_rank_gets_its_own_block_of_cores():
     cfg = config("learner.nproc_per_node=4")
-    plan = plan_placement(cfg, generators=4, cpus=range(32), gpus=EIGHT_GPUS)
+    plan = plan_placement(cfg, generators=4, cpus=range(16), gpus=EIGHT_GPUS)
     assert plan.learner.rank_cpus() == [
         (0, 1, 2, 3),
         (4, 5, 6, 7),

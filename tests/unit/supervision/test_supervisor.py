@@ -27,7 +27,7 @@ from streamrl.supervision.supervisor import ComponentFailedError, Supervisor
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
 # A stand-in generator: it flushes and exits 0 on SIGTERM, as a real one does.
 FLUSHER = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-           "lambda *_: exit(0)); time.sleep(300)"]  # fmt: skip
+           "lambda *_: exit(0)); print('ready', flush=True); time.sleep(300)"]  # fmt: skip
 
 
 def _config(tmp_path: Path):
@@ -380,13 +380,13 @@ def test_a_generator_stopped_alone_from_outside_is_restarted(tmp_path, monkeypat
     )  # fmt: skip
 
     def stop_gen0_then_the_run() -> None:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # a generator starts at background priority
         while time.monotonic() < deadline and len(starts) < 2:
-            for child in psutil.Process().children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    if FLUSHER[-1] in child.cmdline() and len(starts) == 1:
-                        time.sleep(1)  # its handler installed
-                        child.send_signal(signal.SIGTERM)
+            if "gen0: ready" in shown:  # its handler installed
+                for child in psutil.Process().children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if FLUSHER[-1] in child.cmdline() and len(starts) == 1:
+                            child.send_signal(signal.SIGTERM)
             time.sleep(0.2)
         time.sleep(1)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -398,3 +398,43 @@ def test_a_generator_stopped_alone_from_outside_is_restarted(tmp_path, monkeypat
     assert any("stopped from outside with no stop marker" in line for line in shown) or any(
         "exited with code 0; restart 1 of 3" in line for line in shown
     ), shown
+
+
+def test_a_learner_sharing_a_gpu_starts_once_the_generators_engine_is_up(tmp_path, monkeypatch):
+    """On a GPU it shares, the learner waits for the generator's first heartbeat (its engine
+    sized its KV cache from the free memory): stand-ins on a fake GPU, the generator beating
+    after a few seconds, the learner noting when it starts."""
+    from streamrl.placement import plan_placement
+    from streamrl.placement.gpu_memory import GIB, ModelShape
+
+    run = tmp_path / "run"
+    beat_at, learner_at = tmp_path / "beat_at", tmp_path / "learner_at"
+    generator = [sys.executable, "-c", (
+        "import time, signal; signal.signal(signal.SIGTERM, lambda *_: exit(0)); time.sleep(3)\n"
+        "from storage.fs import open_location; from storage.control.heartbeat import Heart\n"
+        f"Heart(open_location({str(run)!r}), 'gen0').beat('generating')\n"
+        f"open({str(beat_at)!r}, 'w').write(repr(time.time())); time.sleep(300)"
+    )]  # fmt: skip
+    learner = [
+        sys.executable,
+        "-c",
+        f"import time; open({str(learner_at)!r}, 'w').write(repr(time.time()))",
+    ]
+    monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: learner)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: generator)
+    config = load_config(
+        ["dapo", "tiny-cpu"],
+        overrides=[f"storage.run_uri={run}", "learner.device=cuda", "generator.device=cuda"],
+    )
+    shape = ModelShape(parameters=10**6, hidden_size=64, layers=2, vocab_size=1000,
+                       kv_bytes_per_token=512)  # fmt: skip
+    plan = plan_placement(config, generators=1, evaluator=False, gpus=["0"],
+                          gpu_memory={"0": 80 * GIB}, model=shape)  # fmt: skip
+    assert plan.learner.gpus == plan.generators[0].gpus == ("0",)
+    shown: list[str] = []
+    supervisor = Supervisor.for_run(
+        config, generators=1, placement=plan, on_line=lambda c, text: shown.append(f"{c}: {text}")
+    )
+    supervisor.run()
+    assert float(learner_at.read_text()) >= float(beat_at.read_text())
+    assert "learner: waiting for gen0 to start its engine on the GPU it shares" in shown

@@ -134,18 +134,18 @@ def test_learner_progress_record_rejects_broken_counts(fields: dict[str, int]):
         LearnerProgress(**{"step": 1, "policy_version": 1, **fields})
 
 
-def test_paused_seconds_add_up_over_a_generators_lives(tmp_path, source):
+def test_paused_and_cpu_seconds_add_up_over_a_generators_lives(tmp_path, source):
     run = open_location(str(tmp_path / "run"))
     prompts, ledger, _ = _start(run, source)
     _take(prompts, ledger, 1, 0)
     ledger.collected("r0")
-    ledger.committed(paused_s=2.5)
-    assert read_progress(run, "gen0").paused_s == 2.5
-    prompts, ledger, _ = _start(run, source)  # a restart: its pauses count on top
+    ledger.committed(paused_s=2.5, cpu_s=40.0)
+    assert (read_progress(run, "gen0").paused_s, read_progress(run, "gen0").cpu_s) == (2.5, 40.0)
+    prompts, ledger, _ = _start(run, source)  # a restart: its pauses and CPU count on top
     _take(prompts, ledger, 1, 10)
     ledger.collected("r10")
-    ledger.committed(paused_s=1.0)
-    assert read_progress(run, "gen0").paused_s == 3.5
+    ledger.committed(paused_s=1.0, cpu_s=5.0)
+    assert (read_progress(run, "gen0").paused_s, read_progress(run, "gen0").cpu_s) == (3.5, 45.0)
     assert [p.paused_s for p in read_all_progress(run)] == [3.5]
 
 
