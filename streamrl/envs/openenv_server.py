@@ -170,7 +170,7 @@ class OpenEnvService:
             self.server = subprocess.Popen(
                 dying_with_parent(argv, os.getpid()),
                 pass_fds=(listener.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=output, stderr=subprocess.STDOUT, process_group=0,
             )  # fmt: skip
         self.base_url = f"http://127.0.0.1:{port}"
 

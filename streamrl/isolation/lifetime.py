@@ -12,9 +12,10 @@ CPU priority: a `background` program runs at nice 19, so that next to a program 
 gets about 1.5 % of a core they both want (kernel weights 15 against 1024) and every cycle the
 other leaves. Not Linux's SCHED_IDLE: that would leave it nothing at all while anything else
 runs, and the work of a generator's reward and environment workers runs under wall-clock
-limits. Every program started behind the wrapper in a session of its own keeps a lowered
-priority where the kernel groups processes by session (autogroup: each session's processes
-compete as one, whatever their nice): its session's group gets the program's nice.
+limits. Where the kernel schedules each session as one group (autogroup), nice ranks a program
+only against the others of its session: a supervisor starts the run's programs in its own
+session (their own process groups), so that a background one yields to the run's learner, not
+to every other program of the machine.
 A `preexec_fn` would run Python between fork and exec in a child of a threaded parent, which
 can crash on state the parent's other threads left mid-change; the wrapper is a fresh
 interpreter. The kernel sends the signal when the *thread* that started the child ends, so a
@@ -67,13 +68,6 @@ if cores:
     os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
 if background:
     os.setpriority(os.PRIO_PROCESS, 0, int(background))
-nice = os.getpriority(os.PRIO_PROCESS, 0)
-if nice > 0:
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write(str(nice))
-    except OSError:
-        pass
 try:
     os.execvp(sys.argv[5], sys.argv[5:])
 except OSError as error:

@@ -135,10 +135,13 @@ def serve_scorer(run_uri: str, name: str, stop: threading.Event | None = None) -
     started = time.monotonic()
     log.info("scorer %s: starting vLLM for %s on port %d", name, model_dir, port)
     # Its own process group, so that its engine processes, which outlive a killed API server,
-    # go with it (`_stop`); and it gets SIGTERM if this process dies first.
+    # go with it (`_stop`), in this session, so that it keeps this process's CPU priority among
+    # the run's processes (`streamrl.isolation.lifetime`); and it gets SIGTERM if this process
+    # dies first.
     server = subprocess.Popen(
-        dying_with_parent(argv, os.getpid()), env=_server_env(scorer), start_new_session=True
-    )
+        dying_with_parent(argv, os.getpid()), env=_server_env(scorer), process_group=0,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
     stop = stop or threading.Event()
     endpoint = None
     try:

@@ -150,7 +150,12 @@ def run_process(
         text=True,
         bufsize=1,
         env={**inherited, "PYTHONUNBUFFERED": "1", **planned, **(env or {})},
-        start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
+        stdin=subprocess.DEVNULL,
+        # A process group of its own: a Ctrl-C in the terminal (sent to its foreground group)
+        # reaches only us, and we stop it cleanly. In our session, not one of its own: where
+        # the kernel schedules each session as one group (autogroup), a background process
+        # then yields to the run's other processes alone, not to everything on the machine.
+        process_group=0,
     )
     stop = stop or threading.Event()
     tree = ProcessTree(process.pid)
