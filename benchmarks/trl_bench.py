@@ -48,9 +48,10 @@ Whole run: from spawning the side's process to its exit (model load included). C
 time × cores, after the first step (`loop_bench.cpu_figures`). Steady step: the
 mean over the steps after the first. Response tokens: the mean sampled length over those steps.
 Goals (issue #61): streamrl / TRL ≤ 0.4 per steady step, ≤ 0.6 for the whole run. Records:
-`<workdir>/trl.json`, `streamrl.json` and the comparison `trl_bench.json` (default workdir
-./runs/trl-bench); with `--parts` naming one side, the other's record of an earlier invocation in
-the same workdir is reused if it has the same shape, and the table says so.
+`<workdir>/trl.json`, `<workdir>/streamrl.json`, `<workdir>/streamrl-split.json` and the
+comparison `<workdir>/trl_bench.json` (default workdir ./runs/trl-bench); with `--parts` naming
+one side, the other's record of an earlier invocation in the same workdir is reused if it has
+the same shape, and the table says so.
 """
 
 from __future__ import annotations
