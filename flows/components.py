@@ -87,4 +87,4 @@ def run_alone(supervisor: Supervisor) -> None:
         component_task(supervisor, component.name)
     finally:
         supervisor.abort(f"the {component.name} flow run ended")  # stops only this process
-        supervisor.logs.close()
+        supervisor.finish()

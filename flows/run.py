@@ -100,10 +100,10 @@ def supervise(
         with stopping_despite_interrupts(config.learner.stop_grace_s):
             supervisor.abort("interrupted (Ctrl-C, or the flow run was stopped)", interrupted=True)
             _wait(futures)
-            supervisor.logs.close()
+            supervisor.finish()
         raise
     _wait(futures)
-    supervisor.logs.close()
+    supervisor.finish()
     latest = artifacts.refresh(final=True)
     if supervisor.failures:
         logger.error("%s; the run was stopped", supervisor.failures[0].splitlines()[0])

@@ -94,6 +94,7 @@ RESUME_SAFE_FIELDS: tuple[str, ...] = (
     "weights.publish_timeout_s",
     "weights.shard_bytes",
     "weights.keep_versions",
+    "weights.handoff",
     "storage.stream_retention",  # what is kept of consumed segments (never what a resume needs)
 )
 """Dotted config paths that may differ when a run is resumed; an entry covers its subtree."""

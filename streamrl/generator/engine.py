@@ -203,6 +203,8 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.policy_version = policy_version
         self._engine.set_weight_version(str(policy_version))
+        # Where the last version loaded came from: "storage", or "handoff" (the learner's memory)
+        self.weights_from = "storage"
         self._in_flight: dict[str, tuple[list[int], int, float]] = {}
         self._next_request = 0
 
@@ -380,8 +382,10 @@ class Engine:
             try:
                 if self.adapter is not None:
                     self.adapter.load(self._engine)
+                    self.weights_from = "storage"
                 else:
-                    self.llm.collective_rpc("apply_streamrl_weights")
+                    sources = set(self.llm.collective_rpc("apply_streamrl_weights"))
+                    self.weights_from = sources.pop() if len(sources) == 1 else "storage"
                 self._engine.reset_prefix_cache(reset_running_requests=True)
                 self._engine.set_weight_version(str(found.version))
             finally:

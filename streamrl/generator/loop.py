@@ -337,8 +337,11 @@ class GeneratorLoop:
         if found.version is not None:
             self.stats.weight_updates += 1
             self.stats.weight_update_s += seconds
-            log.info("generator %s: loaded weights v%d in %.2fs",
-                     self.generator_id, found.version, seconds)  # fmt: skip
+            handed = self.engine.weights_from == "handoff"
+            self.stats.weights_handed_off += handed
+            where = " from the learner's memory" if handed else ""
+            log.info("generator %s: loaded weights v%d in %.2fs%s",
+                     self.generator_id, found.version, seconds, where)  # fmt: skip
         return False
 
     def skip_unusable_weights(self, found: Advance) -> None:
@@ -359,7 +362,8 @@ class GeneratorLoop:
         s = self.stats
         log.info(
             "generator %s: %.2f groups/s, %.1f tokens/s, reward mean %.3f, acc %.3f, "
-            "truncated %.3f, weights v%d (%d updates, %.2fs each), reward timeouts %d errors %d "
+            "truncated %.3f, weights v%d (%d updates, %.2fs each, %d from the learner's memory), "
+            "reward timeouts %d errors %d "
             "(%d groups dropped), paused %.0fs by flow control",
             self.generator_id,
             s.groups / elapsed,
@@ -370,6 +374,7 @@ class GeneratorLoop:
             self.engine.policy_version,
             s.weight_updates,
             s.weight_update_s / max(s.weight_updates, 1),
+            s.weights_handed_off,
             s.reward_timeouts,
             s.reward_errors,
             s.dropped_groups,

@@ -40,7 +40,8 @@ class GeneratorStats:
     the stream (`generator.reward.on_error=drop_group`). `corrupt_weight_versions` counts
     published versions that failed verification (skipped for good), `weight_update_failures`
     versions that vanished (removed by retention) while being read. `paused_s` is how long flow
-    control refused new prompts (`streamrl.generator.flow_control`)."""
+    control refused new prompts (`streamrl.generator.flow_control`). `weights_handed_off`: the
+    updates taken from the learner's memory (`streamrl.placement.handoff`), not from storage."""
 
     groups: int = 0
     responses: int = 0
@@ -51,6 +52,7 @@ class GeneratorStats:
     segments: int = 0
     weight_updates: int = 0
     weight_update_s: float = 0.0
+    weights_handed_off: int = 0  # of the updates, those taken from the learner's memory
     weight_update_failures: int = 0
     corrupt_weight_versions: int = 0
     reward_errors: int = 0

@@ -330,6 +330,14 @@ class WeightsConfig(Section):
         "place under one adapter id) or merged full weights (for engines where adapters are "
         "slow; generators load them as without LoRA).",
     )
+    handoff: bool | None = Field(
+        None,
+        description="Generators beside the learner take each version from its memory instead "
+        "of storage (storage is still written, for resume and every other reader). null "
+        "(default): the generators that share a GPU with the learner (CUDA IPC, device to "
+        "device). true: also every other generator on the learner's machine (host shared "
+        "memory). false: always storage. Not with LoRA adapters (weights.lora_publish=adapter).",
+    )
     keep_versions: int = Field(
         3,
         ge=1,
@@ -341,6 +349,13 @@ class WeightsConfig(Section):
     def resolved_dtype(self, model: ModelConfig) -> str:
         """The dtype versions are published in (a torch dtype name)."""
         return model.dtype if self.dtype == "auto" else self.dtype
+
+    def hands_off(self, model: ModelConfig, shares_gpu: bool) -> bool:
+        """Whether a generator beside the learner takes versions from its memory
+        (`handoff`): `shares_gpu`, it holds one of the learner's GPUs."""
+        if self.handoff is False or (model.lora is not None and self.lora_publish == "adapter"):
+            return False
+        return self.handoff is True or shares_gpu
 
 
 class LoggingConfig(Section):

@@ -70,6 +70,7 @@ from streamrl.learner.step import StepSettings, train_on_batch
 from streamrl.learner.stopping import Stopping
 from streamrl.learner.stream_source import StopRequested, StreamSource
 from streamrl.learner.topology import Topology
+from streamrl.placement.handoff import HandOffWriter
 from streamrl.placement.usage import CpuMeter
 
 __all__ = ["DivergedError", "IncompatibleCheckpointError", "Learner"]
@@ -126,6 +127,8 @@ class Learner:
         at once. Idempotent."""
         if self.stream is not None:
             self.stream.close()
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
         self._release_lease()
 
     def _release_lease(self) -> None:
@@ -146,6 +149,9 @@ class Learner:
             getattr(torch, config.weights.resolved_dtype(config.model)),
             model_config=adapter_manifest(config.model, lora_publish),
             shares=publish_shares(lora, lora_publish),
+            handoff=HandOffWriter.if_placed(
+                run.uri, topology.rank, topology.world_size, topology.device
+            ),
         )
         self.checkpoints = LearnerCheckpoints(config, run, topology, self.models, self.lease)
         self.settings = StepSettings.from_config(config)

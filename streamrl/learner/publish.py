@@ -10,7 +10,9 @@ step (a collective). It
    when this life committed the previous version);
 3. snapshots this rank's FSDP2 shard of every parameter into host buffers in
    `weights.dtype` (refusing NaN/inf on any rank before anything is written);
-4. hands the upload to a background thread: `WeightWriter.write_share` of this rank's pieces,
+4. leaves the version in this rank's hand-off slot, when engines were placed beside it
+   (`streamrl.placement.handoff`: a device-to-device copy);
+5. hands the upload to a background thread: `WeightWriter.write_share` of this rank's pieces,
    then, on rank 0, `commit` (waits for every rank's part, writes the manifest, moves LATEST)
    and `retain`. Training goes on meanwhile.
 
@@ -62,6 +64,7 @@ from storage.weights.shares import (
 )
 from streamrl.learner.config import WeightsConfig
 from streamrl.learner.topology import Topology
+from streamrl.placement.handoff import HandOffWriter
 
 __all__ = [
     "PublishFailedError",
@@ -135,10 +138,12 @@ class WeightPublisher:
         dtype: torch.dtype,
         model_config: dict[str, Any] | None = None,
         shares: Callable[[nn.Module, bool], Shares] = local_shares,
+        handoff: HandOffWriter | None = None,
     ) -> None:
         _settle_training_threads()
         self.store, self.topology, self.config = store, topology, config
         self.shares = shares  # what of the model a version holds (LoRA: the adapter)
+        self.handoff = handoff  # engines beside this rank take versions from its memory
         self.dtype, self.model_config = dtype, model_config or {}
         # One id for this life's files on every rank: a dead life's leftovers never mix in.
         self.publish_id = topology.broadcast_object(new_publish_id())
@@ -159,17 +164,27 @@ class WeightPublisher:
         started = time.perf_counter()
         self._settle()
         plan = self.topology.decide_on_main(lambda: self._plan(version))
+        handoff_s = None
         if plan == "skip":
             log.info("weights v%d already published; not publishing again", version)
             self._committed = None  # its data is not held here: the next version is full
         else:
-            self._take_snapshot(model, version)
+            shares = self._take_snapshot(model, version)
+            if self.handoff is not None:
+                handoff_s = self.handoff.write(version, self.publish_id, shares, self.dtype)
             self._start(version, version - 1 if plan == "delta" else None)
             if not self.config.background:
                 self._settle()
         metrics = self._report_metrics()
         metrics["perf/weight_sync_s"] = time.perf_counter() - started
+        if handoff_s is not None:
+            metrics["perf/weight_handoff_s"] = handoff_s
         return metrics
+
+    def close(self) -> None:
+        """Remove this rank's hand-off slots (engines beside it read storage from now on)."""
+        if self.handoff is not None:
+            self.handoff.close()
 
     def flush(self) -> None:
         """Wait for the upload in progress; raises `PublishFailedError` on every rank if its
@@ -231,9 +246,9 @@ class WeightPublisher:
             return "delta"
         return "full"
 
-    def _take_snapshot(self, model: nn.Module, version: int) -> None:
+    def _take_snapshot(self, model: nn.Module, version: int) -> Shares:
         """Copy this rank's shard into the snapshot buffers (allocated once, pinned on CUDA),
-        after every rank checked that it holds no NaN/inf."""
+        after every rank checked that it holds no NaN/inf; the shard's pieces."""
         shares = self.shares(model, self.topology.is_main)
         bad = non_finite({name: local for name, (local, _, _) in shares.items()})
         total = int(self.topology.all_reduce_sum(torch.tensor([len(bad)])).item())
@@ -251,6 +266,7 @@ class WeightPublisher:
             self._layout[name] = (start, shape)
         if pinned:
             torch.cuda.current_stream().synchronize()
+        return shares
 
     def _start(self, version: int, base_version: int | None) -> None:
         """Upload in a daemon thread: a learner that fails is not held up by an upload (or a

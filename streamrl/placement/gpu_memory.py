@@ -18,7 +18,9 @@ when a share is below the least its process needs:
   16 bytes a trainable parameter, 4 a frozen one (LoRA), divided between its ranks by FSDP —
   plus one micro-batch's activations: `34 · hidden · layers` bytes a token in 16-bit compute
   (Korthikanti et al. 2022; twice that in fp32; `2 · hidden · layers` plus one layer's with
-  activation checkpointing) and the logits of the micro-batch in fp32 with their gradient;
+  activation checkpointing) and the logits of the micro-batch in fp32 with their gradient; when
+  it hands versions to the engines beside it (`streamrl.placement.handoff`), also two copies
+  of its shard in the published dtype;
 - an engine: the weights in `model.dtype` plus the KV cache of one full-length sequence.
 
 These are estimates of the least that can work, not of what runs fast: a refused plan names
@@ -112,9 +114,14 @@ def model_shape(config: RunConfig) -> ModelShape:
     )
 
 
-def learner_need_bytes(config: RunConfig, shape: ModelShape) -> int:
-    """The least memory one learner rank needs (module docstring)."""
+def learner_need_bytes(config: RunConfig, shape: ModelShape, handoff: bool = False) -> int:
+    """The least memory one learner rank needs (module docstring); with `handoff`, also its two
+    hand-off slots of its shard in the published dtype (`streamrl.placement.handoff`)."""
     learner = config.learner
+    slots = 0
+    if handoff:
+        published = _DTYPE_BYTES[config.weights.resolved_dtype(config.model)]
+        slots = 2 * shape.parameters * published // learner.nproc_per_node
     per_parameter = 4 if config.model.lora is not None else 16
     states = shape.parameters * per_parameter // learner.nproc_per_node
     tokens = learner.micro_batch_tokens
@@ -127,7 +134,7 @@ def learner_need_bytes(config: RunConfig, shape: ModelShape) -> int:
     else:
         activations = tokens * per_layer_token * shape.layers
     logits = 2 * 4 * tokens * shape.vocab_size
-    return states + activations + logits
+    return states + activations + logits + slots
 
 
 def engine_need_bytes(config: RunConfig, shape: ModelShape) -> int:
@@ -141,10 +148,12 @@ def plan_shared_memory(
     gpus: Sequence[SharedGpu],
     total_bytes: Mapping[str, int],
     shape: ModelShape,
+    handoff: bool = False,
 ) -> dict[tuple[str, str], float]:
     """The fraction of each shared GPU's memory that each of its users gets, keyed by (process
-    name, GPU); raises `PlacementError` with the numbers when they do not fit."""
-    learner_need = learner_need_bytes(config, shape)
+    name, GPU); raises `PlacementError` with the numbers when they do not fit. `handoff`: the
+    learner keeps hand-off slots."""
+    learner_need = learner_need_bytes(config, shape, handoff)
     engine_need = engine_need_bytes(config, shape)
     fractions: dict[tuple[str, str], float] = {}
     for gpu in gpus:
@@ -208,10 +217,12 @@ def share_gpu_memory(
     gpu_of: dict[str, list[str]],
     gpu_memory: dict[str, int] | None,
     model: ModelShape | None,
+    handoff: bool = False,
 ) -> tuple[dict[str, float], list[str]]:
     """Given each process's GPUs (`gpu_of`, by process name): each process's fraction of its
     shared GPUs' memory (the least over its GPUs) and the reasons in words; empty when no GPU is
-    shared. GPU sizes (`gpu_memory`) and the model's shape (`model`) are read when not given."""
+    shared. GPU sizes (`gpu_memory`) and the model's shape (`model`) are read when not given;
+    `handoff`: the learner keeps hand-off slots."""
     holders: dict[str, list[str]] = {}
     for name, at in gpu_of.items():
         for gpu in at:
@@ -240,7 +251,7 @@ def share_gpu_memory(
         for gpu, names in shared.items()
     ]
     sizes = gpu_memory if gpu_memory is not None else gpu_memory_bytes(sorted(shared))
-    fractions = plan_shared_memory(config, layout, sizes, model or model_shape(config))
+    fractions = plan_shared_memory(config, layout, sizes, model or model_shape(config), handoff)
     share: dict[str, float] = {}
     for (name, _), fraction in fractions.items():
         share[name] = min(fraction, share.get(name, 1.0))

@@ -34,6 +34,8 @@ Defaults (every choice can be pinned in the config: `learner.gpus`, `learner.cpu
 - Threads: each process gets one OpenMP thread per core it has (per rank for the learner),
   fixed for the run and recorded in the plan: the learner's results depend on that count,
   never on how busy the machine is.
+- Weights: the generators beside the learner take each version from its memory, not from
+  storage (`weights.handoff`; by default those on one of its GPUs, `streamrl.placement.handoff`).
 - The plan's `reasons` say in words who shares what, and why (the run header prints them).
 """
 
@@ -84,7 +86,10 @@ def plan_placement(
         "learner", *(f"gen{i}" for i in range(count)), *(["eval"] if with_eval else []), *scorers
     ]  # fmt: skip
     gpu_of = _place_gpus(config, count, with_eval, gpus)
-    memory_of, gpu_reasons = share_gpu_memory(config, gpu_of, gpu_memory, model)
+    handing = _handoff_targets(config, gpu_of, count)
+    memory_of, gpu_reasons = share_gpu_memory(
+        config, gpu_of, gpu_memory, model, handoff=bool(handing)
+    )
     core_of, reasons = _place_cores(config, count, with_eval, cpus)
     assert set(core_of) == set(names)
     ranks = config.learner.nproc_per_node
@@ -105,6 +110,7 @@ def plan_placement(
             shared=any(set(cores) & set(core_of[other]) for other in names if other != name),
             priority="background" if name in yielding else "normal",
             gpu_memory_fraction=memory_of.get(name),
+            handoff=name in handing or (name == "learner" and bool(handing)),
         )
 
     if yielding:
@@ -118,6 +124,8 @@ def plan_placement(
             f"{threads} thread{'s' if threads > 1 else ''} per rank for the whole run (its "
             "results depend on that count, never on load)",
         )
+    if handing:
+        reasons.append(_handoff_reason(handing, gpu_of))
     return PlacementPlan(
         machine_cpus=tuple(cpus),
         machine_gpus=tuple(gpus),
@@ -197,6 +205,32 @@ def _own_learner_cores(setting: int | list[int] | None, cpus: list[int]) -> list
             f"this process may not use (its affinity: {format_cores(cpus)})"
         )
     return sorted(setting)
+
+
+def _handoff_targets(config: RunConfig, gpu_of: dict[str, list[str]], count: int) -> list[str]:
+    """The generators that take weight versions from the learner's memory
+    (`weights.handoff`): by default those that hold one of the learner's GPUs."""
+    learner_gpus = set(gpu_of.get("learner", ()))
+    return [
+        name
+        for name in (f"gen{i}" for i in range(count))
+        if config.weights.hands_off(config.model, bool(learner_gpus & set(gpu_of.get(name, ()))))
+    ]
+
+
+def _handoff_reason(handing: list[str], gpu_of: dict[str, list[str]]) -> str:
+    learner_gpus = set(gpu_of.get("learner", ()))
+    on_gpu = [n for n in handing if learner_gpus & set(gpu_of.get(n, ()))]
+    on_host = [n for n in handing if n not in on_gpu]
+    parts = []
+    if on_gpu:
+        parts.append(f"{', '.join(on_gpu)} from its GPU memory (CUDA IPC, device to device)")
+    if on_host:
+        parts.append(f"{', '.join(on_host)} from its host memory (shared memory)")
+    return (
+        f"weight versions go from the learner to {' and '.join(parts)}, not through storage "
+        "(still written, for resume and the other readers)"
+    )
 
 
 def _on_cuda(device: str, gpus: Sequence[str], field: str) -> bool:

@@ -7,8 +7,9 @@ process runs only on what the `normal` ones leave, `streamrl.isolation.lifetime`
 environment (`env()`: `CUDA_VISIBLE_DEVICES`, OpenMP / MKL thread counts fixed for the run —
 never adjusted to load, so the learner's bits depend on its thread count alone —, vLLM's CPU
 thread binding, OpenMP waits that sleep instead of spinning when idle, and on a shared GPU the
-share of its memory the process may take). A learner of several ranks binds each rank to its own
-cores (`bind_rank`).
+share of its memory the process may take, and whether weight versions pass from the learner to
+it through memory, `streamrl.placement.handoff`). A learner of several ranks binds each rank to
+its own cores (`bind_rank`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GPU_SHARE_VARIABLE",
+    "HANDOFF_VARIABLE",
     "PLACED_VARIABLES",
     "PLACEMENT_FILE",
     "RANK_CORES_VARIABLE",
@@ -51,13 +53,17 @@ FIXED_THREADS_ENV = {"OMP_DYNAMIC": "FALSE", "MKL_DYNAMIC": "FALSE"}
 # its allocator at it; a vLLM engine's gpu_memory_utilization is set to it).
 GPU_SHARE_VARIABLE = "STREAMRL_GPU_MEMORY_FRACTION"
 
+# The learner and the generators beside it: versions go through the learner's memory
+# (`streamrl.placement.handoff`).
+HANDOFF_VARIABLE = "STREAMRL_WEIGHT_HANDOFF"
+
 # A learner of several ranks: each rank's cores, ';'-separated in rank order (`bind_rank`).
 RANK_CORES_VARIABLE = "STREAMRL_RANK_CORES"
 
 # Every variable a placement decides: a planned process never inherits them from its supervisor.
 PLACED_VARIABLES = frozenset(
     {"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"}
-    | {RANK_CORES_VARIABLE, GPU_SHARE_VARIABLE}
+    | {RANK_CORES_VARIABLE, GPU_SHARE_VARIABLE, HANDOFF_VARIABLE}
     | set(IDLE_WAIT_ENV)
     | set(FIXED_THREADS_ENV)
 )
@@ -85,6 +91,7 @@ class ProcessPlacement(_Record):
     shared: bool = False  # cores shared with another process of the run
     priority: Priority = "normal"
     gpu_memory_fraction: float | None = None  # its share of each of its GPUs, when shared
+    handoff: bool = False  # weight versions pass through the learner's memory, not storage
 
     @property
     def on_gpu(self) -> bool:
@@ -101,6 +108,8 @@ class ProcessPlacement(_Record):
         }
         if self.gpu_memory_fraction is not None:
             env[GPU_SHARE_VARIABLE] = f"{self.gpu_memory_fraction:.4f}"
+        if self.handoff:
+            env[HANDOFF_VARIABLE] = "1"
         if self.component != "learner" and not self.on_gpu:
             env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(self.cpus)
         if self.ranks > 1:

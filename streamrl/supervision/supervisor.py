@@ -30,6 +30,7 @@ from streamrl.placement import (
     plan_placement,
     write_placement,
 )
+from streamrl.placement.handoff import remove_handoff
 from streamrl.scorers.config import scorer_process_name
 from streamrl.supervision.launch import (
     STOP_GRACE_S,
@@ -217,6 +218,13 @@ class Supervisor:
             write_placement(self.run_location, self.plan)
             reserve_generator_indexes(self.run_location, len(self.plan.generators), self.owner)
 
+    def finish(self) -> None:
+        """Once every process ended: close the log files and remove what the run kept in this
+        machine's memory (the learner's weight hand-off, `streamrl.placement.handoff`)."""
+        self.logs.close()
+        if self.plan is not None and self.plan.learner.handoff:
+            remove_handoff(self.run_location.uri)
+
     def keep_running(
         self, component: Component, on_line: Callable[[str], None] | None = None
     ) -> None:
@@ -318,7 +326,7 @@ class Supervisor:
                     self.abort(f"interrupted ({signalled.name})", interrupted=True)
                     for thread in threads:
                         thread.join()
-        self.logs.close()
+        self.finish()
         if self.failures:
             raise ComponentFailedError("; ".join(self.failures))
         if self.interrupted:

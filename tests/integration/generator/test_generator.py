@@ -6,6 +6,7 @@ runs a whole `streamrl generator` process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ from storage.fs import Location, open_location
 from storage.stream.writer import StreamReader, StreamWriter, read_log
 from storage.weights.follower import Advance
 from storage.weights.publish import WeightWriter
+from storage.weights.shares import new_publish_id, whole_shares
 from streamrl.config.loading import load_config
 from streamrl.config.run import RunConfig
 from streamrl.data import PromptSource
@@ -34,6 +36,7 @@ from streamrl.generator.engine import Engine, WeightSource
 from streamrl.generator.loop import GeneratorLoop
 from streamrl.generator.main import build_generator
 from streamrl.models import ModelPathError, resolve_model_path
+from streamrl.placement.handoff import HandOffWriter, handoff_dir, remove_handoff
 from streamrl.rewards import RewardResolutionError
 from streamrl.rewards.config import RewardConfig
 from streamrl.supervision.output import noteworthy
@@ -167,6 +170,40 @@ def test_a_delta_applied_to_the_held_base_equals_the_same_weights_loaded_full(
 
     assert _same_completions(from_delta, from_full)
     assert not _same_completions(before, from_delta)  # the delta took effect
+
+
+def test_a_version_beside_the_learner_is_loaded_from_its_memory(
+    config: RunConfig, engine: Engine, hf_model, tmp_path
+):
+    """The learner's hand-off slot (`streamrl.placement.handoff`) feeds the engine: with the
+    version's files gone from storage it still loads, and samples exactly what the same
+    weights loaded from storage sample."""
+    run_dir = tmp_path / "run"
+    run = open_location(str(run_dir))
+    store = WeightWriter(run)
+    dtype = getattr(torch, config.weights.resolved_dtype(config.model))
+    weights = {name: t.to(dtype) for name, t in _perturbed(hf_model, 7).items()}
+    publish_id = new_publish_id()
+    slots = HandOffWriter(handoff_dir(run.uri), 0, 1, torch.device("cpu"))
+    try:
+        slots.write(1, publish_id, {n: (t, 0, tuple(t.shape)) for n, t in weights.items()}, dtype)
+        store.write_share(1, whole_shares(weights), publish_id=publish_id, rank=0, world=1)
+        store.commit(1, publish_id=publish_id, world=1)
+        store.publish(2, weights)  # the same weights, from storage only
+        for shard in (run_dir / "weights" / "v00000001").glob("*.safetensors"):
+            shard.unlink()
+        prompts = [list(range(3, 60)), [11, 12, 13]]
+        beside = dataclasses.replace(WeightSource.of(run, config.weights), handoff=True)
+
+        assert engine.advance_weights(beside, exactly=1)[0] == Advance(1)
+        assert engine.weights_from == "handoff"
+        from_memory = engine.generate(prompts, greedy=True)
+        assert engine.advance_weights(beside, exactly=2)[0] == Advance(2)  # not in a slot
+        assert engine.weights_from == "storage"
+        from_storage = engine.generate(prompts, greedy=True)
+        assert _same_completions(from_memory, from_storage)
+    finally:
+        remove_handoff(run.uri)
 
 
 def _loop(config: RunConfig, run: Location, engine: Engine, fn: str = "math", timeout_s=10.0):

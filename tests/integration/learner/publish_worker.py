@@ -7,7 +7,8 @@ Shards the tiny policy with FSDP2 and publishes it through `WeightPublisher` in 
 version 1 (full), then version 2 after a seeded change of a few elements of every parameter
 (a delta against 1), then version 3 after a change of every element (too large for a delta:
 full). The changes are made to the full weights and loaded into the shards, so every world
-size publishes the same values.
+size publishes the same values. With `STREAMRL_WEIGHT_HANDOFF=1` each rank also leaves its
+shard of every version in its hand-off slots (kept after the job: the test reads them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from streamrl.learner.model import load_policy, shard_model
 from streamrl.learner.publish import WeightPublisher
 from streamrl.learner.topology import Topology, exit_process
 from streamrl.models.config import ModelConfig
+from streamrl.placement.handoff import HandOffWriter
 
 MODEL = "tiny-qwen2"
 MODEL_CFG = ModelConfig(path=MODEL, dtype="bfloat16")
@@ -48,8 +50,10 @@ def publish_versions(
     policy = load_policy(MODEL, MODEL_CFG)
     original = {k: v.clone() for k, v in policy.state_dict().items()}
     shard_model(policy, topology, mixed_precision="fp32", activation_checkpointing=True)
-    store = WeightWriter(open_location(run_dir))
-    publisher = WeightPublisher(store, topology, weights, torch.bfloat16)
+    run = open_location(run_dir)
+    handoff = HandOffWriter.if_placed(run.uri, topology.rank, topology.world_size, topology.device)
+    store = WeightWriter(run)
+    publisher = WeightPublisher(store, topology, weights, torch.bfloat16, handoff=handoff)
     metrics = [publisher.publish(policy, 1)]
     for version, (fraction, seed) in ((2, (0.01, 1)), (3, (last_fraction, 2))):
         update = changed(original, fraction, seed)

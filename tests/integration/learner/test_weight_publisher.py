@@ -5,6 +5,7 @@ complete version); a rank whose share landed despite an error keeps a correct de
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from storage.weights.versions import WeightStore
 from streamrl.learner.publish import PublishFailedError
 from streamrl.learner.topology import Topology
 from streamrl.models import resolve_model_path
+from streamrl.placement.handoff import HandOffReader, handoff_dir
+from streamrl.placement.records import HANDOFF_VARIABLE
 from tests.integration.learner import publish_worker as worker
 from tests.integration.torchrun import torchrun
 
@@ -31,7 +34,7 @@ def one_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_ranks_publish_exactly_what_one_rank_publishes(one_rank_run, tmp_path):
     resolve_model_path(worker.MODEL)  # built once, before two ranks race to build it
     two = tmp_path / "two-ranks"
-    torchrun(worker.__file__, f"--out={two}")
+    torchrun(worker.__file__, f"--out={two}", env={HANDOFF_VARIABLE: "1"})
     one_store, two_store = (WeightStore(open_location(str(r))) for r in (one_rank_run, two))
     assert one_store.versions() == two_store.versions() == [1, 2, 3]
     for version in (1, 2, 3):
@@ -49,6 +52,22 @@ def test_two_ranks_publish_exactly_what_one_rank_publishes(one_rank_run, tmp_pat
         assert {f.file.split("-r")[1][:5] for f in two_manifest.files} == {"00000", "00001"}
     full, delta = one_store.read_manifest(1), one_store.read_manifest(2)
     assert delta.stored_bytes < 0.1 * full.stored_bytes  # 1 % of elements changed
+
+    # Both ranks left their shards of the last two versions in their hand-off slots: put
+    # together, each is bit for bit what storage holds (v1's slot was reused by v3).
+    slots = handoff_dir(open_location(str(tmp_path / "two-ranks")).uri)
+    try:
+        reader = HandOffReader(slots)
+        assert reader.take(two_store.read_manifest(1), torch.device("cpu")) is None
+        for version in (2, 3):
+            taken = reader.take(two_store.read_manifest(version), torch.device("cpu"))
+            assert taken is not None, version
+            stored, _ = two_store.load(version)
+            for name, tensor in stored.items():
+                bits = taken.tensors()[name].view(torch.int16)
+                assert torch.equal(bits, tensor.view(torch.int16)), name
+    finally:
+        shutil.rmtree(slots, ignore_errors=True)
 
 
 def _flaky_uploads(monkeypatch, fails) -> None:

@@ -20,7 +20,7 @@ from streamrl.placement.gpu_memory import (
     learner_need_bytes,
     model_shape,
 )
-from streamrl.placement.records import GPU_SHARE_VARIABLE
+from streamrl.placement.records import GPU_SHARE_VARIABLE, HANDOFF_VARIABLE
 
 # Qwen2.5-0.5B's shape: 494M parameters, 24 layers of 896, 151936 tokens, 2 KV heads of 64.
 HALF_B = ModelShape(
@@ -61,8 +61,10 @@ def test_one_gpu_holds_the_learner_and_the_generator_with_planned_shares():
     placed = plan(cfg, gpus=1)
     assert placed.learner.gpus == placed.generators[0].gpus == ("0",)
     learner, gen = placed.learner.gpu_memory_fraction, placed.generators[0].gpu_memory_fraction
-    # The learner its need plus a quarter; the generator what is left after a context each.
-    need = learner_need_bytes(cfg, HALF_B)
+    # The learner its need (with its two hand-off slots) plus a quarter; the generator what is
+    # left after a context each.
+    need = learner_need_bytes(cfg, HALF_B, handoff=True)
+    assert need == learner_need_bytes(cfg, HALF_B) + 2 * HALF_B.parameters * 2  # bf16 versions
     assert learner == pytest.approx(LEARNER_HEADROOM * need / H100)
     assert learner + gen == pytest.approx(1 - 2 * CONTEXT_RESERVE_GIB * GIB / H100)
     assert placed.learner.env()[GPU_SHARE_VARIABLE] == f"{learner:.4f}"
@@ -146,3 +148,33 @@ def test_the_model_shape_is_read_from_its_config_without_loading_weights(tmp_pat
         vocab_size=1000,
         kv_bytes_per_token=2 * 3 * 2 * 16 * 2,  # keys and values, 3 layers, 2 heads of 16, bf16
     )
+
+
+def test_generators_on_the_learners_gpu_take_its_weights_from_memory():
+    placed = plan(config(), gpus=2, generators=2)  # gen0 on GPU 1 alone, gen1 beside the learner
+    assert [g.gpus for g in placed.generators] == [("1",), ("0",)]
+    assert [g.handoff for g in placed.generators] == [False, True]
+    assert placed.learner.handoff
+    assert placed.learner.env()[HANDOFF_VARIABLE] == "1"
+    assert placed.generators[1].env()[HANDOFF_VARIABLE] == "1"
+    assert HANDOFF_VARIABLE not in placed.generators[0].env()
+    assert "weight versions go from the learner to gen1 from its GPU memory" in placed.describe()
+
+    # Turned off, or LoRA adapters (loaded by vLLM's adapter path): storage only, no slots.
+    for off in (config("weights.handoff=false"), config("model.lora.rank=8")):
+        placed = plan(off, gpus=1)
+        assert not placed.learner.handoff
+        assert not placed.generators[0].handoff
+        assert "weight versions go" not in placed.describe()
+    merged = plan(config("model.lora.rank=8", "weights.lora_publish=merged"), gpus=1)
+    assert merged.generators[0].handoff
+
+
+def test_handoff_true_reaches_generators_that_do_not_share_a_gpu():
+    on_cpu = load_config(overrides=["weights.handoff=true"])
+    placed = plan_placement(on_cpu, generators=2, cpus=range(4), gpus=[])
+    assert placed.learner.handoff
+    assert all(g.handoff for g in placed.generators)
+    assert placed.evaluator is None or not placed.evaluator.handoff  # it reads exact versions
+    assert "gen0, gen1 from its host memory (shared memory)" in placed.describe()
+    assert not plan_placement(load_config(), generators=1, cpus=range(4), gpus=[]).learner.handoff
