@@ -1,12 +1,14 @@
 """Everything a GPU machine's rare, short lease is for, in one command: the environment, the
 `gpu` tests, the learner benchmark on the 0.5B shape, shared-prompt attention (SDPA against
-FlexAttention) and a publish from GPU memory. `scripts/gpu_check.sh` runs it after installing
-the wheels that machine lacks (`scripts/device_wheels.sh`).
+FlexAttention), a publish from GPU memory, and one GPU shared by the learner and a generator's
+stand-in (planned memory, the weight hand-off: `benchmarks.shared_gpu_bench`).
+`scripts/gpu_check.sh` runs it after installing the wheels that machine lacks
+(`scripts/device_wheels.sh`).
 
     scripts/gpu_check.sh                          # on the GPU machine; OUT=<dir> for the files
     scripts/gpu_check.sh --device cpu --dry-run   # here: every part on tiny shapes
 
-Each part runs in a process of its own under its own time budget (`PARTS`; together 455 s, so
+Each part runs in a process of its own under its own time budget (`PARTS`; together 480 s, so
 the whole, wheels included, ends within 8 minutes). A part that fails or runs out of time is
 recorded as such and the next one starts. Every figure goes to `<out>/gpu_check.json` as soon as
 its part ends (the file is rewritten whole after each part), and every part's output to
@@ -122,14 +124,20 @@ def _publish_command(args: argparse.Namespace, figures: Path) -> list[str]:
             "--model", _shape(args)["model"], "--figures", str(figures)]  # fmt: skip
 
 
-# In order; the budgets add up to 455 s (FlexAttention compiles its kernels on first use, in
+def _shared_command(args: argparse.Namespace, figures: Path) -> list[str]:
+    return [PYTHON, "-m", "benchmarks.shared_gpu_bench", "--device", args.device,
+            *(["--dry-run"] if args.dry_run else []), "--json", str(figures)]  # fmt: skip
+
+
+# In order; the budgets add up to 480 s (FlexAttention compiles its kernels on first use, in
 # `tests` and in `attention`).
 PARTS = {
     "env": Part(45, _env_command),
-    "tests": Part(120, _tests_command, _read_junit),
-    "learner": Part(150, _learner_command),
-    "attention": Part(100, _attention_command),
+    "tests": Part(110, _tests_command, _read_junit),
+    "learner": Part(130, _learner_command),
+    "attention": Part(95, _attention_command),
     "publish": Part(40, _publish_command),
+    "shared": Part(60, _shared_command),
 }
 
 
@@ -279,6 +287,11 @@ def _headline(name: str, result: dict[str, Any]) -> str:
         line += f"  flex/sdpa {f['flex_over_sdpa']:.2f}×, exact {f['exact']}"
     elif name == "publish" and f:
         line += f"  full {f['v1']['sync_s']:.3g} s + upload {f['v1']['upload_s']:.3g} s"
+    elif name == "shared" and f.get("handoff_s_per_version") is not None:
+        line += (
+            f"  hand-off {f['handoff_s_per_version']:.3g} s/version, storage "
+            f"{f['storage_s_per_version']:.3g} s, exact {f['exact']}"
+        )
     if result["error"]:
         line += f"  ({result['error']})"
     return line

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's whole run in one command (`benchmarks/gpu_check.py`): install the wheels it
 # lacks, then the environment, the `gpu` tests, the learner benchmark on the 0.5B shape,
-# SDPA against FlexAttention, and a publish from GPU memory, each under its own time budget,
+# SDPA against FlexAttention, a publish from GPU memory, and the learner beside a generator's
+# stand-in on one GPU (the weight hand-off), each under its own time budget,
 # the whole within 8 minutes. Figures go to $OUT/gpu_check.json and $OUT/gpu_check.log as
 # each part ends.
 #

@@ -40,6 +40,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -64,6 +65,8 @@ __all__ = [
     "remove_handoff",
 ]
 
+
+log = logging.getLogger(__name__)
 
 HEADER_FORMAT = "streamrl.handoff.v1"
 SLOTS = 2
@@ -128,6 +131,7 @@ class HandOffWriter:
         self._layout: list[_Piece] = []
         self._slots: list[torch.Tensor] = []
         self._transport: list[dict[str, Any]] = []
+        self.off = False  # the slots could not be had: storage only, for this life
 
     @classmethod
     def if_placed(
@@ -139,13 +143,31 @@ class HandOffWriter:
             return None
         return cls(handoff_dir(run_uri), rank, world, device)
 
-    def write(self, version: int, publish_id: str, shares: Shares, dtype: torch.dtype) -> float:
+    def write(
+        self, version: int, publish_id: str, shares: Shares, dtype: torch.dtype
+    ) -> float | None:
         """Leave this rank's `shares` of `version` (floating tensors cast to `dtype`) in slot
-        `version % 2`; the seconds taken."""
+        `version % 2`; the seconds taken. When the slots cannot be had (shared memory or GPU
+        memory short), the hand-off is off for this life — said once, the engines read storage
+        — and None is returned: the learner never fails for it."""
+        if self.off:
+            return None
         started = time.perf_counter()
         layout = self._plan(shares, dtype)
         if layout != self._layout:
-            self._allocate(layout)
+            try:
+                self._allocate(layout)
+            except (OSError, torch.OutOfMemoryError) as exc:
+                self.close()
+                self.off = True
+                log.warning(
+                    "the weight hand-off is off for this learner life: its slots (%.0f MB each, "
+                    "in %s) could not be had: %s. Generators read every version from storage; "
+                    "give the machine more shared memory (Docker: --shm-size) or the learner "
+                    "more of the GPU, or set weights.handoff=false",
+                    _slot_bytes(layout) / 1e6, self.directory, exc,
+                )  # fmt: skip
+                return None
         slot = version % SLOTS
         header_path = self.directory / f"{_slot_name(self.rank, slot)}.json"
         _write_header(header_path, {"format": HEADER_FORMAT, "state": "writing"})
@@ -198,7 +220,7 @@ class HandOffWriter:
         """Fresh slots for `layout` (the first version of this life): new files, so a reader
         still mapping a former life's never sees them change."""
         self.close()
-        nbytes = max(1, sum(-(-p.nbytes // _ALIGN) * _ALIGN for p in layout))
+        nbytes = _slot_bytes(layout)
         for slot in range(SLOTS):
             name = _slot_name(self.rank, slot)
             if self.device.type == "cuda":
@@ -207,8 +229,8 @@ class HandOffWriter:
             else:
                 path = self.directory / f"{name}.data"
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.ftruncate(fd, nbytes)
+                try:  # reserved now: a full /dev/shm fails here, never as SIGBUS in a write
+                    os.posix_fallocate(fd, 0, nbytes)
                 finally:
                     os.close(fd)
                 buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -216,6 +238,10 @@ class HandOffWriter:
             self._slots.append(buffer)
             self._transport.append(transport)
         self._layout = layout
+
+
+def _slot_bytes(layout: list[_Piece]) -> int:
+    return max(1, sum(-(-p.nbytes // _ALIGN) * _ALIGN for p in layout))
 
 
 class Taken:
@@ -271,8 +297,13 @@ class HandOffReader:
             if buffer is None:
                 return None
             for raw in header["pieces"]:
-                piece = _Piece(raw[0], raw[1], raw[2], raw[3], tuple(raw[4]), raw[5])
-                if piece.offset + piece.nbytes > buffer.numel():
+                try:
+                    piece = _Piece(str(raw[0]), int(raw[1]), int(raw[2]), str(raw[3]),
+                                   tuple(int(d) for d in raw[4]), int(raw[5]))  # fmt: skip
+                    fits = piece.offset >= 0 and piece.offset + piece.nbytes <= buffer.numel()
+                except (IndexError, TypeError, ValueError, AttributeError):
+                    return None
+                if not fits or piece.stop <= piece.start:
                     return None
                 data = buffer[piece.offset : piece.offset + piece.nbytes]
                 pieces.setdefault(piece.name, []).append((piece, data))

@@ -56,6 +56,11 @@ def test_the_dry_run_runs_every_part_and_writes_every_figure(tmp_path):
     assert publish["v1"]["full"] is True
     assert publish["v2"]["full"] is False  # a delta ...
     assert 0 < publish["v2"]["stored_MB"] < publish["v1"]["stored_MB"]  # ... smaller
+    shared = report["parts"]["shared"]["figures"]
+    assert shared["plan"]["handoff"] is True
+    assert [x["version"] for x in shared["engine"]["loads"]] == [1, 2, 3]  # every version ...
+    assert all(x["intact"] and x["exact"] for x in shared["engine"]["loads"])  # ... handed whole
+    assert shared["handoff_s_per_version"] > 0
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"==== {name} (budget" in log for name in PARTS)
 

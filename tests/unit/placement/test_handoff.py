@@ -231,3 +231,33 @@ def test_a_torn_load_is_replaced_by_the_version_from_storage_before_the_engine_r
     assert torn.apply_streamrl_weights() == "storage"
     _, again = torn.model_runner.loads  # loaded a second time, from storage
     assert torch.equal(again["embed.weight"], _state(1)["embed.weight"])
+
+
+def test_slots_that_cannot_be_had_turn_the_handoff_off_without_failing_the_learner(run):
+    """Shared memory short (a container's small /dev/shm): the slots are reserved up front, so
+    the learner gets a warning and storage instead of a SIGBUS in the middle of a write."""
+    _, _, directory = run
+    script = textwrap.dedent(
+        f"""
+        import logging, resource, signal, sys, torch
+        from pathlib import Path
+        from streamrl.placement.handoff import HandOffWriter
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # files past 4 KiB: refused
+        writer = HandOffWriter(Path({str(directory)!r}), 0, 1, torch.device("cpu"))
+        shares = {{"w": (torch.ones(100_000), 0, (100_000,))}}
+        print(writer.write(1, "abc", shares, torch.float32), writer.off)
+        print(writer.write(2, "abc", shares, torch.float32))
+        print(sorted(p.name for p in Path({str(directory)!r}).iterdir()))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "the weight hand-off is off for this learner life" in done.stdout
+    assert "--shm-size" in done.stdout
+    assert lines[-3:] == ["None True", "None", "[]"]  # said once, nothing left behind
+    assert done.stdout.count("hand-off is off") == 1
