@@ -295,7 +295,7 @@ class RunArtifacts:
         when the run's tokenizer cannot be loaded on this machine (warned once: the other
         artifacts go on)."""
         count = self.config.logging.log_samples
-        if not count or self._samples_off or self.config.sft is not None:  # SFT: no stream
+        if not count or self._samples_off or self.config.learner_only:  # SFT, preference: no stream
             return None
         if self._sampler is None:
             tokenizer, problem = self.config.model.tokenizer or self.config.model.path, None

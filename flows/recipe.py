@@ -180,7 +180,8 @@ def _what(step: StagePlan) -> str:
     stage = step.stage
     if isinstance(stage, RunStage):
         begin = f"from stage {step.start_from}" if step.start_from else "from its model.path"
-        kind = "supervised run" if step.config and step.config.sft else "RL run"
+        only = step.config.learner_only if step.config else None
+        kind = f"{only} run" if only else "RL run"
         resumed = ", resumed" if step.started() else ""
         return f"{kind} {begin}{resumed}, in {step.uri}"
     if isinstance(stage, ExportStage):

@@ -21,6 +21,7 @@ from streamrl.config.run import RunConfig
 from streamrl.envs.config import EnvConfig
 from streamrl.isolation.user_code import check_user_code, modules_not_found
 from streamrl.learner.config import SupervisedConfig
+from streamrl.learner.preference_config import PreferenceConfig
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
 from streamrl.scorers.config import ScorerConfig
@@ -147,6 +148,8 @@ def _cmd_fields(args: argparse.Namespace) -> int:
             sections["scorers.<name>"] = ScorerConfig
         elif name == "sft":  # optional: set, a supervised run
             sections["sft"] = SupervisedConfig
+        elif name == "preference":  # optional: set, a preference run
+            sections["preference"] = PreferenceConfig
         else:
             sections[name] = field.annotation  # type: ignore[assignment]
     sections["generator.reward"] = RewardConfig

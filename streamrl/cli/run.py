@@ -63,7 +63,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
     )  # fmt: skip
     print(f"streamrl run: {run.uri} — learner + {count} generator(s)"
-          f"{' (supervised)' if config.sft else ''}; logs in "
+          f"{f' ({config.learner_only})' if config.learner_only else ''}; logs in "
           f"{supervisor.logs.folder}", flush=True)  # fmt: skip
     print(placement.describe(), flush=True)
     try:

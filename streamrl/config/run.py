@@ -41,6 +41,7 @@ from streamrl.learner.config import (
     SupervisedConfig,
     WeightsConfig,
 )
+from streamrl.learner.preference_config import PreferenceConfig
 from streamrl.models.config import ModelConfig
 from streamrl.models.lora import LoraConfig
 from streamrl.placement.config import LocalPlacement, PlacementConfig
@@ -129,6 +130,11 @@ class RunConfig(Section):
         description="Supervised fine-tuning on chat conversations instead of RL: the learner "
         "alone, on data.path's conversations (null: an RL run).",
     )
+    preference: PreferenceConfig | None = Field(
+        None,
+        description="Preference optimization (DPO, IPO, SimPO) on (prompt, chosen, rejected) "
+        "pairs instead of RL: the learner alone, on data.path's pairs (null: not one).",
+    )
     scorers: dict[str, ScorerConfig] = Field(
         default_factory=dict,
         description="The models that score, by name: a teacher (generator.teacher), reward "
@@ -188,6 +194,15 @@ class RunConfig(Section):
             refusal = self.algorithm.value_head.reward_model_refusal(self.model.critic.init_from)
             if refusal is not None:
                 raise ValueError(refusal)
+        return self
+
+    @model_validator(mode="after")
+    def _one_dataset_stage(self) -> RunConfig:
+        if self.sft is not None and self.preference is not None:
+            raise ValueError(
+                "sft and preference are both set: a run is one stage (supervised or preference "
+                "training); chain them in a recipe, one stage after the other"
+            )
         return self
 
     @model_validator(mode="after")
@@ -457,14 +472,25 @@ class RunConfig(Section):
         Raises:
             ConfigError: generators requested for a supervised run.
         """
-        if self.sft is None:
+        if not self.learner_only:
             return self.generator.count if requested is None else requested
         if requested:
             raise ConfigError(
-                [f"{requested} generator(s) asked for, but a supervised run (sft set) trains on "
-                 "data.path's conversations and starts none; leave the generator count out"]
+                [f"{requested} generator(s) asked for, but a {self.learner_only} run "
+                 f"({'sft' if self.sft is not None else 'preference'} set) trains on data.path "
+                 "and starts none; leave the generator count out"]
             )  # fmt: skip
         return 0
+
+    @property
+    def learner_only(self) -> str | None:
+        """What a run whose learner trains on a dataset, with no generator, is: "supervised"
+        (`sft`), "preference" (`preference`); None for an RL run."""
+        if self.sft is not None:
+            return "supervised"
+        if self.preference is not None:
+            return "preference"
+        return None
 
     @property
     def served_scorers(self) -> list[str]:

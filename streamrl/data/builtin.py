@@ -2,7 +2,9 @@
 held-out split `builtin:arithmetic-test`, `builtin:math`, the code problems `builtin:code` /
 `builtin:code-test` (`streamrl.data.code_problems`), and the calculator agent's problems and
 demonstrations `builtin:calculator[-test]`, `builtin:calculator-demos[-test]`,
-`builtin:calculator-answers[-test]` (`streamrl.data.tool_problems`).
+`builtin:calculator-answers[-test]` (`streamrl.data.tool_problems`), and preference pairs over
+the arithmetic problems, `builtin:arithmetic-pairs[-test]`, with their chosen answers as
+conversations, `builtin:arithmetic-demos[-test]` (`streamrl.data.preference_pairs`).
 
 Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
 reads unchanged:
@@ -39,6 +41,12 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.data.code_problems import code_rows, code_test_rows
+from streamrl.data.preference_pairs import (
+    arithmetic_demo_rows,
+    arithmetic_demo_test_rows,
+    arithmetic_pair_rows,
+    arithmetic_pair_test_rows,
+)
 from streamrl.data.tool_problems import (
     calculator_answer_rows,
     calculator_answer_test_rows,
@@ -226,6 +234,10 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "calculator-demos-test": calculator_demo_test_rows,
     "calculator-answers": calculator_answer_rows,
     "calculator-answers-test": calculator_answer_test_rows,
+    "arithmetic-pairs": arithmetic_pair_rows,
+    "arithmetic-pairs-test": arithmetic_pair_test_rows,
+    "arithmetic-demos": arithmetic_demo_rows,
+    "arithmetic-demos-test": arithmetic_demo_test_rows,
 }
 
 

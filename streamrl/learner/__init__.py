@@ -15,7 +15,8 @@ checkpoints through `storage/`.
 - `stream_source`: rank 0 reads the stream, chooses each batch, records the learner's progress.
 - `checkpointing`: saves and restores the models and the learner's `TrainingState`.
 - `loop`: `Learner`, the loop that ties them to the stream, the weight store and checkpoints.
-- `supervised`: `SupervisedLearner`, the same loop on chat conversations (a run with `sft`).
+- `supervised`: `SupervisedLearner`, the same loop on chat conversations (a run with `sft`);
+  `preference`: `PreferenceLearner`, on preference pairs (a run with `preference`).
 
 `run_learner` is what `streamrl learner --run RUN_URI` runs on every rank of a torchrun job.
 
@@ -45,6 +46,7 @@ def run_learner(
     from streamrl.config.stored import open_existing_run
     from streamrl.isolation.lifetime import die_with_parent, stop_on_sigterm
     from streamrl.learner.loop import Learner
+    from streamrl.learner.preference import PreferenceLearner
     from streamrl.learner.supervised import SupervisedLearner
     from streamrl.learner.topology import Topology
     from streamrl.placement import bind_rank
@@ -56,5 +58,6 @@ def run_learner(
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun's: stop (checkpointing) with it
         die_with_parent(os.getppid(), signal.SIGTERM)
     with Topology.from_env(config.learner.device) as topology:
-        learner = Learner if config.sft is None else SupervisedLearner
+        learner = {None: Learner, "supervised": SupervisedLearner,
+                   "preference": PreferenceLearner}[config.learner_only]  # fmt: skip
         return learner(config, run, topology, take_over=take_over, stop=stop).run()

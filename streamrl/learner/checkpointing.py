@@ -50,8 +50,9 @@ class TrainingState:
     the last batch trained on; `value_pretrained` is false only before VAPO's critic
     pre-training; `rewards`, the prompts' earlier rewards when the algorithm pools them
     (temporal groups); `value_reliability`, rel_t of weighted value integration (the EMA of
-    the critic's explained variance); `sft_position`, a supervised run's conversations taken so
-    far (`streamrl.learner.supervised`). The loop advances it; the stream source reads `step`
+    the critic's explained variance); `sft_position`, the examples a supervised or preference run
+    took so far (conversations, `streamrl.learner.supervised`; pairs,
+    `streamrl.learner.preference`). The loop advances it; the stream source reads `step`
     and `version` live."""
 
     step: int = 0
@@ -111,7 +112,7 @@ class LearnerCheckpoints:
         return the state it recorded; a fresh state at step 0 for a run without one."""
         latest = self.store.latest_verified()
         if latest is None:
-            supervised = self.config.sft is not None  # the policy alone: no critic to pre-train
+            supervised = self.config.learner_only is not None  # no critic to pre-train
             return TrainingState(
                 value_pretrained=supervised or not self.config.algorithm.uses_value_model,
                 rewards=self._reward_history(None),
@@ -173,7 +174,7 @@ class LearnerCheckpoints:
         """The temporal groups' state: from a checkpoint's `record` (None: empty), when the
         algorithm keeps one."""
         kept = self.config.algorithm.reward_history
-        if kept is None or self.config.sft is not None:
+        if kept is None or self.config.learner_only is not None:
             return None
         if record is None:
             return RewardHistory(*kept)

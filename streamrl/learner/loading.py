@@ -77,18 +77,23 @@ def build_step_models(config: RunConfig, topology: Topology) -> tuple[StepModels
         cfg.shared_prompt, attention,
     ))  # fmt: skip
     models = StepModels(trainable(policy, cfg.lr, updates))
-    if config.sft is not None:  # supervised: the policy alone
-        return models, shared_prompt
-    kl = algorithm.reference_kl
-    if kl is not None and model_cfg.lora is not None:  # the base: the adapters switched off
-        models.reference = BaseReference(policy)
-    elif kl is not None:
+
+    def reference(ema: bool) -> nn.Module:
+        if model_cfg.lora is not None:  # the base: the adapters switched off
+            return BaseReference(policy)
         # A frozen reference is only ever all-gathered in the compute dtype; an EMA one is
         # updated toward the fp32 policy, so it keeps fp32.
-        dtype = compute_dtype(cfg.mixed_precision, topology.device)
-        dtype = torch.float32 if kl.reference == "ema" else dtype
-        reference = load_sharded(meta_policy(model_cfg.path, model_cfg, dtype), shard_lm, topology)
-        models.reference = reference.requires_grad_(False).eval()
+        dtype = torch.float32 if ema else compute_dtype(cfg.mixed_precision, topology.device)
+        frozen = load_sharded(meta_policy(model_cfg.path, model_cfg, dtype), shard_lm, topology)
+        return frozen.requires_grad_(False).eval()
+
+    if config.learner_only:  # supervised: the policy alone; preference: and its reference
+        if config.preference is not None and config.preference.needs_reference:
+            models.reference = reference(ema=False)
+        return models, shared_prompt
+    kl = algorithm.reference_kl
+    if kl is not None:
+        models.reference = reference(ema=kl.reference == "ema")
     if algorithm.uses_value_model:
 
         def critic() -> nn.Module:

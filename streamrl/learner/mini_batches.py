@@ -276,6 +276,7 @@ def make_mini_batches(
     *,
     overlong_filter: bool = False,
     shared_prompt: bool = False,
+    whole_groups: bool = False,
 ) -> list[MiniBatch]:
     """Split `batch` into ⌈B / mini_batch_groups⌉ mini-batches of consecutive groups (exactly
     `mini_batch_groups` each when they divide B; else as even as possible, the larger first:
@@ -285,7 +286,9 @@ def make_mini_batches(
     back to its responses) sorted longest first (ties in batch order), each micro-batch filled
     while one more still fits at its first unit's length.
     Environment tokens (multi-turn) are in the rows and the budget, never in `loss_mask` or
-    the denominators; `overlong_filter` drops truncated responses from both too."""
+    the denominators; `overlong_filter` drops truncated responses from both too.
+    `whole_groups`: a group's units always share a micro-batch (a preference pair's two
+    responses, whose loss needs both), packed by the group's rows × its longest unit."""
     lengths = batch.seq_length
     if lengths.numel() and int(lengths.max()) > micro_batch_tokens:
         raise ValueError(
@@ -298,11 +301,17 @@ def make_mini_batches(
         rows = torch.nonzero(in_run)
         rows = rows.squeeze(1)
         units = _units(batch, rows, micro_batch_tokens if shared_prompt else 0)
-        unit_length = torch.tensor([_unit_length(batch, u) for u in units], dtype=torch.long)
-        order = torch.sort(unit_length, descending=True, stable=True).indices
-        chunks = _pack(unit_length[order].tolist(), micro_batch_tokens)
+        bundles = _bundles(batch, units) if whole_groups else [[u] for u in units]
+        widest = [max(_unit_length(batch, u) for u in b) for b in bundles]
+        order = torch.sort(torch.tensor(widest, dtype=torch.long), descending=True, stable=True)
+        chunks = _pack([widest[i] for i in order.indices.tolist()], micro_batch_tokens,
+                       [len(bundles[i]) for i in order.indices.tolist()])  # fmt: skip
         micro = [
-            _micro_batch(batch, [units[i] for i in order[chunk].tolist()], overlong_filter)
+            _micro_batch(
+                batch,
+                [u for i in order.indices[chunk].tolist() for u in bundles[i]],
+                overlong_filter,
+            )
             for chunk in chunks
         ]
         per_row = torch.cat([m.loss_mask.sum(1) for m in micro])  # loss tokens per response
@@ -365,13 +374,30 @@ def _unit_length(batch: TrainBatch, unit: Tensor) -> int:
     return int(batch.prompt_length[unit[0]]) + int(batch.response_length[unit].sum())
 
 
-def _pack(sorted_lengths: list[int], budget: int) -> list[slice]:
-    """Consecutive runs of longest-first lengths with count × first length ≤ budget."""
+def _bundles(batch: TrainBatch, units: list[Tensor]) -> list[list[Tensor]]:
+    """`units` (in batch order) gathered by group: the units of one group together."""
+    bundles: list[list[Tensor]] = []
+    for unit in units:
+        group = int(batch.group_index[unit[0]])
+        if bundles and int(batch.group_index[bundles[-1][0][0]]) == group:
+            bundles[-1].append(unit)
+        else:
+            bundles.append([unit])
+    return bundles
+
+
+def _pack(sorted_lengths: list[int], budget: int, rows: list[int] | None = None) -> list[slice]:
+    """Consecutive runs of longest-first lengths with rows × first length ≤ budget (`rows`:
+    each item's forward rows, default one; a run holds at least one item)."""
+    rows = rows or [1] * len(sorted_lengths)
     chunks, start = [], 0
     while start < len(sorted_lengths):
-        size = max(1, budget // max(1, sorted_lengths[start]))
-        chunks.append(slice(start, min(start + size, len(sorted_lengths))))
-        start = chunks[-1].stop
+        fits, stop, used = budget // max(1, sorted_lengths[start]), start, 0
+        while stop < len(sorted_lengths) and (stop == start or used + rows[stop] <= fits):
+            used += rows[stop]
+            stop += 1
+        chunks.append(slice(start, stop))
+        start = stop
     return chunks
 
 

@@ -286,6 +286,9 @@ class MetricsReporter:
         if "sft/loss" in metrics:  # a supervised run: no rollouts
             self._log_supervised(metrics, step, due)
             return
+        if "pref/loss" in metrics:  # a preference run: pairs, no rollouts
+            self._log_preference(metrics, step, due)
+            return
         reward = metrics.get("rollout/reward_mean", float("nan"))
         acc = metrics.get("rollout/acc", float("nan"))
         version = metrics.get("policy_version", 0)
@@ -341,6 +344,30 @@ class MetricsReporter:
             "" if heldout is None else f" held-out {heldout:.4f}",
             metrics.get("sft/epoch", float("nan")),
             metrics.get("actor/lr", float("nan")),
+            metrics.get("perf/learner_tokens_per_s", float("nan")),
+            metrics.get("perf/step_s", float("nan")),
+            version,
+        )
+
+    def _log_preference(self, metrics: dict[str, Any], step: int, due: bool) -> None:
+        """A preference step: its loss, margin and accuracy, the held-out accuracy when
+        computed, the epoch."""
+        loss, version = metrics["pref/loss"], metrics.get("policy_version", 0)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", v=version, refresh=False)
+            self._bar.update(step - self._bar.n)
+        if not due:
+            return
+        heldout = metrics.get("pref/eval_accuracy")
+        log.info(
+            "step %d/%d: loss %.4f margin %+.3f acc %.3f%s epoch %.2f %.0f tok/s %.0fs v%d",
+            step,
+            self.total_steps,
+            loss,
+            metrics.get("pref/margin", float("nan")),
+            metrics.get("pref/accuracy", float("nan")),
+            "" if heldout is None else f" held-out acc {heldout:.3f}",
+            metrics.get("pref/epoch", float("nan")),
             metrics.get("perf/learner_tokens_per_s", float("nan")),
             metrics.get("perf/step_s", float("nan")),
             version,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +48,8 @@ from streamrl.envs.conversations import (
 from streamrl.envs.formats import resolve_tool_format
 from streamrl.envs.tools import Tool, as_tool
 from streamrl.learner.forward import token_scores
-from streamrl.learner.loop import Learner
 from streamrl.learner.mini_batches import MiniBatch, TrainBatch, make_mini_batches, shard_for_rank
+from streamrl.learner.offline import OfflineLearner
 from streamrl.learner.step_inputs import StepModels, StepSettings
 from streamrl.learner.step_metrics import StepMetrics
 from streamrl.learner.topology import Topology
@@ -59,6 +58,7 @@ __all__ = [
     "SupervisedLearner",
     "SupervisedSource",
     "conversation_group",
+    "epoch_order",
     "heldout_loss",
     "supervised_step",
 ]
@@ -66,6 +66,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SFT_GENERATOR_ID = "sft"  # the generator id of a conversation's group: no generator made it
+
+
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The order in which a dataset of `count` examples is visited in `epoch` (seeded by
+    `data.shuffle_seed` and the epoch, as prompts are)."""
+    order = list(range(count))
+    random.Random(f"streamrl-sft:{seed}:{epoch}").shuffle(order)
+    return order
 
 
 def conversation_group(
@@ -133,6 +141,9 @@ class SupervisedSource:
                 f"{problem.problems[0]} (data.val_path: held-out conversations, or null for none)"
             ) from None
 
+    def __len__(self) -> int:
+        return len(self.train)
+
     def batch(self, position: int, size: int, version: int) -> list[ScoredGroup]:
         """The `size` conversations from `position` on (conversations taken so far, over every
         epoch), as groups of one."""
@@ -147,9 +158,7 @@ class SupervisedSource:
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The permutation of the conversations visited in `epoch`."""
-        order = list(range(len(self.train)))
-        random.Random(f"streamrl-sft:{self.config.data.shuffle_seed}:{epoch}").shuffle(order)
-        return order
+        return epoch_order(len(self.train), self.config.data.shuffle_seed, epoch)
 
     def heldout_groups(self, version: int) -> list[ScoredGroup]:
         if self.heldout is None:
@@ -299,44 +308,24 @@ def _environment_tools(config: RunConfig) -> list[Tool]:
     return [as_tool(t) for t in tools]
 
 
-class SupervisedLearner(Learner):
-    """The learner of a supervised run (module docstring): `Learner` with conversations in
-    place of the stream and `supervised_step` in place of the RL step."""
+class SupervisedLearner(OfflineLearner):
+    """The learner of a supervised run (module docstring): `OfflineLearner` on conversations
+    with `supervised_step`."""
 
-    def _data_source(self) -> None:
-        from transformers import AutoTokenizer
+    prefix, examples_name = "sft", "conversations"
 
-        from streamrl.models import resolve_model_path
+    def load_examples(self, tokenizer: Any) -> SupervisedSource:
+        return SupervisedSource(self.config, tokenizer=tokenizer)
 
-        model = self.config.model
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model.tokenizer or model.path))
-        self.conversations = SupervisedSource(self.config, tokenizer=tokenizer)
-        return None
+    @property
+    def eval_every(self) -> int:
+        assert self.config.sft is not None
+        return self.config.sft.eval_every
 
-    def _train_batch(self, *, train_policy: bool = True) -> tuple[None, dict[str, float]]:
-        cfg, sft, state = self.config.learner, self.config.sft, self.state
-        started = time.perf_counter()
-        groups = self.conversations.batch(state.sft_position, cfg.batch_groups, state.version)
-        state.sft_position += len(groups)
-        batch = TrainBatch.from_groups(groups, state.version)
-        mini_batches = make_mini_batches(
-            batch, cfg.mini_batch_groups, cfg.micro_batch_tokens, shared_prompt=self.shared_prompt
-        )
-        metrics = supervised_step(self.models, mini_batches, self.settings, self.topology)
-        done = time.perf_counter()
-        tokens = sum(m.num_loss_tokens for m in mini_batches)
-        step = state.step + 1
-        if sft.eval_every and (step % sft.eval_every == 0 or step == cfg.total_steps):
-            heldout = self.conversations.heldout_groups(state.version)
-            if heldout:
-                metrics["sft/heldout_loss"] = heldout_loss(
-                    self.models, heldout, cfg.micro_batch_tokens, self.settings, self.topology
-                )
-        metrics.update({
-            "sft/tokens": float(tokens),
-            "sft/conversations": float(len(groups)),
-            "sft/epoch": state.sft_position / len(self.conversations.train),
-            "perf/step_s": time.perf_counter() - started,
-            "perf/learner_tokens_per_s": tokens / max(done - started, 1e-9),
-        })  # fmt: skip
-        return None, metrics
+    def step(self, mini_batches: list[MiniBatch], groups: list[ScoredGroup]) -> dict[str, float]:
+        return supervised_step(self.models, mini_batches, self.settings, self.topology)
+
+    def heldout(self, groups: list[ScoredGroup]) -> dict[str, float]:
+        budget = self.config.learner.micro_batch_tokens
+        loss = heldout_loss(self.models, groups, budget, self.settings, self.topology)
+        return {"sft/heldout_loss": loss}

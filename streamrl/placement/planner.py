@@ -80,7 +80,7 @@ def plan_placement(
     cpus = sorted(set(machine_cpus() if cpus is None else cpus))
     gpus = list(visible_gpus() if gpus is None else gpus)
     count = config.generators_to_start(generators)
-    with_eval = evaluator and config.eval.every_versions > 0 and config.sft is None
+    with_eval = evaluator and config.eval.every_versions > 0 and not config.learner_only
     scorers = [scorer_process_name(name) for name in config.served_scorers]
     names = [
         "learner", *(f"gen{i}" for i in range(count)), *(["eval"] if with_eval else []), *scorers

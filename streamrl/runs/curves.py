@@ -63,6 +63,11 @@ CHARTS = (
         "{:.4f}",
     ),
     Chart(
+        "preference accuracy",
+        (("pref/accuracy", "train"), ("pref/eval_accuracy", "held-out")),
+    ),
+    Chart("preference margin", (("pref/margin", "train"), ("pref/eval_margin", "held-out"))),
+    Chart(
         "accuracy",
         (("rollout/acc", "consumed groups"), ("rollout_accepted/acc", "trained groups")),
     ),

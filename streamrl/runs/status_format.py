@@ -45,6 +45,10 @@ _METRICS_SHOWN = (  # (key, label, format): the rollout row, then the learner ro
         ("sft/loss", "loss", "{:.4f}"),  # a supervised run's
         ("sft/heldout_loss", "held-out loss", "{:.4f}"),
         ("sft/epoch", "epoch", "{:.2f}"),
+        ("pref/loss", "pref loss", "{:.4f}"),  # a preference run's
+        ("pref/margin", "margin", "{:+.3f}"),
+        ("pref/accuracy", "pref acc", "{:.3f}"),
+        ("pref/eval_accuracy", "held-out pref acc", "{:.3f}"),
     ),
     (
         ("actor/pg_loss", "pg_loss", "{:.4f}"),

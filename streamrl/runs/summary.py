@@ -28,6 +28,22 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
         return sum(values) / len(values) if values else float("nan")
 
     first, last = steps[:window], steps[-window:]
+    if "pref/loss" in steps[-1]:  # a preference run
+        heldout = [m for m in steps if "pref/eval_accuracy" in m]
+        return {
+            "run_uri": run.uri,
+            "steps": int(steps[-1]["step"]),
+            "policy_version": int(steps[-1].get("policy_version", 0)),
+            "preference": True,
+            "loss_first": mean(first, "pref/loss"),
+            "loss_last": mean(last, "pref/loss"),
+            "accuracy_first": mean(first, "pref/accuracy"),
+            "accuracy_last": mean(last, "pref/accuracy"),
+            "heldout": [(int(m["step"]), float(m["pref/eval_accuracy"])) for m in heldout],
+            "learner_tokens_per_s": mean(steps, "perf/learner_tokens_per_s"),
+            "window": min(window, len(steps)),
+            "charts": text_charts(curve_data(steps), titles=("preference accuracy",)),
+        }
     if "sft/loss" in steps[-1]:  # a supervised run
         heldout = [m for m in steps if "sft/heldout_loss" in m]
         return {
@@ -70,6 +86,19 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"loss:      {summary['loss_first']:.4f} (first {n} steps) → "
                 f"{summary['loss_last']:.4f} (last {n})",
                 *_heldout_line(heldout),
+                f"learner:   {summary['learner_tokens_per_s']:.0f} tokens/s",
+                *(f"  {line}" for line in summary.get("charts", ())),
+            ]
+        )
+    if summary.get("preference"):  # a preference run: its loss and pair accuracy
+        return "\n".join(
+            [
+                f"run:       {summary['run_uri']}  ({summary['steps']} preference steps, "
+                f"weights v{summary['policy_version']})",
+                f"loss:      {summary['loss_first']:.4f} (first {n} steps) → "
+                f"{summary['loss_last']:.4f} (last {n})",
+                f"pair acc:  {summary['accuracy_first']:.3f} → {summary['accuracy_last']:.3f}",
+                *_heldout_line(summary["heldout"]),
                 f"learner:   {summary['learner_tokens_per_s']:.0f} tokens/s",
                 *(f"  {line}" for line in summary.get("charts", ())),
             ]

@@ -448,6 +448,9 @@ def test_cli_documents_every_field() -> None:
         elif name == "sft":  # optional: documented as the section it is when set
             assert "sft.messages_field = 'messages'" in result.stdout
             assert "sft.eval_every = 10" in result.stdout
+        elif name == "preference":
+            assert "preference.loss = 'dpo'" in result.stdout
+            assert "preference.label_smoothing = 0.0" in result.stdout
         else:
             for sub in field.annotation.model_fields:  # type: ignore[union-attr]
                 assert f"{name}.{sub} = " in result.stdout

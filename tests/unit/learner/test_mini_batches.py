@@ -218,3 +218,28 @@ def test_a_batch_closed_early_splits_into_runs_as_even_as_possible(groups, per_u
     assert [len(m.groups) for m in minis] == expected
     assert [g for m in minis for g in m.groups] == list(range(groups))
     assert sum(m.num_responses for m in minis) == batch.group_index.numel()
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+@pytest.mark.parametrize("budget", [40, 64, 200])
+def test_whole_groups_never_split_a_group_between_micro_batches(shared_prompt, budget):
+    """A preference pair's loss needs both responses in one micro-batch, whatever the budget
+    and whether the prompt is computed once."""
+    rng = np.random.default_rng(3)
+    groups = [_group(rng, i, group_size=2, min_len=1, max_len=16) for i in range(12)]
+    batch = TrainBatch.from_groups(groups)
+    (mini,) = make_mini_batches(batch, 12, budget, shared_prompt=shared_prompt, whole_groups=True)
+    seen = []
+    for micro in mini.micro_batches:
+        rows = micro.input_ids.shape[0] * micro.input_ids.shape[1]
+        assert rows <= budget or micro.input_ids.shape[0] <= 2  # a lone group may fill it
+        counts = torch.bincount(micro.group_index, minlength=12)
+        assert set(counts[counts > 0].tolist()) == {2}, "a group split between micro-batches"
+        seen += micro.sample_index.tolist()
+    assert sorted(seen) == list(range(24))
+    # Without whole_groups a tight budget does split some group (the option is what holds them).
+    if not shared_prompt and budget == 40:
+        (split,) = make_mini_batches(batch, 12, budget)
+        assert any(
+            1 in torch.bincount(m.group_index, minlength=12).tolist() for m in split.micro_batches
+        )

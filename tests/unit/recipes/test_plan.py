@@ -102,3 +102,15 @@ def test_an_evaluation_reads_as_one_line_with_what_the_agent_did() -> None:
         "over 64 prompts; the tool called in 96.9% of episodes, 1.12 calls and 0.06 failed per "
         "episode"
     )
+
+
+def test_the_sft_dpo_rl_recipe_plans_three_learning_stages() -> None:
+    name, recipe = load_recipe("sft-dpo-rl")
+    plan = plan_recipe(name, recipe, "./runs/sft-dpo-rl")
+    sft, dpo, rl = plan.stages[:3]
+    assert sft.config.learner_only == "supervised"
+    assert dpo.config.learner_only == "preference"
+    assert dpo.config.preference.loss == "dpo"
+    assert rl.config.learner_only is None
+    assert (dpo.start_from, rl.start_from) == ("sft", "dpo")
+    assert dpo.config.data.path == "builtin:arithmetic-pairs"

@@ -1,0 +1,117 @@
+"""`streamrl run --preset dpo`: a preference run of the tiny model on the bundled pairs — the
+learner alone, one line per step with its loss, margin and pair accuracy, held-out pair metrics,
+a summary and `streamrl status` that speak of them — and a resumed run that trains exactly as
+one that never stopped."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from storage.fs import open_location
+from storage.weights.versions import WeightStore
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIRS = [
+    "data.path=builtin:arithmetic-pairs",
+    "data.val_path=builtin:arithmetic-pairs-test",
+    "preference.eval_pairs=8",
+    "preference.eval_every=2",
+    "learner.batch_groups=4",
+    "learner.mini_batch_groups=2",  # two updates a step
+    "learner.lr=1e-4",
+    "learner.checkpoint_every=2",
+]
+
+
+def _streamrl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _run(run_dir: Path, steps: int, *extra: str, resume: bool = False):
+    return _streamrl(
+        "run", *(["--resume"] if resume else []), "--preset", "dpo", "--preset", "tiny-cpu",
+        f"storage.run_uri={run_dir}", f"learner.total_steps={steps}", *PAIRS, *extra,
+    )  # fmt: skip
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _log(run_dir: Path) -> str:
+    return (run_dir / "logs" / "learner.log").read_text()
+
+
+def _last_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    tensors, _ = WeightStore(open_location(str(run_dir))).load()
+    return tensors
+
+
+@pytest.mark.timeout(900)
+def test_a_dpo_run_learns_its_pairs_reports_them_and_resumes_exactly(tmp_path):
+    straight = tmp_path / "straight"
+    done = _run(straight, 4)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert "learner + 0 generator(s) (preference)" in done.stdout
+    steps = [line for line in done.stdout.splitlines() if line.startswith("[learner] step ")]
+    assert [s.split(":")[0] for s in steps] == [f"[learner] step {i}/4" for i in (1, 2, 3, 4)]
+    assert all(" margin " in s and " acc " in s for s in steps)
+    assert "held-out acc" in steps[1]
+    assert "held-out acc" not in steps[0]
+    assert "pair acc:" in done.stdout  # the summary
+    assert "reward:" not in done.stdout
+    assert sorted(p.name for p in (straight / "logs").glob("*.log")) == ["learner.log"]
+    status = _streamrl("status", str(straight))
+    assert "pref loss" in status.stdout
+    assert "held-out pref acc" in status.stdout
+
+    # The reference scored every pair once, before step 1 (preference.reference: cached).
+    assert (straight / "preference" / "reference.json").exists()
+    assert "reference log-probs of 1534 pairs scored and stored" in _log(straight)
+
+    # Stopped after 2 steps (a checkpoint), resumed to 4: the same weights, bit for bit; the
+    # resumed life reads the reference's log-probs back instead of scoring them again.
+    halves = tmp_path / "halves"
+    first = _run(halves, 2)
+    assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
+    second = _run(halves, 4, resume=True)
+    assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
+    assert "reference log-probs of 1534 pairs read from" in _log(halves)
+    one, other = _last_weights(straight), _last_weights(halves)
+    assert one.keys() == other.keys()
+    for name in one:
+        assert torch.equal(one[name], other[name]), name
+
+    # The reference scored beside the policy each step instead: the same losses, to rounding.
+    live = tmp_path / "on-the-fly"
+    done = _run(live, 2, "preference.reference=on_the_fly")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert not (live / "preference").exists()
+    cached, scored = _metrics(straight)[:2], _metrics(live)
+    # π = π_ref at the first update (the step's second update has moved the policy a little)
+    assert cached[0]["pref/loss"] == pytest.approx(math.log(2), abs=0.01)
+    for a, b in zip(cached, scored, strict=True):
+        assert b["pref/loss"] == pytest.approx(a["pref/loss"], abs=1e-4)
+        assert b["pref/margin"] == pytest.approx(a["pref/margin"], abs=1e-4)
+
+
+def test_a_run_cannot_be_both_supervised_and_preference(tmp_path):
+    done = _run(tmp_path / "run", 2, "sft.eval_every=1")
+    assert done.returncode == 2
+    assert "sft and preference are both set" in done.stderr
