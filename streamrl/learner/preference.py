@@ -5,8 +5,9 @@ models, FSDP2 sharding, LoRA, optimiser and schedule, checkpoints, lease, weight
 metrics — with the data and the loss swapped, as a supervised run swaps them
 (`streamrl.learner.supervised`):
 
-- the data: `PreferenceSource` reads the pairs of `data.path` (and the held-out ones of
-  `data.val_path`) once, at start (`streamrl.data.preference`), and hands out
+- the data: `PreferenceSource` reads the pairs of `data.path` (`streamrl.data.preference`) or
+  of a run's own stream (`preference.pairs_from`, `streamrl.learner.stream_pairs`), and the
+  held-out ones of `data.val_path`, once, at start, and hands out
   `learner.batch_groups` of them a step in a shuffled order, epoch after epoch; where it stands
   is `TrainingState.sft_position` (examples taken so far), checkpointed, so a resumed run takes
   the same pairs next. A pair is a group of two responses sharing its prompt — chosen first
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from storage.fs import open_location
 from storage.stream.records import ScoredGroup
 from streamrl.algorithms.preference import pair_loss, summed_logprobs
 from streamrl.algorithms.reductions import Mean
@@ -53,6 +55,7 @@ from streamrl.learner.preference_config import PreferenceConfig
 from streamrl.learner.preference_reference import reference_sums
 from streamrl.learner.step_inputs import StepModels, StepSettings
 from streamrl.learner.step_metrics import StepMetrics
+from streamrl.learner.stream_pairs import pairs_stop, stream_pairs
 from streamrl.learner.supervised import epoch_order
 from streamrl.learner.topology import Topology
 
@@ -94,13 +97,13 @@ class PreferenceSource:
     """A preference run's pairs (module docstring); every rank reads the same ones and takes the
     same batch, so no data crosses ranks."""
 
-    def __init__(self, config: RunConfig, *, tokenizer: Any) -> None:
+    def __init__(self, config: RunConfig, *, tokenizer: Any, train: Pairs | None = None) -> None:
         pref = config.preference
         assert pref is not None, "a preference source needs the run's preference section"
         self.config = config
         self.chat = ChatRenderer(tokenizer, config.model.path)
         self.fields = PairFields(pref.prompt_field, pref.chosen_field, pref.rejected_field)
-        self.train = self._load(config.data.path)
+        self.train = self._load(config.data.path) if train is None else train
         if not len(self.train):
             raise DatasetError(
                 f"no pair of {config.data.path} fits model.max_model_len="
@@ -265,7 +268,7 @@ class PreferenceLearner(OfflineLearner):
         return self.config.preference
 
     def load_examples(self, tokenizer: Any) -> PreferenceSource:
-        source = PreferenceSource(self.config, tokenizer=tokenizer)
+        source = PreferenceSource(self.config, tokenizer=tokenizer, train=self._stream_pairs())
         self.cached: dict[str, tuple[float, float]] | None = None
         if self.pref.needs_reference and self.pref.reference == "cached":
             pairs = source.train.pairs + (source.heldout.pairs if source.heldout else [])
@@ -273,11 +276,27 @@ class PreferenceLearner(OfflineLearner):
                 self.run_location, pairs, self.models, self.settings, self.topology,
                 micro_batch_tokens=self.config.learner.micro_batch_tokens,
                 shared_prompt=self.shared_prompt,
-                source=f"{self.config.data.path}|{self.config.data.val_path}|"
-                f"{self.config.model.path}",
+                source=f"{self.pref.pairs_from or self.config.data.path}|"
+                f"{self.config.data.val_path}|{self.config.model.path}",
             )  # fmt: skip
             self.models.reference = None  # every pair is scored: the reference is not needed
         return source
+
+    def _stream_pairs(self) -> Pairs | None:
+        """The pairs of `preference.pairs_from`'s stream; None when the pairs are data.path's."""
+        if self.pref.pairs_from is None:
+            return None
+        storage = self.config.storage
+        source = open_location(self.pref.pairs_from, endpoint_url=storage.endpoint_url,
+                               storage_options=storage.storage_options)  # fmt: skip
+        stop = self.topology.decide_on_main(lambda: pairs_stop(source, self.run_location))
+        found = stream_pairs(source, stop, self.config.model.max_model_len)
+        log.info(
+            "pairs from the stream of %s: %d of %d groups (%d without a reward difference, %d "
+            "multi-turn, %d too long)", source.uri, len(found.pairs), found.groups, found.ties,
+            found.multi_turn, found.pairs.dropped,
+        )  # fmt: skip
+        return found.pairs
 
     def _table(self, groups: list[ScoredGroup]) -> torch.Tensor | None:
         """`[B, 2]` the cached reference sums of `groups`' pairs; None when not cached."""

@@ -39,12 +39,12 @@ class PreferenceConfig(Section):
         description="dpo: ε, the assumed fraction of flipped labels (conservative DPO).",
     )
     simpo_gamma: float = Field(0.5, ge=0.0, le=100.0, description="simpo: the target margin γ.")
-    reference: Literal["cached", "on_the_fly"] = Field(
-        "cached",
-        description="dpo, ipo: the reference's log-probs of every pair (training and held-out) "
-        "scored once before the first step and kept in the run's storage (a resume reads them "
-        "back; the reference model is then released), or scored beside the policy at every "
-        "step (on_the_fly).",
+    reference: Literal["on_the_fly", "cached"] = Field(
+        "on_the_fly",
+        description="dpo, ipo: the reference's log-probs scored beside the policy at every step "
+        "(on_the_fly), or of every pair (training and held-out) once before the first step and "
+        "kept in the run's storage (cached: a resume reads them back, the reference model is "
+        "released and steps run the policy alone; worth it from about one epoch on).",
     )
     nll_weight: float = Field(
         0.0,
@@ -52,6 +52,14 @@ class PreferenceConfig(Section):
         le=100.0,
         description="α: adds α × the chosen response's token-mean negative log-likelihood "
         "(RPO); 0: off.",
+    )
+    pairs_from: str | None = Field(
+        None,
+        description="A run (its storage URI, reached with this run's storage settings) whose "
+        "replay stream gives the training pairs: in each group the highest-reward response "
+        "chosen, the lowest rejected, groups without a reward difference dropped; data.path is "
+        "then not read. The first life records how far it read, so a resume trains on the same "
+        "pairs while the source still runs.",
     )
     prompt_field: str | None = Field(
         "prompt",

@@ -8,15 +8,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from storage.fs import open_location
+from storage.stream.writer import StreamWriter
 from storage.weights.versions import WeightStore
+from tests.stream_data import random_group
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = [
@@ -28,6 +32,7 @@ PAIRS = [
     "learner.mini_batch_groups=2",  # two updates a step
     "learner.lr=1e-4",
     "learner.checkpoint_every=2",
+    "preference.reference=cached",
 ]
 
 
@@ -115,3 +120,25 @@ def test_a_run_cannot_be_both_supervised_and_preference(tmp_path):
     done = _run(tmp_path / "run", 2, "sft.eval_every=1")
     assert done.returncode == 2
     assert "sft and preference are both set" in done.stderr
+
+
+def test_pairs_from_a_runs_stream_train_a_preference_run(tmp_path):
+    """`preference.pairs_from`: the groups another run committed become this run's pairs."""
+    source = open_location(str(tmp_path / "rl"))
+    source.fs.makedirs(source.path, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for segment in range(3):
+        groups = [random_group(rng, prompt_id=f"p{segment}-{i}", vocab=200, max_len=12)
+                  for i in range(8)]  # fmt: skip
+        StreamWriter(source, "gen0").write(groups)
+    run_dir = tmp_path / "dpo"
+    done = _streamrl(
+        "run", "--preset", "dpo", "--preset", "tiny-cpu", f"storage.run_uri={run_dir}",
+        f"preference.pairs_from={tmp_path / 'rl'}", "data.val_path=null",
+        "learner.total_steps=2", "learner.batch_groups=4", "learner.mini_batch_groups=4",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    log = _log(run_dir)
+    assert re.search(r"pairs from the stream of \S+: \d+ of 24 groups", log)
+    assert (run_dir / "preference" / "pairs_from.json").exists()
+    assert [m["pref/pairs"] for m in _metrics(run_dir)] == [4.0, 4.0]
