@@ -25,7 +25,9 @@ Consistency (a seqlock on the header): before touching a slot's bytes the writer
 header with a `writing` one, and after the bytes are written (the device synchronised) with the
 complete one; headers are replaced atomically (rename). A reader takes a version when every
 rank's header names it, loads it, then reads the headers again (`Taken.intact`): any change
-means the load may be torn, and the reader loads the version from storage instead. Two slots
+means the load may be torn, and the reader loads the version from storage instead. A header
+also names its writer's process, which must still run (on CUDA a dead learner's memory is
+gone, whatever its header says). Two slots
 make that rare: the learner overwrites version v's slot only when publishing v + 2, after v + 1
 was committed.
 
@@ -187,6 +189,7 @@ class HandOffWriter:
                 "publish_id": publish_id,
                 "rank": self.rank,
                 "world": self.world,
+                "pid": os.getpid(),
                 "nbytes": buffer.numel(),
                 "pieces": [
                     [p.name, p.start, p.stop, p.dtype, list(p.shape), p.offset] for p in layout
@@ -258,7 +261,10 @@ class Taken:
     def intact(self) -> bool:
         """True when no slot was touched since this version was taken: a load from it is whole.
         Call it after the load finished (on CUDA, after the copy synchronised)."""
-        return all(_read_header(path) == header for path, header in self._headers.items())
+        return all(
+            _read_header(path) == header and _alive(header.get("pid"))
+            for path, header in self._headers.items()
+        )
 
 
 class HandOffReader:
@@ -340,7 +346,22 @@ def _ready(header: dict[str, Any], version: int, publish_id: str) -> bool:
         and header.get("version") == version
         and header.get("publish_id") == publish_id
         and isinstance(header.get("pieces"), list)
+        and _alive(header.get("pid"))
     )
+
+
+def _alive(pid: Any) -> bool:
+    """Whether the learner process that wrote a header still runs: a dead one's GPU memory is
+    gone (CUDA IPC), whatever its header says."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _assemble(

@@ -261,3 +261,24 @@ def test_slots_that_cannot_be_had_turn_the_handoff_off_without_failing_the_learn
     assert "--shm-size" in done.stdout
     assert lines[-3:] == ["None True", "None", "[]"]  # said once, nothing left behind
     assert done.stdout.count("hand-off is off") == 1
+
+
+def test_the_slots_of_a_learner_that_died_are_not_taken(run):
+    """On CUDA a dead learner's memory is gone whatever its header says: a committed version
+    whose writer no longer runs is read from storage."""
+    _, store, directory = run
+    publish_id = new_publish_id()
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from pathlib import Path
+        from tests.unit.placement.test_handoff import _shares, _state
+        from streamrl.placement.handoff import HandOffWriter
+        writer = HandOffWriter(Path({str(directory)!r}), 0, 1, torch.device("cpu"))
+        writer.write(1, {publish_id!r}, _shares(_state(1)), torch.float32)
+        """
+    )  # the learner writes its slot, then dies without closing it
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    manifest = _commit(store, 1, publish_id, _state(1))
+    assert (directory / "rank00000-slot1.json").exists()
+    assert HandOffReader(directory).take(manifest, CPU) is None
