@@ -142,3 +142,18 @@ def test_pairs_from_a_runs_stream_train_a_preference_run(tmp_path):
     assert re.search(r"pairs from the stream of \S+: \d+ of 24 groups", log)
     assert (run_dir / "preference" / "pairs_from.json").exists()
     assert [m["pref/pairs"] for m in _metrics(run_dir)] == [4.0, 4.0]
+
+
+def test_a_lora_dpo_run_takes_the_base_as_its_reference(tmp_path):
+    """With adapters the reference is the frozen base (adapters switched off): the first
+    update's loss is log 2 (policy = reference), and versions are the adapter alone."""
+    run_dir = tmp_path / "lora"
+    done = _run(run_dir, 2, "model.lora.rank=8", "preference.reference=on_the_fly",
+                "learner.mini_batch_groups=4")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    first = _metrics(run_dir)[0]
+    assert first["pref/loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert first["pref/margin"] == pytest.approx(0.0, abs=1e-4)
+    names = list(_last_weights(run_dir))
+    assert names
+    assert all("lora" in name for name in names), names[:3]
