@@ -29,6 +29,7 @@ Metrics: `pref/loss`, `pref/reward_chosen`, `pref/reward_rejected`, `pref/margin
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -271,7 +272,11 @@ class PreferenceLearner(OfflineLearner):
         source = PreferenceSource(self.config, tokenizer=tokenizer, train=self._stream_pairs())
         self.cached: dict[str, tuple[float, float]] | None = None
         if self.pref.needs_reference and self.pref.reference == "cached":
-            pairs = source.train.pairs + (source.heldout.pairs if source.heldout else [])
+            heldout = source.heldout.pairs if source.heldout else []
+            # Keys by split: a held-out file may name its pairs as the training file does.
+            pairs = [replace(p, pair_id=f"train/{p.pair_id}") for p in source.train.pairs] + [
+                replace(p, pair_id=f"heldout/{p.pair_id}") for p in heldout
+            ]
             self.cached = reference_sums(
                 self.run_location, pairs, self.models, self.settings, self.topology,
                 micro_batch_tokens=self.config.learner.micro_batch_tokens,
@@ -298,11 +303,12 @@ class PreferenceLearner(OfflineLearner):
         )  # fmt: skip
         return found.pairs
 
-    def _table(self, groups: list[ScoredGroup]) -> torch.Tensor | None:
+    def _table(self, groups: list[ScoredGroup], split: str = "train") -> torch.Tensor | None:
         """`[B, 2]` the cached reference sums of `groups`' pairs; None when not cached."""
         if self.cached is None:
             return None
-        return torch.tensor([self.cached[g.prompt_id] for g in groups], dtype=torch.float32)
+        rows = [self.cached[f"{split}/{g.prompt_id}"] for g in groups]
+        return torch.tensor(rows, dtype=torch.float32)
 
     @property
     def eval_every(self) -> int:
@@ -315,5 +321,5 @@ class PreferenceLearner(OfflineLearner):
     def heldout(self, groups: list[ScoredGroup]) -> dict[str, float]:
         return heldout_metrics(
             self.models, groups, self.config.learner.micro_batch_tokens, self.settings,
-            self.topology, self.pref, self.shared_prompt, self._table(groups),
+            self.topology, self.pref, self.shared_prompt, self._table(groups, "heldout"),
         )  # fmt: skip

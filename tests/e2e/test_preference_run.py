@@ -157,3 +157,28 @@ def test_a_lora_dpo_run_takes_the_base_as_its_reference(tmp_path):
     names = list(_last_weights(run_dir))
     assert names
     assert all("lora" in name for name in names), names[:3]
+
+
+def test_cached_references_keep_training_and_held_out_pairs_apart(tmp_path):
+    """A held-out file named as the training file (both `pairs.jsonl`) gives pair ids that
+    collide; the cache keys them by split, so every pair keeps its own reference."""
+    for split, numbers in (("train", range(8)), ("val", range(50, 58))):
+        (tmp_path / split).mkdir()
+        rows = [
+            {"prompt": f"What is {i} + {2 * i}?", "chosen": f"{3 * i}.",
+             "rejected": f"{3 * i + 1}, I think, after a long and winding computation."}
+            for i in numbers
+        ]  # fmt: skip
+        (tmp_path / split / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    done = _streamrl(
+        "run", "--preset", "dpo", "--preset", "tiny-cpu", f"storage.run_uri={run_dir}",
+        f"data.path={tmp_path / 'train' / 'pairs.jsonl'}",
+        f"data.val_path={tmp_path / 'val' / 'pairs.jsonl'}", "preference.reference=cached",
+        "preference.eval_every=1", "learner.total_steps=1", "learner.batch_groups=8",
+        "learner.mini_batch_groups=8",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    (step,) = _metrics(run_dir)
+    assert step["pref/loss"] == pytest.approx(math.log(2), abs=1e-3)  # π = π_ref, every pair
+    assert step["pref/margin"] == pytest.approx(0.0, abs=1e-3)
