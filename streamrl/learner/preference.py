@@ -22,7 +22,9 @@ metrics — with the data and the loss swapped, as a supervised run swaps them
   or each micro-batch beside the policy (`on_the_fly`).
 
 Metrics: `pref/loss`, `pref/reward_chosen`, `pref/reward_rejected`, `pref/margin`,
-`pref/accuracy` (the fraction of pairs with r_w > r_l), the held-out `pref/eval_*` alike,
+`pref/accuracy` (the fraction of pairs with r_w > r_l), `pref/likelihood_accuracy` (with a higher
+mean log-prob for the chosen response: the policy's own preference, meaningful before training
+too), the held-out `pref/eval_*` alike,
 `pref/pairs`, `pref/epoch`, `actor/grad_norm`, `actor/lr`, `perf/learner_tokens_per_s`.
 """
 
@@ -71,7 +73,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PAIR_GENERATOR_ID = "preference"  # the generator id of a pair's group: no generator made it
-PREFERENCE_METRICS = ("loss", "reward_chosen", "reward_rejected", "margin", "accuracy")
+PREFERENCE_METRICS = (
+    "loss", "reward_chosen", "reward_rejected", "margin", "accuracy", "likelihood_accuracy",
+)  # fmt: skip
 
 
 def pair_group(pair: Pair, version: int) -> ScoredGroup:
@@ -253,6 +257,14 @@ def _pair_losses(
         "reward_rejected": Mean(result.reward_rejected.sum(), count),
         "margin": Mean(result.margin.sum(), count),
         "accuracy": Mean((result.margin > 0).float().sum(), count),
+        # The policy's own preference, no reference: a higher mean log-prob for the chosen.
+        "likelihood_accuracy": Mean(
+            (sums[w] / tokens[w].clamp_min(1) > sums[lost] / tokens[lost].clamp_min(1))
+            .float()
+            .sum()
+            .detach(),
+            count,
+        ),
     }
     return result.loss.sum(), means
 

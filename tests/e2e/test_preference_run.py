@@ -182,3 +182,6 @@ def test_cached_references_keep_training_and_held_out_pairs_apart(tmp_path):
     (step,) = _metrics(run_dir)
     assert step["pref/loss"] == pytest.approx(math.log(2), abs=1e-3)  # π = π_ref, every pair
     assert step["pref/margin"] == pytest.approx(0.0, abs=1e-3)
+    # The policy's own preference (no reference), on the step's and the held-out pairs.
+    for key in ("pref/likelihood_accuracy", "pref/eval_likelihood_accuracy"):
+        assert step[key] in {k / 8 for k in range(9)}, key  # a fraction of the 8 pairs
