@@ -86,7 +86,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def test_the_step_loss_is_the_token_mean_nll_of_the_assistant_tokens(tmp_path, topology, data):
     config = _config(tmp_path / "run", data, 1, "learner.mini_batch_groups=4")  # one update
     learner = SupervisedLearner(config, open_location(str(tmp_path / "run")), topology)
-    groups = learner.conversations.batch(0, 4, 0)
+    groups = learner.examples.batch(0, 4, 0)
     # The reference: the model as loaded, each whole conversation through a plain forward.
     model = load_policy("tiny-qwen2", config.model).eval()
     total, tokens = 0.0, 0
