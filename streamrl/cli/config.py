@@ -15,13 +15,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from streamrl.algorithms.policy_losses import POLICY_LOSSES
+from streamrl.algorithms.preference_config import PreferenceConfig
 from streamrl.config.base import ConfigError
 from streamrl.config.loading import UNIONS, available_presets, load_config
 from streamrl.config.run import RunConfig
 from streamrl.envs.config import EnvConfig
 from streamrl.isolation.user_code import check_user_code, modules_not_found
 from streamrl.learner.config import SupervisedConfig
-from streamrl.learner.preference_config import PreferenceConfig
 from streamrl.models.config import CriticConfig
 from streamrl.rewards.config import RewardConfig
 from streamrl.scorers.config import ScorerConfig

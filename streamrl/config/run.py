@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from storage.stream.sweep import min_sweep_grace_s
 from streamrl.algorithms.config import AlgorithmConfig, DAPOConfig
+from streamrl.algorithms.preference_config import PreferenceConfig
 from streamrl.config.base import MAX_WAIT_S, ConfigError, Section
 from streamrl.data.config import DataConfig
 from streamrl.evaluation.config import EvalConfig
@@ -41,7 +42,6 @@ from streamrl.learner.config import (
     SupervisedConfig,
     WeightsConfig,
 )
-from streamrl.learner.preference_config import PreferenceConfig
 from streamrl.models.config import ModelConfig
 from streamrl.models.lora import LoraConfig
 from streamrl.placement.config import LocalPlacement, PlacementConfig

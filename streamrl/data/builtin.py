@@ -4,7 +4,15 @@ held-out split `builtin:arithmetic-test`, `builtin:math`, the code problems `bui
 demonstrations `builtin:calculator[-test]`, `builtin:calculator-demos[-test]`,
 `builtin:calculator-answers[-test]` (`streamrl.data.tool_problems`), and preference pairs over
 the arithmetic problems, `builtin:arithmetic-pairs[-test]`, with their chosen answers as
-conversations, `builtin:arithmetic-demos[-test]` (`streamrl.data.preference_pairs`).
+conversations, `builtin:arithmetic-demos[-test]`.
+
+`arithmetic-pairs` holds one pair per problem of `arithmetic` (`-test`: of `arithmetic-test`) in
+TRL's conversational layout — `prompt` the problem's messages, `chosen` and `rejected` the
+assistant's answers as text — plus `ground_truth`. Chosen: correct and brief, in the format the
+prompt asks for ("3 × 4 = 12, so the answer is \\boxed{12}."); rejected: the same sentence with
+a wrong result — the other operation's (3 + 4 = 7 for 3 × 4) or the right one off by one or two
+—, chosen by a seeded generator, so a pair differs only where correctness does.
+`arithmetic-demos` is the chosen answers as SFT conversations (`messages`).
 
 Both produce rows in the verl / DAPO-Math-17k layout that `DataConfig`'s default field mapping
 reads unchanged:
@@ -41,12 +49,6 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.data.code_problems import code_rows, code_test_rows
-from streamrl.data.preference_pairs import (
-    arithmetic_demo_rows,
-    arithmetic_demo_test_rows,
-    arithmetic_pair_rows,
-    arithmetic_pair_test_rows,
-)
 from streamrl.data.tool_problems import (
     calculator_answer_rows,
     calculator_answer_test_rows,
@@ -220,6 +222,58 @@ def math_rows() -> list[dict[str, Any]]:
         _row("builtin:math", index, f"{question}\n{MATH_INSTRUCTION}", answer)
         for index, (question, answer) in enumerate(MATH_PROBLEMS)
     ]
+
+
+# -- preference pairs over the arithmetic problems ---------------------------------------
+
+PAIRS_SEED = "streamrl-arithmetic-pairs-v1"
+
+
+def arithmetic_pair_rows() -> list[dict[str, Any]]:
+    """One preference pair per training problem (module docstring)."""
+    return _pairs(arithmetic_rows(), "train")
+
+
+def arithmetic_pair_test_rows() -> list[dict[str, Any]]:
+    """One preference pair per held-out problem."""
+    return _pairs(arithmetic_test_rows(), "test")
+
+
+def arithmetic_demo_rows() -> list[dict[str, Any]]:
+    return [_demo(row) for row in arithmetic_pair_rows()]
+
+
+def arithmetic_demo_test_rows() -> list[dict[str, Any]]:
+    return [_demo(row) for row in arithmetic_pair_test_rows()]
+
+
+def _demo(pair: dict[str, Any]) -> dict[str, Any]:
+    """A pair's chosen answer as a conversation (`sft.messages_field` messages)."""
+    return {"messages": [*pair["prompt"], {"role": "assistant", "content": pair["chosen"]}]}
+
+
+def _pairs(rows: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    rng = random.Random(f"{PAIRS_SEED}:{split}")
+    out = []
+    for row in rows:
+        info = row["extra_info"]
+        a, b, op = info["a"], info["b"], info["op"]
+        right = a + b if op == "+" else a * b
+        shown = "+" if op == "+" else "×"
+        other = a * b if op == "+" else a + b
+        near = right + rng.choice((-2, -1, 1, 2))
+        wrong = other if other != right and rng.random() < 0.5 else near
+        out.append({
+            "prompt": row["prompt"],
+            "chosen": _answer(a, shown, b, right),
+            "rejected": _answer(a, shown, b, wrong),
+            "ground_truth": row["reward_model"]["ground_truth"],
+        })  # fmt: skip
+    return out
+
+
+def _answer(a: int, op: str, b: int, result: int) -> str:
+    return f"{a} {op} {b} = {result}, so the answer is \\boxed{{{result}}}."
 
 
 BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, Any]]]] = {

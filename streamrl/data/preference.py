@@ -24,16 +24,37 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from storage.stream.records import ScoredGroup
 from streamrl.data.rows import DatasetError, MissingFieldError, dataset_name, field_value, load_rows
-from streamrl.envs.chat import ChatRenderer
 
-__all__ = ["Pair", "PairFields", "Pairs", "load_pairs", "pair_messages"]
+__all__ = [
+    "ChatTemplate",
+    "Pair",
+    "PairFields",
+    "Pairs",
+    "load_pairs",
+    "pair_group",
+    "pair_messages",
+]
+
+PAIR_GENERATOR_ID = "preference"  # the generator id of a pair's group: no generator made it
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+class ChatTemplate(Protocol):
+    """What rendering a pair needs of the model's chat template (`streamrl.envs.chat`'s
+    `ChatRenderer` is one)."""
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def eos_text(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +94,7 @@ class Pairs:
 def load_pairs(
     path: str,
     fields: PairFields,
-    chat: ChatRenderer,
+    chat: ChatTemplate,
     *,
     fmt: str = "auto",
     max_tokens: int,
@@ -213,3 +234,23 @@ def _answer(turn: Sequence[Mapping[str, Any]], where: str, field: str) -> str:
             f"{[m['role'] for m in turn]}"
         )
     return turn[0]["content"]
+
+
+def pair_group(pair: Pair, version: int) -> ScoredGroup:
+    """`pair` as a group of two responses: chosen (reward 1), then rejected (reward 0)."""
+    responses = [pair.chosen, pair.rejected]
+    return ScoredGroup(
+        prompt_id=pair.pair_id,
+        prompt_tokens=pair.prompt,
+        ground_truth="",
+        response_tokens=responses,
+        behaviour_logprobs=[np.zeros(len(r), np.float32) for r in responses],
+        rewards=np.asarray([1.0, 0.0], np.float32),
+        raw_scores=np.asarray([1.0, 0.0], np.float32),
+        truncated=np.zeros(2, np.bool_),
+        finish_reasons=["done", "done"],
+        policy_version=version,
+        generator_id=PAIR_GENERATOR_ID,
+        created_at=0.0,
+        finished_at=0.0,
+    )

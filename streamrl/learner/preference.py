@@ -34,15 +34,15 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from storage.fs import open_location
 from storage.stream.records import ScoredGroup
 from streamrl.algorithms.preference import pair_loss, summed_logprobs
+from streamrl.algorithms.preference_config import PreferenceConfig
 from streamrl.algorithms.reductions import Mean
 from streamrl.config.run import RunConfig
-from streamrl.data.preference import Pair, PairFields, Pairs, load_pairs
+from streamrl.data.preference import PairFields, Pairs, load_pairs, pair_group
 from streamrl.data.rows import DatasetError
 from streamrl.envs.chat import ChatRenderer
 from streamrl.learner.forward import token_scores
@@ -54,7 +54,6 @@ from streamrl.learner.mini_batches import (
     shard_for_rank,
 )
 from streamrl.learner.offline import OfflineLearner
-from streamrl.learner.preference_config import PreferenceConfig
 from streamrl.learner.preference_reference import reference_sums
 from streamrl.learner.step_inputs import StepModels, StepSettings
 from streamrl.learner.step_metrics import StepMetrics
@@ -66,36 +65,14 @@ __all__ = [
     "PREFERENCE_METRICS",
     "PreferenceLearner",
     "PreferenceSource",
-    "pair_group",
     "preference_step",
 ]
 
 log = logging.getLogger(__name__)
 
-PAIR_GENERATOR_ID = "preference"  # the generator id of a pair's group: no generator made it
 PREFERENCE_METRICS = (
     "loss", "reward_chosen", "reward_rejected", "margin", "accuracy", "likelihood_accuracy",
 )  # fmt: skip
-
-
-def pair_group(pair: Pair, version: int) -> ScoredGroup:
-    """`pair` as a group of two responses: chosen (reward 1), then rejected (reward 0)."""
-    responses = [pair.chosen, pair.rejected]
-    return ScoredGroup(
-        prompt_id=pair.pair_id,
-        prompt_tokens=pair.prompt,
-        ground_truth="",
-        response_tokens=responses,
-        behaviour_logprobs=[np.zeros(len(r), np.float32) for r in responses],
-        rewards=np.asarray([1.0, 0.0], np.float32),
-        raw_scores=np.asarray([1.0, 0.0], np.float32),
-        truncated=np.zeros(2, np.bool_),
-        finish_reasons=["done", "done"],
-        policy_version=version,
-        generator_id=PAIR_GENERATOR_ID,
-        created_at=0.0,
-        finished_at=0.0,
-    )
 
 
 class PreferenceSource:

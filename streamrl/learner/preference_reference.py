@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from storage.fs import Location
-from streamrl.data.preference import Pair
+from streamrl.data.preference import Pair, pair_group
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches, shard_for_rank
 from streamrl.learner.step_inputs import StepModels, StepSettings
 from streamrl.learner.topology import Topology
@@ -77,7 +77,6 @@ def _score(
     """`[len(pairs), 2]` float32: each pair's reference sums, every rank scoring its share."""
     from streamrl.algorithms.preference import summed_logprobs
     from streamrl.learner.forward import token_scores
-    from streamrl.learner.preference import pair_group
 
     assert models.reference is not None, "cached reference log-probs need the reference policy"
     out = torch.zeros(len(pairs), 2, dtype=torch.float32)
