@@ -9,31 +9,23 @@ serialised, so at most two batches (about `IO_BATCH_BYTES` each) are in memory.
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import safetensors.torch
 
 from storage.fs import Location
-from storage.weights.manifest import FileEntry, PieceEntry, TensorEntry, checksum, piece_key
+from storage.weights.manifest import (
+    FileEntry,
+    PieceEntry,
+    TensorEntry,
+    checksum,
+    data_file_name,
+    piece_key,
+)
 from storage.weights.pieces import EncodedShare
 from storage.weights.versions import IO_BATCH_BYTES, batches
 
-__all__ = ["data_file_name", "publish_of", "upload_share"]
-
-_FILE_SUFFIX = ".safetensors"
-_DATA_FILE = re.compile(r"(?P<publish>.+)-r\d{5,}-\d{5,}" + re.escape(_FILE_SUFFIX))
-
-
-def data_file_name(publish_id: str, rank: int, index: int) -> str:
-    """The name of data file `index` (from 1) of rank `rank`'s share in publish `publish_id`."""
-    return f"{publish_id}-r{rank:05d}-{index:05d}{_FILE_SUFFIX}"
-
-
-def publish_of(file: str) -> str | None:
-    """The publish id a data file was written by (None: not a data file's name)."""
-    match = _DATA_FILE.fullmatch(file)
-    return None if match is None else match["publish"]
+__all__ = ["upload_share"]
 
 
 def upload_share(

@@ -36,14 +36,31 @@ __all__ = [
     "TensorEntry",
     "WeightManifest",
     "checksum",
+    "data_file_name",
     "index_dtype",
     "piece_key",
+    "publish_of",
 ]
 
 MANIFEST_FORMAT = "streamrl.weights.v2"
 PART_FORMAT = "streamrl.weights.part.v1"
 CHECKSUM = "xxh3_128"
 _CHECKSUM_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+_FILE_SUFFIX = ".safetensors"
+_DATA_FILE = re.compile(r"(?P<publish>.+)-r\d{5,}-\d{5,}" + re.escape(_FILE_SUFFIX))
+
+
+def data_file_name(publish_id: str, rank: int, index: int) -> str:
+    """The name of data file `index` (from 1) of rank `rank`'s share in publish `publish_id`."""
+    return f"{publish_id}-r{rank:05d}-{index:05d}{_FILE_SUFFIX}"
+
+
+def publish_of(file: str) -> str | None:
+    """The publish id a data file was written by (None: not a data file's name)."""
+    match = _DATA_FILE.fullmatch(file)
+    return None if match is None else match["publish"]
 
 
 def checksum(data: bytes | memoryview | torch.Tensor) -> str:

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from storage.fs import Location, StorageError, put_if_absent, replace_object
-from storage.weights.files import publish_of, upload_share
-from storage.weights.manifest import SharePart, TensorEntry, WeightManifest
+from storage.weights.files import upload_share
+from storage.weights.manifest import SharePart, TensorEntry, WeightManifest, publish_of
 from storage.weights.pieces import TensorShare, encode_share
 from storage.weights.retention import retain_versions
 from storage.weights.shares import check_finite, new_publish_id, whole_shares

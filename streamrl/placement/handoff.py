@@ -54,8 +54,7 @@ from typing import Any
 
 import torch
 
-from storage.weights.files import publish_of
-from storage.weights.manifest import WeightManifest
+from storage.weights.manifest import WeightManifest, publish_of
 from streamrl.placement.records import HANDOFF_VARIABLE
 
 __all__ = [
