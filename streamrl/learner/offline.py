@@ -14,6 +14,7 @@ and the step's groups); every
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from storage.stream.records import ScoredGroup
@@ -33,7 +34,7 @@ class Examples(Protocol):
     def heldout_groups(self, version: int) -> list[ScoredGroup]: ...
 
 
-class OfflineLearner(Learner):
+class OfflineLearner(Learner, ABC):
     """`Learner` on a dataset (module docstring). Subclasses set `prefix` (metric prefix),
     `examples_name` and `whole_groups` (a group's responses in one micro-batch), and give
     `load_examples`, `eval_every`, `step` and `heldout`."""
@@ -42,18 +43,22 @@ class OfflineLearner(Learner):
     examples_name = "examples"
     whole_groups = False
 
+    @abstractmethod
     def load_examples(self, tokenizer: Any) -> Examples:
-        raise NotImplementedError
+        """The dataset, read once at start with the model's tokenizer."""
 
     @property
+    @abstractmethod
     def eval_every(self) -> int:
-        raise NotImplementedError
+        """Held-out metrics every this many steps and at the last (0: never)."""
 
+    @abstractmethod
     def step(self, mini_batches: list[MiniBatch], groups: list[ScoredGroup]) -> dict[str, float]:
-        raise NotImplementedError
+        """Train on the step's mini-batches (of `groups`); the step's metrics."""
 
+    @abstractmethod
     def heldout(self, groups: list[ScoredGroup]) -> dict[str, float]:
-        raise NotImplementedError
+        """The held-out metrics of `groups`."""
 
     def _data_source(self) -> None:
         from transformers import AutoTokenizer
