@@ -35,7 +35,7 @@ def test_a_meters_laps_measure_the_work_between_them():
     while time.process_time() < end:
         pass
     used, share = meter.lap()
-    assert used >= 0.3
+    assert used >= 0.3 - 0.02  # psutil reads the kernel's clock ticks (10 ms), not process_time
     assert 0 < share <= 1.0
     time.sleep(0.3)
     idle, _ = meter.lap()

@@ -30,6 +30,25 @@ FLUSHER = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGT
            "lambda *_: exit(0)); print('ready', flush=True); time.sleep(300)"]  # fmt: skip
 
 
+def _until_stop_marker(run: Path, first: str = "") -> str:
+    """Code for a stand-in generator that, after `first`, flushes and exits 0 once the run's
+    stop marker is written (a completed learner writes it), as a real one does, rather than
+    running into the finishing grace."""
+    return (
+        f"{first}\nimport time\nfrom storage.fs import open_location\n"
+        "from storage.control.requests import stop_requested\n"
+        f"while not stop_requested(open_location({str(run)!r})): time.sleep(0.2)"
+    )
+
+
+def _completing(run: Path) -> str:
+    """Code for a stand-in learner that completes as a real one does: it writes the stop marker."""
+    return (
+        "from storage.fs import open_location; from storage.control.requests import request_stop\n"
+        f"request_stop(open_location({str(run)!r}), 'stand-in learner completed')"
+    )
+
+
 def _config(tmp_path: Path):
     return load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={tmp_path / 'run'}"])
 
@@ -68,12 +87,15 @@ def test_a_generator_failing_for_good_stops_the_run_with_its_last_lines(tmp_path
 def test_a_restarted_learner_takes_the_run_over_and_its_success_ends_the_run(tmp_path, monkeypatch):
     started: list[bool] = []
 
+    run = tmp_path / "run"
+
     def learner(config, node=None, *, take_over=False):
         started.append(take_over)  # the first attempt crashes, the restart completes
-        return [sys.executable, "-c", f"import sys; sys.exit({0 if take_over else 1})"]
+        return [sys.executable, "-c", _completing(run) if take_over else "import sys; sys.exit(1)"]
 
+    generator = [sys.executable, "-c", _until_stop_marker(run)]
     monkeypatch.setattr(core, "learner_command", learner)
-    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: FLUSHER)
+    monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: generator)
     supervisor = Supervisor.for_run(_config(tmp_path), generators=1, evaluator=False)
     result = supervisor.run()
     assert started == [False, True]  # only a restart takes the lease over
@@ -409,16 +431,16 @@ def test_a_learner_sharing_a_gpu_starts_once_the_generators_engine_is_up(tmp_pat
 
     run = tmp_path / "run"
     beat_at, learner_at = tmp_path / "beat_at", tmp_path / "learner_at"
-    generator = [sys.executable, "-c", (
+    generator = [sys.executable, "-c", _until_stop_marker(run, (
         "import time, signal; signal.signal(signal.SIGTERM, lambda *_: exit(0)); time.sleep(3)\n"
         "from storage.fs import open_location; from storage.control.heartbeat import Heart\n"
         f"Heart(open_location({str(run)!r}), 'gen0').beat('generating')\n"
-        f"open({str(beat_at)!r}, 'w').write(repr(time.time())); time.sleep(300)"
-    )]  # fmt: skip
+        f"open({str(beat_at)!r}, 'w').write(repr(time.time()))"
+    ))]  # fmt: skip
     learner = [
         sys.executable,
         "-c",
-        f"import time; open({str(learner_at)!r}, 'w').write(repr(time.time()))",
+        f"import time; open({str(learner_at)!r}, 'w').write(repr(time.time()))\n{_completing(run)}",
     ]
     monkeypatch.setattr(core, "learner_command", lambda config, node=None, **kw: learner)
     monkeypatch.setattr(core, "generator_command", lambda config, index, **kw: generator)
