@@ -8,6 +8,8 @@ in order, each one of:
   stage's `presets` in order, the recipe's `overrides`, then the stage's. It starts from the
   model of `start_from` (default: the run stage before it, if any): that stage's last version,
   exported, is its `model.path`.
+- `preference`: a run stage of the preference learner (DPO, IPO, SimPO: its presets set
+  `preference`, docs/preference.md), on a pair dataset or a run's own scored groups.
 - `eval`: `streamrl eval` of a run stage's last version (`of`) on a dataset (default: the
   run's held-out set), the result stored in the stage's folder.
 - `export`: a run stage's last version (`of`) as a model directory.
@@ -34,6 +36,7 @@ from streamrl.recipes.plan import (
 from streamrl.recipes.recipe import (
     EvalStage,
     ExportStage,
+    PreferenceStage,
     Recipe,
     RunStage,
     available_recipes,
@@ -45,6 +48,7 @@ __all__ = [
     "EXPORTED_FROM",
     "EvalStage",
     "ExportStage",
+    "PreferenceStage",
     "Recipe",
     "RecipePlan",
     "RunStage",

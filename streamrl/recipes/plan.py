@@ -5,10 +5,11 @@ stage's configuration, and where the models later stages start from are exported
 is validated (a bad field in stage 3 is refused before stage 1 runs), every `of` and
 `start_from` names an earlier run stage, names are unique, and the exported models' folder
 (`models_dir`) lies apart from the recipe's root and its stages' folders
-(`streamrl.recipes.folders`). `StagePlan.done` tells a finished stage (a run whose learner
-reached its step budget; an eval with its result; an export with its model), so a recipe
-resumed after a crash skips finished stages and resumes the one that was running from its
-checkpoint.
+(`streamrl.recipes.folders`). A run's kind says what it trains: a `preference` stage's
+configuration sets `preference`, a `run` stage's does not. `StagePlan.done` tells a finished
+stage (a run whose learner reached its step budget; an eval with its result; an export with its
+model), so a recipe resumed after a crash skips finished stages and resumes the one that was
+running from its checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from streamrl.config.base import ConfigError
 from streamrl.config.loading import load_config
 from streamrl.config.run import RunConfig
 from streamrl.recipes.folders import overlapping_folders
-from streamrl.recipes.recipe import STAGE_NAME, EvalStage, ExportStage, Recipe, RunStage
+from streamrl.recipes.recipe import (
+    STAGE_NAME,
+    EvalStage,
+    ExportStage,
+    PreferenceStage,
+    Recipe,
+    RunStage,
+)
 
 __all__ = [
     "EVAL_RESULT",
@@ -142,6 +150,8 @@ def plan_recipe(
                 step.config = load_config(step.presets, overrides=step.overrides)
             except ConfigError as error:
                 problems += [f"{where}: {p}" for p in error.problems]
+            else:
+                problems += _kind_problems(where, stage, step.config)
             runs.append(stage.name)
         elif stage.of not in runs:
             problems.append(f"{where}: of={stage.of!r} is not a run stage before it "
@@ -154,6 +164,17 @@ def plan_recipe(
         if step.start_from is not None:
             plan.stage(step.start_from).export_to = _model_dir(plan, step.start_from)
     return plan
+
+
+def _kind_problems(where: str, stage: RunStage, config: RunConfig) -> list[str]:
+    """A preference stage trains pairs, a run stage does not (one way to write each)."""
+    preference = config.preference is not None
+    if isinstance(stage, PreferenceStage) and not preference:
+        return [f"{where}: a preference stage's presets set the preference section: add one of "
+                "the presets dpo, ipo, simpo"]  # fmt: skip
+    if not isinstance(stage, PreferenceStage) and preference:
+        return [f"{where}: its presets set the preference section: make it `kind: preference`"]
+    return []
 
 
 def _model_dir(plan: RecipePlan, stage: str) -> str:

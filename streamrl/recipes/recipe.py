@@ -1,9 +1,10 @@
 """A recipe file: its stages, in order, and how it is read (`load_recipe`).
 
 A recipe is a YAML file (bundled: `streamrl/recipes/<name>.yaml`, or a path) naming its stages
-in order, each one of `run` (the default kind), `eval` and `export` (`streamrl.recipes` says
-what each does). Reading one checks its shape only: which folders the stages use and whether
-their runs' configurations hold is `streamrl.recipes.plan.plan_recipe`'s to check.
+in order, each one of `run` (the default kind), `preference`, `eval` and `export`
+(`streamrl.recipes` says what each does). Reading one checks its shape only: which folders the
+stages use and whether their runs' configurations hold is `streamrl.recipes.plan.plan_recipe`'s
+to check.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "STAGE_NAME",
     "EvalStage",
     "ExportStage",
+    "PreferenceStage",
     "Recipe",
     "RunStage",
     "Stage",
@@ -60,6 +62,13 @@ class RunStage(_Stage):
     )
 
 
+class PreferenceStage(RunStage):
+    """A streamrl run of the preference learner: its presets set `preference` (dpo, ipo,
+    simpo); otherwise a run stage."""
+
+    kind: Literal["preference"] = Field(description="A preference stage (DPO, IPO, SimPO).")
+
+
 class EvalStage(_Stage):
     """`streamrl eval` of a run stage's last version."""
 
@@ -82,7 +91,7 @@ class ExportStage(_Stage):
     )
 
 
-Stage = Annotated[RunStage | EvalStage | ExportStage, Field(discriminator="kind")]
+Stage = Annotated[RunStage | PreferenceStage | EvalStage | ExportStage, Field(discriminator="kind")]
 
 
 class Recipe(Section):

@@ -114,3 +114,26 @@ def test_the_sft_dpo_rl_recipe_plans_three_learning_stages() -> None:
     assert rl.config.learner_only is None
     assert (dpo.start_from, rl.start_from) == ("sft", "dpo")
     assert dpo.config.data.path == "builtin:arithmetic-pairs"
+
+
+def test_a_stages_kind_says_whether_it_trains_pairs(tmp_path) -> None:
+    """`kind: preference` is the one way to write a preference stage: one whose presets do not
+    set the preference section is refused naming the presets, and a `run` stage whose presets
+    set it is refused naming the kind."""
+    pairs = ["data.path=pairs.jsonl"]
+    dpo = {"name": "dpo", "kind": "preference", "presets": ["tiny-cpu", "dpo"], "overrides": pairs}
+    name, recipe = _recipe(tmp_path, [SFT, dpo, RL])
+    _, pref, rl = plan_recipe(name, recipe, str(tmp_path / "root")).stages
+    assert (pref.start_from, pref.config.learner_only) == ("warm", "preference")
+    assert (rl.start_from, rl.config.learner_only) == ("dpo", None)
+
+    unset = {**dpo, "presets": ["tiny-cpu"]}
+    as_run = {**dpo, "kind": "run"}
+    name, recipe = _recipe(tmp_path, [unset, as_run | {"name": "dpo2"}])
+    with pytest.raises(ConfigError) as error:
+        plan_recipe(name, recipe, str(tmp_path / "root"))
+    problems = error.value.problems
+    assert any(p.startswith("stage 1 (dpo)") and "add one of the presets dpo, ipo, simpo" in p
+               for p in problems), problems  # fmt: skip
+    assert any(p.startswith("stage 2 (dpo2)") and "make it `kind: preference`" in p
+               for p in problems), problems  # fmt: skip
