@@ -6,7 +6,9 @@ share (`streamrl.learner.supervised`, `streamrl.learner.preference`).
 examples taken in order from `TrainingState.sft_position` (checkpointed, so a resumed run takes
 the same examples next), packed into the learner's mini- and micro-batches (`step`, given them
 and the step's groups); every
-`eval_every` steps and at the last it adds its held-out metrics (`heldout`). Metrics of its own:
+`eval_every` steps and at the last it adds its held-out metrics (`heldout`), and to the first
+step of a run those of the weights it started from, each key under `initial/` (measured before
+the step trains: what the stage changed is read from one run's metrics). Metrics of its own:
 `<prefix>/tokens`, `<prefix>/<examples>`, `<prefix>/epoch`, `perf/step_s`,
 `perf/learner_tokens_per_s`.
 """
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 from storage.stream.records import ScoredGroup
 from streamrl.learner.loop import Learner
 from streamrl.learner.mini_batches import MiniBatch, TrainBatch, make_mini_batches
+from streamrl.learner.reporting import INITIAL
 
 __all__ = ["Examples", "OfflineLearner"]
 
@@ -72,6 +75,10 @@ class OfflineLearner(Learner, ABC):
 
     def _train_batch(self, *, train_policy: bool = True) -> tuple[None, dict[str, float]]:
         cfg, state = self.config.learner, self.state
+        initial: dict[str, float] = {}
+        heldout = self.examples.heldout_groups(state.version) if state.step == 0 else []
+        if self.eval_every and heldout:  # the weights the run started from, before they train
+            initial = {f"{INITIAL}{k}": v for k, v in self.heldout(heldout).items()}
         started = time.perf_counter()
         groups = self.examples.batch(state.sft_position, cfg.batch_groups, state.version)
         state.sft_position += len(groups)
@@ -88,6 +95,7 @@ class OfflineLearner(Learner, ABC):
             heldout = self.examples.heldout_groups(state.version)
             if heldout:
                 metrics.update(self.heldout(heldout))
+        metrics.update(initial)
         metrics.update({
             f"{self.prefix}/tokens": float(tokens),
             f"{self.prefix}/{self.examples_name}": float(len(groups)),

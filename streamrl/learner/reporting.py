@@ -39,6 +39,7 @@ from streamrl.learner.config import LoggingConfig
 from streamrl.models import cache_root
 
 __all__ = [
+    "INITIAL",
     "MetricsFollower",
     "MetricsReporter",
     "in_order",
@@ -50,6 +51,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+INITIAL = "initial/"
+"""A dataset run's first step records the held-out metrics of the weights it started from as
+`initial/<key>` (`streamrl.learner.offline`)."""
 
 JSONL = "learner.jsonl"
 WANDB_RECORD = "wandb.json"

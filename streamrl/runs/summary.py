@@ -29,7 +29,6 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
 
     first, last = steps[:window], steps[-window:]
     if "pref/loss" in steps[-1]:  # a preference run
-        heldout = [m for m in steps if "pref/eval_accuracy" in m]
         return {
             "run_uri": run.uri,
             "steps": int(steps[-1]["step"]),
@@ -39,13 +38,13 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
             "loss_last": mean(last, "pref/loss"),
             "accuracy_first": mean(first, "pref/accuracy"),
             "accuracy_last": mean(last, "pref/accuracy"),
-            "heldout": [(int(m["step"]), float(m["pref/eval_accuracy"])) for m in heldout],
+            "heldout": _heldout(steps, "pref/eval_accuracy"),
+            "heldout_likelihood": _heldout(steps, "pref/eval_likelihood_accuracy"),
             "learner_tokens_per_s": mean(steps, "perf/learner_tokens_per_s"),
             "window": min(window, len(steps)),
             "charts": text_charts(curve_data(steps), titles=("preference accuracy",)),
         }
     if "sft/loss" in steps[-1]:  # a supervised run
-        heldout = [m for m in steps if "sft/heldout_loss" in m]
         return {
             "run_uri": run.uri,
             "steps": int(steps[-1]["step"]),
@@ -53,7 +52,7 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
             "supervised": True,
             "loss_first": mean(first, "sft/loss"),
             "loss_last": mean(last, "sft/loss"),
-            "heldout": [(int(m["step"]), float(m["sft/heldout_loss"])) for m in heldout],
+            "heldout": _heldout(steps, "sft/heldout_loss"),
             "learner_tokens_per_s": mean(steps, "perf/learner_tokens_per_s"),
             "window": min(window, len(steps)),
             "charts": text_charts(curve_data(steps), titles=("supervised loss",)),
@@ -70,6 +69,14 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
         "window": min(window, len(steps)),
         "charts": text_charts(curve_data(steps), titles=("reward (mean)", "accuracy")),
     }
+
+
+def _heldout(steps: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of a held-out metric, step 0 for the weights the run started from."""
+    from streamrl.learner.reporting import INITIAL
+
+    initial = [(0, float(steps[0][f"{INITIAL}{key}"]))] if f"{INITIAL}{key}" in steps[0] else []
+    return initial + [(int(m["step"]), float(m[key])) for m in steps if key in m]
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -99,6 +106,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{summary['loss_last']:.4f} (last {n})",
                 f"pair acc:  {summary['accuracy_first']:.3f} → {summary['accuracy_last']:.3f}",
                 *_heldout_line(summary["heldout"]),
+                *_heldout_line(summary.get("heldout_likelihood", []), "likelihood"),
                 f"learner:   {summary['learner_tokens_per_s']:.0f} tokens/s",
                 *(f"  {line}" for line in summary.get("charts", ())),
             ]
@@ -116,11 +124,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
 
 
-def _heldout_line(heldout: list[tuple[int, float]]) -> list[str]:
+def _heldout_line(heldout: list[tuple[int, float]], label: str = "held-out") -> list[str]:
     if not heldout:
         return []
     (first_step, first), (last_step, last) = heldout[0], heldout[-1]
-    return [f"held-out:  {first:.4f} (step {first_step}) → {last:.4f} (step {last_step})"]
+    return [f"{label + ':':<10} {first:.4f} (step {first_step}) → {last:.4f} (step {last_step})"]
 
 
 def resume_point(run: Location) -> str:

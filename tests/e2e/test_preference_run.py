@@ -81,6 +81,16 @@ def test_a_dpo_run_learns_its_pairs_reports_them_and_resumes_exactly(tmp_path):
     assert "held-out acc" not in steps[0]
     assert "pair acc:" in done.stdout  # the summary
     assert "reward:" not in done.stdout
+    # The held-out pairs under the weights the run started from, before step 1 trained: the
+    # policy is its reference (every margin 0, no pair won), its own preference is measured.
+    first, *rest = _metrics(straight)
+    assert first["initial/pref/eval_accuracy"] == 0.0
+    assert first["initial/pref/eval_margin"] == 0.0
+    assert 0.0 < first["initial/pref/eval_likelihood_accuracy"] < 1.0
+    assert not any(key.startswith("initial/") for m in rest for key in m)
+    assert "held-out:  0.0000 (step 0) → " in done.stdout
+    likelihood = first["initial/pref/eval_likelihood_accuracy"]
+    assert f"likelihood: {likelihood:.4f} (step 0) → " in done.stdout
     assert sorted(p.name for p in (straight / "logs").glob("*.log")) == ["learner.log"]
     status = _streamrl("status", str(straight))
     assert "pref loss" in status.stdout
@@ -98,6 +108,12 @@ def test_a_dpo_run_learns_its_pairs_reports_them_and_resumes_exactly(tmp_path):
     second = _run(halves, 4, resume=True)
     assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
     assert "reference log-probs of 1534 pairs read from" in _log(halves)
+    assert [any(k.startswith("initial/") for k in m) for m in _metrics(halves)] == [
+        True,
+        False,
+        False,
+        False,
+    ]  # the resumed life started from step 2's weights: nothing of its own to record
     one, other = _last_weights(straight), _last_weights(halves)
     assert one.keys() == other.keys()
     for name in one:
