@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--recipe",
         default=None,
-        help="a training recipe instead of one run (calculator-agent: SFT, then RL, eval, export)",
+        help="a training recipe instead of one run: calculator-agent (SFT, RL, eval, export), "
+        "sft-dpo-rl (SFT, DPO, RL, eval, export) or a recipe's YAML file",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser

@@ -2,6 +2,7 @@
 
     prefect deployment run recipe/calculator-agent --watch
     prefect deployment run recipe/calculator-agent -p root=./runs/agent -p resume=true
+    prefect deployment run recipe/sft-dpo-rl --watch
 
 Parameters: `name` (a bundled recipe, `streamrl/recipes/<name>.yaml`, or a recipe file), `root`
 (the storage root: one folder per stage under it; default `./runs/recipe-<name>-<time>`),

@@ -145,6 +145,7 @@ def test_stack_serves_the_deployments_and_stops_without_leftovers(tmp_path: Path
             "scorer/default",
             "scale/default",
             "recipe/calculator-agent",
+            "recipe/sft-dpo-rl",
         }
         assert {"local", "learner", "generators"} <= set(pools)
         for preset in ("dapo", "vapo", "grpo"):
@@ -152,6 +153,7 @@ def test_stack_serves_the_deployments_and_stops_without_leftovers(tmp_path: Path
             assert deployments[f"streamrl/{preset}"]["run_uri"] is None  # a fresh run each time
         assert "model.critic.init_from=policy" in deployments["streamrl/vapo"]["overrides"]
         assert deployments["recipe/calculator-agent"]["name"] == "calculator-agent"
+        assert deployments["recipe/sft-dpo-rl"]["name"] == "sft-dpo-rl"
         assert generator_schema["required"] == ["run_uri"]
 
         # The profile carries the credential: the CLI starts a flow run, a worker runs it (its
