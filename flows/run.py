@@ -88,11 +88,10 @@ def supervise(
     logger.info("each process's output: %s", supervisor.logs.folder)
     supervisor.prepare()
     artifacts = RunArtifacts(config, supervisor.run_location)
-    health = HealthLog(supervisor.run_location, logger)
     futures = {c.name: component_task.submit(supervisor, c.name) for c in supervisor.components}
     try:
         while not futures["learner"].state.is_final():
-            _look(artifacts, health, logger)
+            _look(artifacts, None, logger)  # the learner's warnings come with its lines
             if any(_failed(f) for f in futures.values()):
                 break
             time.sleep(REFRESH_S)
@@ -154,22 +153,26 @@ def supervise_on_pools(
     return _summary(config, artifacts.refresh(final=True), fleet.restarts())
 
 
-def _look(artifacts: RunArtifacts, health: "HealthLog", logger: logging.LoggerAdapter) -> None:
-    """The artifacts and the health log, refreshed. Both are for people to look at: a failure
-    (storage unreachable for a moment) is logged and the run goes on — it must never reach the
-    handler that stops the run."""
+def _look(
+    artifacts: RunArtifacts, health: "HealthLog | None", logger: logging.LoggerAdapter
+) -> None:
+    """The artifacts and the health log (None: the learner's own lines reach this flow's log),
+    refreshed. Both are for people to look at: a failure (storage unreachable for a moment) is
+    logged and the run goes on — it must never reach the handler that stops the run."""
     try:
         artifacts.refresh()
     except Exception as exc:
         logger.warning("could not refresh the run's artifacts (tried again in %.0f s): %r",
                        REFRESH_S, exc)  # fmt: skip
-    health.refresh()
+    if health is not None:
+        health.refresh()
 
 
 class HealthLog:
     """The run's health warnings (`streamrl.runs.health`: a learner starved by dynamic sampling,
-    the learner's health conditions) in this flow run's log, each once as it appears: they are
-    otherwise only in the learner's own log (a container's, on work pools)."""
+    the learner's health conditions) in this flow run's log, each once as it appears, for a run
+    on work pools: they are otherwise only in the learner's own log (a container's). A run this
+    flow supervises forwards the learner's warnings with its lines: it needs no second copy."""
 
     def __init__(self, run: Location, logger: logging.Logger | logging.LoggerAdapter) -> None:
         self.watch, self.logger = HealthWatch(run), logger

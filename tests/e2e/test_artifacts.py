@@ -2,13 +2,16 @@
 next to the learner's metrics, the quarantined-segments total and the generators' failed
 reward calls tallied from the stream's commit records; keys come from the run's name; the
 curves artifact is one PNG that replaces its previous version; the progress artifact is
-updated only when it moved; health conditions the learner recorded become Prefect events."""
+updated only when it moved; health conditions the learner recorded become Prefect events; a
+health warning of a run the flow supervises reaches the flow's log once."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import logging
+import sys
 import time
 
 import numpy as np
@@ -21,6 +24,7 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFil
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.artifacts import RunArtifacts
+from flows.run import REFRESH_S
 from storage.control.manifest import create_run
 from storage.fs import open_location
 from storage.stream.writer import StreamWriter
@@ -190,3 +194,70 @@ def test_the_table_follows_value_pretraining_before_the_first_step(prefect_serve
     assert "| value loss | 0.5000 |" in table  # the newest pre-training record
     artifacts = asyncio.run(_flow_run_artifacts(flow_run_id))
     assert not [a for a in artifacts if a.key.endswith("-curves")]  # no learner step yet
+
+
+HEALTH = "health: waste-high at step 1: waste fraction 0.80 above 0.5"
+
+
+def _learner_with_a_health_warning(run_dir) -> list[str]:
+    """A stand-in learner: it records a health condition with its step, logs it as the learner
+    does, stays alive over several of the flow's refreshes, then completes (the stop marker)."""
+    record = {"time": 0.0, "step": 1, "policy_version": 1,
+              "health": [{"condition": "waste-high", "step": 1, "message": HEALTH}]}  # fmt: skip
+    code = f"""
+import json, os, time
+from storage.fs import open_location
+from storage.control.requests import request_stop
+os.makedirs({str(run_dir / "metrics")!r}, exist_ok=True)
+with open({str(run_dir / "metrics" / "learner.jsonl")!r}, "a") as f:
+    f.write(json.dumps({record!r}) + "\\n")
+print("2026-12-08 00:00:00,000 WARNING streamrl.learner.loop: " + {HEALTH!r}, flush=True)
+time.sleep(4 * {REFRESH_S!r})
+request_stop(open_location({str(run_dir)!r}), "stand-in learner completed")
+"""
+    return [sys.executable, "-c", code]
+
+
+def _generator_until_stop(run_dir) -> list[str]:
+    code = (
+        "import time\nfrom storage.fs import open_location\n"
+        "from storage.control.requests import stop_requested\n"
+        f"while not stop_requested(open_location({str(run_dir)!r})): time.sleep(0.2)"
+    )
+    return [sys.executable, "-c", code]
+
+
+def test_a_supervised_runs_health_warning_reaches_the_flow_log_once(
+    prefect_server, tmp_path, monkeypatch
+):
+    """The learner's warning comes with its lines; the flow does not log it a second time from
+    the run's health records (those are for runs on work pools, whose lines stay remote)."""
+    from flows.run import supervise
+    from streamrl.supervision import supervisor as core
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(
+        core,
+        "learner_command",
+        lambda config, node=None, **kw: _learner_with_a_health_warning(run_dir),
+    )
+    monkeypatch.setattr(core, "generator_command",
+                        lambda config, index, **kw: _generator_until_stop(run_dir))  # fmt: skip
+    shown: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            shown.append(record.getMessage())
+
+    @flow
+    def supervised() -> None:
+        config = load_config(["dapo", "tiny-cpu"], overrides=[f"storage.run_uri={run_dir}"])
+        supervise(config, generators=1, evaluate=False)
+
+    handler = Collect()
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        supervised()
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    assert sum(HEALTH in line for line in shown) == 1, shown
