@@ -10,11 +10,12 @@ A cell is one arm × one seed: the recipe flow (`python -m flows.demo --recipe F
 the demo runs, on Prefect's temporary server) on the arm's run stages, with `learner.seed`,
 `generator.seed` and `data.shuffle_seed` set for every stage; timed from start to finish. After
 it, fresh evaluator processes (`streamrl.evaluation.evaluator.Evaluator`, what `streamrl eval`
-runs) measure the arm's models (`Point`: the base model, a stage's exported model, the RL
-stage's first and last version) under the RL stage's settings on the first `--eval-prompts`
-problems of the study's held-out set, which no stage trains on: greedy accuracy, pass@1 of
-`--k` samples at the training temperature, response tokens, and for the calculator per sampled
-episode the share that called the tool, tool calls, failed calls and turns. Each model with an
+runs) measure the arm's models (`Point`: the base model, once per seed, a stage's exported
+model, the RL stage's first and last version) under the RL stage's settings on the first
+`--eval-prompts` problems of the study's held-out set, which no stage trains on: greedy
+accuracy, pass@1 of `--k` samples at the training temperature, response tokens, and for the
+calculator per sampled episode the share that called the tool, tool calls, failed calls and
+turns. Each model with an
 engine of its own, but the RL stage's two versions share one.
 
 Resumable. A finished cell writes `benchmarks/recipes/<cell>.json` (a study other than the
@@ -101,12 +102,17 @@ def engines(points: tuple[Point, ...]) -> list[list[Point]]:
     return [[p] for p in points if not p.source.startswith("rl:")] + ([rl] if rl else [])
 
 
-def evaluate(args: argparse.Namespace, study: Study, arm: str, root: Path) -> dict[str, Any]:
-    """The arm's models, each group of points in a fresh evaluator process."""
+def evaluate(
+    args: argparse.Namespace, study: Study, arm: str, seed: int, root: Path
+) -> dict[str, Any]:
+    """The arm's models, each group of points in a fresh evaluator process. The base model is
+    measured once per seed: every arm's is the same model under the same settings."""
     results: dict[str, dict[str, Any]] = {}
     for group in engines(study.points(arm)):
         names = [p.name for p in group]
-        out = root.parent / f"{root.name}.eval-{'-'.join(names)}.json"
+        shared = [p.source for p in group] == ["base"]
+        out = root.parent / (f"base-s{seed}.eval-base.json" if shared
+                             else f"{root.name}.eval-{'-'.join(names)}.json")  # fmt: skip
         if not out.exists():
             argv = [sys.executable, "-m", "benchmarks.recipe_study", "--study", study.name,
                     "--evaluate", str(root), "--arms", arm, "--points", ",".join(names),
@@ -191,7 +197,7 @@ def run_cell(args: argparse.Namespace, study: Study, arm: str, seed: int) -> Non
         timing_file.write_text(json.dumps(train(study, arm, seed, root)))
     timing = json.loads(timing_file.read_text())
     print(f"{name}: evaluating {', '.join(p.label for p in study.points(arm))}", flush=True)
-    evaluations = evaluate(args, study, arm, root)
+    evaluations = evaluate(args, study, arm, seed, root)
     recipe = yaml.safe_load(recipe_file(study, arm, root.parent).read_text())
     stages = [stage["name"] for stage in recipe["stages"]]
     record = {
