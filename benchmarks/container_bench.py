@@ -48,7 +48,7 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary
 
 from storage.fs import Location, open_location
 from storage.seaweedfs import read_env_file
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.metrics_records import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 _OWN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ \S+: (.*)$")

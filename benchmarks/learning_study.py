@@ -225,7 +225,7 @@ def add_evaluations(args: argparse.Namespace, cell: str, run_dir: str) -> None:
 def learner_summary(run_dir: Path) -> dict[str, Any]:
     """Per step: what the report needs from the learner's metrics records."""
     from storage.fs import open_location
-    from streamrl.learner.reporting import read_metrics
+    from streamrl.learner.metrics_records import read_metrics
 
     keep = ("step", "time", "policy_version", "perf/step_s", "perf/wait_s", "stream/consumed",
             "stream/accepted", "stream/dropped_stale", "stream/dropped_zero_var",

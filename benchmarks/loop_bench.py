@@ -77,7 +77,7 @@ from storage.fs import open_location
 from storage.stream.log import read_log
 from streamrl.config.base import format_cores
 from streamrl.config.loading import load_config
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.metrics_records import read_metrics
 from streamrl.placement import (
     PLACED_VARIABLES,
     ProcessPlacement,

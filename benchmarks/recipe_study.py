@@ -176,7 +176,7 @@ def _model_of(source: str, root: Path, recipe: dict[str, Any]) -> str | None:
 def stage_summary(study: Study, root: Path, stage: str) -> dict[str, Any]:
     """The stage's learner steps, each record the study's keys only."""
     from storage.fs import open_location
-    from streamrl.learner.reporting import read_metrics
+    from streamrl.learner.metrics_records import read_metrics
 
     records = read_metrics(open_location(str(root / stage)))
     return {"steps": [{k: r[k] for k in study.stage_keys if k in r} for r in records]}

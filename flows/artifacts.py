@@ -43,7 +43,7 @@ from prefect.events import emit_event
 from storage.fs import Location
 from streamrl.config.run import RunConfig
 from streamrl.evaluation.records import read_eval_records
-from streamrl.learner.reporting import read_wandb_link
+from streamrl.learner.metrics_records import read_wandb_link
 from streamrl.learner.sample_table import SAMPLE_MAX_CHARS
 from streamrl.learner.samples import SampleDecoder
 from streamrl.models import BUNDLED_MODELS, ModelPathError, is_prepared

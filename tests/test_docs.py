@@ -218,7 +218,7 @@ def test_pages_naming_the_learners_metrics_file_name_its_object_store_layout_too
     `learner-<step>.json` (`streamrl.learner.reporting`), and a page that sends a reader to
     `learner.jsonl` alone sends an S3 run's reader nowhere. (The benchmarks' pages name the
     files of the local runs they measured.)"""
-    from streamrl.learner.reporting import JSONL
+    from streamrl.learner.metrics_records import JSONL
 
     missing = []
     for page in [p for p in PAGES if p.parent.name != "benchmarks"]:

@@ -62,9 +62,10 @@ from streamrl.learner.checkpointing import IncompatibleCheckpointError, LearnerC
 from streamrl.learner.health import HealthMonitor
 from streamrl.learner.loading import build_step_models
 from streamrl.learner.lora import adapter_manifest, publish_shares
+from streamrl.learner.metrics_records import read_metrics
 from streamrl.learner.mini_batches import TrainBatch, make_mini_batches
 from streamrl.learner.publish import WeightPublisher
-from streamrl.learner.reporting import MetricsReporter, read_metrics
+from streamrl.learner.reporting import MetricsReporter
 from streamrl.learner.sample_table import SampleTable
 from streamrl.learner.step import StepSettings, train_on_batch
 from streamrl.learner.stopping import Stopping

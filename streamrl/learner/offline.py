@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from storage.stream.records import ScoredGroup
 from streamrl.learner.loop import Learner
+from streamrl.learner.metrics_records import INITIAL
 from streamrl.learner.mini_batches import MiniBatch, TrainBatch, make_mini_batches
-from streamrl.learner.reporting import INITIAL
 
 __all__ = ["Examples", "OfflineLearner"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from storage.fs import Location
 from streamrl.evaluation.records import read_eval_records
-from streamrl.learner.reporting import MetricsFollower
+from streamrl.learner.metrics_records import MetricsFollower
 
 __all__ = [
     "CHARTS",

@@ -27,7 +27,7 @@ from storage.fs import Location
 from storage.stream.learner_progress import LearnerProgress, read_learner_progress
 from streamrl.config.stored import read_current_config
 from streamrl.learner.batching import is_starved, starvation_warning
-from streamrl.learner.reporting import MetricsFollower
+from streamrl.learner.metrics_records import MetricsFollower
 
 __all__ = ["HealthWatch", "health_warnings", "starvation"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from storage.fs import Location
-from streamrl.learner.reporting import JSONL, MetricsFollower
+from streamrl.learner.metrics_records import JSONL, MetricsFollower
 
 __all__ = ["COUNTS", "MetricsHistory", "check_history", "metrics_history", "ranges"]
 

@@ -34,7 +34,7 @@ from storage.stream.retention import read_retention
 from storage.stream.writer import quarantined, read_log
 from streamrl.config.run import RunConfig
 from streamrl.learner.batching import drop_reason, oldest_usable_version
-from streamrl.learner.reporting import MetricsFollower, in_order, read_metrics
+from streamrl.learner.metrics_records import MetricsFollower, in_order, read_metrics
 from streamrl.learner.samples import Sample, SampleDecoder, batch_samples, consumed, task_of
 
 __all__ = [

@@ -52,7 +52,7 @@ from storage.stream.writer import quarantined, read_log
 from storage.weights.versions import WeightStore
 from streamrl.config.stored import read_current_config
 from streamrl.evaluation.records import read_eval_records
-from streamrl.learner.reporting import latest_metrics
+from streamrl.learner.metrics_records import latest_metrics
 from streamrl.runs.health import health_warnings
 
 __all__ = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from storage.fs import Location
+from streamrl.learner.metrics_records import INITIAL, read_metrics
 
 __all__ = ["format_summary", "resume_point", "run_summary"]
 
@@ -16,7 +17,6 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
     accuracy (a supervised run: its loss, and the held-out loss) over the first and the last
     `window` steps, mean learner tokens/s, steps done, and their curves as text charts
     (`charts`)."""
-    from streamrl.learner.reporting import read_metrics
     from streamrl.runs.curves import curve_data, text_charts
 
     steps = [m for m in read_metrics(run) if "value_pretrain_step" not in m]
@@ -73,8 +73,6 @@ def run_summary(run: Location, window: int = 5) -> dict[str, Any]:
 
 def _heldout(steps: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     """(step, value) of a held-out metric, step 0 for the weights the run started from."""
-    from streamrl.learner.reporting import INITIAL
-
     initial = [(0, float(steps[0][f"{INITIAL}{key}"]))] if f"{INITIAL}{key}" in steps[0] else []
     return initial + [(int(m["step"]), float(m[key])) for m in steps if key in m]
 

@@ -47,7 +47,7 @@ from storage.stream.learner_progress import read_learner_progress
 from storage.weights.versions import WeightStore
 from streamrl.config.run import RunConfig
 from streamrl.config.stored import load_run_config
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.metrics_records import read_metrics
 from streamrl.supervision.launch import learner_command
 from tests.e2e.test_pools import _children, _named, _state, _wait_for, free_port, stack_sh
 from tests.e2e.test_storage_outage import committed_groups

@@ -24,7 +24,7 @@ import pytest
 
 from storage.checkpoints.dcp import CheckpointStore
 from storage.fs import open_location
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.metrics_records import read_metrics
 from tests.load import busy_loops
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from storage.weights.versions import WeightStore
 from streamrl.learner.loop import Learner
-from streamrl.learner.reporting import read_metrics
+from streamrl.learner.metrics_records import read_metrics
 from streamrl.learner.topology import Topology
 from streamrl.runs.audit import audit_run
 from streamrl.runs.health import health_warnings

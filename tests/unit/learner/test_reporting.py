@@ -11,12 +11,8 @@ import pytest
 
 from storage.fs import open_location
 from streamrl.learner.config import LoggingConfig
-from streamrl.learner.reporting import (
-    MetricsReporter,
-    latest_metrics,
-    read_metrics,
-    read_wandb_link,
-)
+from streamrl.learner.metrics_records import latest_metrics, read_metrics, read_wandb_link
+from streamrl.learner.reporting import MetricsReporter
 
 
 def _step(step: int, reward: float = 0.5) -> dict:

@@ -14,7 +14,8 @@ from PIL import Image
 
 from storage.fs import open_location
 from streamrl.learner.config import LoggingConfig
-from streamrl.learner.reporting import MetricsFollower, MetricsReporter
+from streamrl.learner.reporting import MetricsReporter
+from streamrl.learner.metrics_records import MetricsFollower
 from streamrl.runs.curves import RunCurves, curve_data, render_png, sparkline, text_charts
 from streamrl.runs.status_format import _metrics_rows
 
