@@ -122,8 +122,9 @@ def run_process(
 ) -> int:
     """Run `argv` to its exit and return its exit code; each line it prints (stdout and
     stderr) goes to `on_line`. When `stop` is set: SIGTERM to every process of it, then SIGKILL
-    after `grace_s`. Returns once every process it started has ended (what is left when the
-    first one exits is killed). `stalled`, asked every `WATCH_EVERY_S`: a reason when the
+    after `grace_s` (each of its processes has it, even once the first one ended). Returns once
+    every process it started has ended (what is left when the first one exits is killed, at
+    once unless it was stopped). `stalled`, asked every `WATCH_EVERY_S`: a reason when the
     process is hung (`streamrl.supervision.liveness`); it is then ended (`STALLED_GRACE_S` for
     SIGTERM, a stopped process continued to get it, then SIGKILL).
 
@@ -169,6 +170,8 @@ def run_process(
     watcher.start()
     reader.start()
     code = process.wait()
+    if stop.is_set():  # told to stop: what it leaves (a rank committing its checkpoint) has the
+        tree.wait_ended(grace_s)  # same grace, though the first process ended at once
     # Its helpers (a reward worker pool, torchrun's ranks) may outlive it and hold the output
     # pipe open: every process of a component ends with it.
     if left := tree.end_leftovers():

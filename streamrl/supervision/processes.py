@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import psutil
 
@@ -65,6 +66,12 @@ class ProcessTree:
             with contextlib.suppress(psutil.Error, OSError):
                 if os.getpgid(process.pid) != self.root:
                     process.send_signal(sig)  # checks the start time: never a reused pid
+
+    def wait_ended(self, timeout_s: float) -> None:
+        """Until every remembered descendant has ended, or for `timeout_s` at most."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def end_leftovers(self, wait_s: float = 10.0) -> list[str]:
         """After the root exited: SIGKILL to its group and to every live descendant, then wait

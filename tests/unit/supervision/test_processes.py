@@ -14,7 +14,8 @@ import psutil
 from streamrl.supervision.launch import run_process
 
 # A launcher like torchrun: it starts a "rank" in a session of its own, then, stopped, exits at
-# once without passing the signal on. The rank writes down the SIGTERM it got, then runs on.
+# once without passing the signal on. The rank takes a second to write down the SIGTERM it got
+# (a checkpoint's commit), within the stop's grace, then runs on.
 LAUNCHER = """
 import subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True)
@@ -24,6 +25,7 @@ time.sleep(300)
 RANK = """
 import pathlib, signal, sys, time
 def stopped(*_):
+    time.sleep(1)
     pathlib.Path(sys.argv[1]).write_text("SIGTERM")
 signal.signal(signal.SIGTERM, stopped)
 print("rank ready", flush=True)
@@ -50,7 +52,7 @@ def test_a_rank_in_a_session_of_its_own_is_stopped_and_does_not_outlive_its_laun
     stop.set()
     runner.join(timeout=60)
     assert not runner.is_alive()
-    assert got.read_text() == "SIGTERM"  # the rank itself was told to stop
+    assert got.read_text() == "SIGTERM"  # the rank itself was told to stop, and had its grace
     assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE  # and it was ended
     assert result == [-15]
 
