@@ -76,8 +76,8 @@ class OfflineLearner(Learner, ABC):
     def _train_batch(self, *, train_policy: bool = True) -> tuple[None, dict[str, float]]:
         cfg, state = self.config.learner, self.state
         initial: dict[str, float] = {}
-        heldout = self.examples.heldout_groups(state.version) if state.step == 0 else []
-        if self.eval_every and heldout:  # the weights the run started from, before they train
+        first = self.eval_every and state.step == 0  # the weights it started from, untrained
+        if first and (heldout := self.examples.heldout_groups(state.version)):
             initial = {f"{INITIAL}{k}": v for k, v in self.heldout(heldout).items()}
         started = time.perf_counter()
         groups = self.examples.batch(state.sft_position, cfg.batch_groups, state.version)

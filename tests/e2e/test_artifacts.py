@@ -30,6 +30,7 @@ from storage.fs import open_location
 from storage.stream.writer import StreamWriter
 from streamrl.config.loading import load_config
 from tests.stream_data import random_group
+from tests.unit.supervision.test_supervisor import _completing, _until_stop_marker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -206,24 +207,13 @@ def _learner_with_a_health_warning(run_dir) -> list[str]:
               "health": [{"condition": "waste-high", "step": 1, "message": HEALTH}]}  # fmt: skip
     code = f"""
 import json, os, time
-from storage.fs import open_location
-from storage.control.requests import request_stop
 os.makedirs({str(run_dir / "metrics")!r}, exist_ok=True)
 with open({str(run_dir / "metrics" / "learner.jsonl")!r}, "a") as f:
     f.write(json.dumps({record!r}) + "\\n")
 print("2026-12-08 00:00:00,000 WARNING streamrl.learner.loop: " + {HEALTH!r}, flush=True)
 time.sleep(4 * {REFRESH_S!r})
-request_stop(open_location({str(run_dir)!r}), "stand-in learner completed")
+{_completing(run_dir)}
 """
-    return [sys.executable, "-c", code]
-
-
-def _generator_until_stop(run_dir) -> list[str]:
-    code = (
-        "import time\nfrom storage.fs import open_location\n"
-        "from storage.control.requests import stop_requested\n"
-        f"while not stop_requested(open_location({str(run_dir)!r})): time.sleep(0.2)"
-    )
     return [sys.executable, "-c", code]
 
 
@@ -242,7 +232,8 @@ def test_a_supervised_runs_health_warning_reaches_the_flow_log_once(
         lambda config, node=None, **kw: _learner_with_a_health_warning(run_dir),
     )
     monkeypatch.setattr(core, "generator_command",
-                        lambda config, index, **kw: _generator_until_stop(run_dir))  # fmt: skip
+                        lambda config, index, **kw: [sys.executable, "-c",
+                                                     _until_stop_marker(run_dir)])  # fmt: skip
     shown: list[str] = []
 
     class Collect(logging.Handler):
